@@ -1,0 +1,45 @@
+"""`megatron-jreg <command> [flags]`: one console script over the library's entry points.
+
+Each command is a `main(argv) -> int` imported lazily, so `megatron-jreg compare` does not pay for
+importing megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_jreg.train", "pretrain a Llama-style GPT with JREG on megatron-core"),
+    "preprocess": ("megatron_jreg.data.preprocess", "FineWeb-Edu / JSONL / parquet -> indexed .bin/.idx"),
+    "train-tokenizer": ("megatron_jreg.data.train_tokenizer", "train a SentencePiece or HF BPE tokenizer"),
+    "merge-datasets": ("megatron_jreg.data.merge", "merge indexed dataset shards"),
+    "analyze": ("megatron_jreg.analysis.cli", "measure Ψ and jump rates ζ of HF, GGUF or megatron models"),
+    "convert": ("megatron_jreg.convert.cli", "convert checkpoints between megatron-jreg and Hugging Face"),
+    "evaluate": ("megatron_jreg.evaluate.cli", "LAMBADA and lm-eval tasks on a checkpoint"),
+    "compare": ("megatron_jreg.evaluate.compare", "paired t-test of baseline vs JREG result files"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: megatron-jreg <command> [flags]   (megatron-jreg <command> --help)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"megatron-jreg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""megatron-core on CPU with the gloo backend, for laptops, CI and tests.
+
+megatron-core is written for GPUs; a handful of CUDA-only calls stop it on a machine without one. This
+module redirects exactly those calls, and nothing when CUDA is available. `apply_cpu_compat()` is called
+once at process start by every entry point (and by the test workers).
+
+What is redirected and why:
+- `torch.cuda.current_device()` returns the CPU device (rotary embedding, attention and p2p buffers).
+- `torch.cuda.synchronize`, `current_stream`, `stream`, `Stream`, `Event` become no-ops (p2p
+  communication, DDP's gradient sync on a side stream).
+- The RNG tracker of `tensor_parallel.random` keeps real CPU generator states in a generator of its own
+  (sharing the one global CPU RNG would trip megatron's "CPU RNG state changed" warning on every fork).
+- A `TorchFunctionMode` maps `device="cuda"` arguments of tensor factories and `Tensor.cuda()` to the CPU
+  (schedules' token counter, optimizer flags, grad scaler), and answers `Tensor.type()` with the CUDA
+  type name that the (distributed) optimizer's dtype checks expect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_applied = False
+_device_rng = torch.Generator()  # stands in for the CUDA default generator
+
+
+class _NullStream:
+    """Enough of torch.cuda.Stream/Event for megatron's grad-sync and p2p code to run synchronously."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NullStream:
+        return self
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    """Sends tensors asked for on "cuda" to the CPU; see the module docstring."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda") else name
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return _device_rng.get_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        _device_rng.set_state(new_state)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker.add = add
+
+
+def apply_cpu_compat() -> bool:
+    """Make megatron-core runnable on CPU/gloo when CUDA is absent. Returns True when active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.manual_seed = lambda seed: _device_rng.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = torch.cuda.manual_seed
+    torch.cuda.get_rng_state = lambda *a, **k: _device_rng.get_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: _device_rng.set_state(state)
+    _patch_rng_tracker()
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _applied = True
+    log.info("CUDA not available: megatron-core runs on CPU (gloo) through megatron_jreg.compat")
+    return True
+
+
+def device() -> torch.device:
+    """The device tensors of this process live on: the current GPU, or the CPU under compat."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dist_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
