@@ -1,0 +1,54 @@
+"""Readers for the plain-text corpora the project uses directly (demo, analysis, evaluation).
+
+One place for the file formats: LAMBADA (JSONL, one passage a line), WikiText (articles start at a
+` = Title = ` line), generic JSONL with a text key, and plain text (blank-line separated paragraphs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+_WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
+_PACKAGE_DATA = Path(__file__).resolve().parent.parent / "resources"
+DEFAULT_LAMBADA = _PACKAGE_DATA / "lambada_test.jsonl"
+
+
+def iter_jsonl(path: str | Path, key: str = "text") -> Iterator[str]:
+    """Yield the `key` field of each JSON line; a malformed line raises with its file and line number."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)[key]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: cannot read key {key!r}: {e}") from e
+            yield str(value)
+
+
+def lambada_passages(path: str | Path = DEFAULT_LAMBADA) -> list[str]:
+    """Full LAMBADA passages (the target word is the last whitespace-separated word)."""
+    return list(iter_jsonl(path, "text"))
+
+
+def wikitext_articles(path: str | Path) -> list[str]:
+    """Split a WikiText file into articles at its top-level ` = Title = ` lines."""
+    articles: list[list[str]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if _WIKITEXT_TITLE.match(line.rstrip("\n")):
+                articles.append([])
+            if not articles:
+                articles.append([])
+            articles[-1].append(line)
+    texts = ["".join(lines).strip() for lines in articles]
+    return [t for t in texts if t]
+
+
+def text_paragraphs(path: str | Path) -> list[str]:
+    """Blank-line separated paragraphs of a plain text file."""
+    content = Path(path).read_text(encoding="utf-8")
+    return [p.strip() for p in re.split(r"\n\s*\n", content) if p.strip()]
