@@ -13,6 +13,8 @@ What is redirected and why:
 - A `TorchFunctionMode` maps `device="cuda"` arguments of tensor factories and `Tensor.cuda()` to the CPU
   (schedules' token counter, optimizer flags, grad scaler), and answers `Tensor.type()` with the CUDA
   type name that the (distributed) optimizer's dtype checks expect.
+- A mode is not active inside autograd's backward (a mode's handler runs with the mode popped), so the
+  one factory that runs there, the default causal mask rebuilt by activation recomputation, is replaced.
 """
 
 from __future__ import annotations
@@ -102,6 +104,17 @@ def _patch_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker.add = add
 
 
+def _patch_causal_mask() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    utils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+
+
 def apply_cpu_compat() -> bool:
     """Make megatron-core runnable on CPU/gloo when CUDA is absent. Returns True when active."""
     global _applied
@@ -121,6 +134,7 @@ def apply_cpu_compat() -> bool:
     torch.cuda.get_rng_state = lambda *a, **k: _device_rng.get_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: _device_rng.set_state(state)
     _patch_rng_tracker()
+    _patch_causal_mask()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
     log.info("CUDA not available: megatron-core runs on CPU (gloo) through megatron_jreg.compat")

@@ -1,0 +1,118 @@
+"""Parameters as slices of layout-independent global tensors, through megatron's sharded state dict.
+
+`sharded_state_dict()` already describes every parameter shard by a global key, global shape and offset
+(layers stacked on a leading axis, SwiGLU's gate/up halves as separate shards). Two uses:
+- `init_layout_independent`: draw each global tensor from a generator seeded by (seed, key, layer), so
+  the same seed gives the same model at any TP/PP/VPP layout — runs at different layouts are comparable.
+- `gather_full`: reassemble full tensors of parameters (or of their gradients) on every rank, to compare
+  layouts in tests and to export weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.transformer import TransformerConfig
+
+# Global keys of megatron's "output" projections, initialised with the depth-scaled std.
+_OUTPUT_LAYER_KEYS = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def param_shards(
+    chunk: torch.nn.Module, value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
+) -> Iterator[tuple[torch.nn.Parameter, ShardedTensor]]:
+    """(param, ShardedTensor whose data is `value(param)` or a view of it) for each parameter shard."""
+    model = unwrap(chunk)
+    sharded = model.sharded_state_dict()
+    for name, param in model.named_parameters():
+        entry = sharded.get(name)
+        if entry is None:
+            continue
+        data = param.data if value is None else value(param)
+        if isinstance(entry, ShardedTensorFactory):
+            built = dataclasses.replace(entry, data=data).build()
+            for sh in built if isinstance(built, list) else [built]:
+                yield param, sh
+        elif isinstance(entry, ShardedTensor):
+            yield param, dataclasses.replace(entry, data=data)
+
+
+def global_index(sh: ShardedTensor) -> tuple:
+    """Index of this shard inside its global tensor (integers on prepended axes such as layers)."""
+    idx: list = list(sh.global_offset[: sh.prepend_axis_num])
+    for off, size in zip(sh.global_offset[sh.prepend_axis_num :], sh.local_shape):
+        idx.append(slice(off, off + size))
+    return tuple(idx)
+
+
+def _seed(seed: int, key: str, prefix: tuple) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{key}|{prefix}".encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_layout_independent(chunks: list[torch.nn.Module], config: TransformerConfig, seed: int) -> None:
+    """Re-draw every matrix from its global tensor with megatron's init methods; norms/biases untouched."""
+    for chunk in chunks:
+        for _, sh in param_shards(chunk):
+            if len(sh.local_shape) < 2:
+                continue
+            if sh.key.endswith(_OUTPUT_LAYER_KEYS):
+                init = config.output_layer_init_method
+            elif "word_embeddings" in sh.key:
+                init = config.embedding_init_method
+            else:
+                init = config.init_method
+            prefix = tuple(sh.global_offset[: sh.prepend_axis_num])
+            full_shape = sh.global_shape[sh.prepend_axis_num :]
+            dev = sh.data.device
+            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+                torch.manual_seed(_seed(seed, sh.key, prefix))
+                full = torch.empty(full_shape, dtype=torch.float32, device=dev)
+                init(full)
+            sh.data.copy_(full[global_index(sh)[sh.prepend_axis_num :]])
+
+
+def gather_full(
+    chunks: list[torch.nn.Module],
+    value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    """{global key: full fp32 CPU tensor} of parameters (or `value(param)`, e.g. grads), on every rank.
+
+    Chunks of a virtual pipeline are distinct slices of the same global keys. Uses all_gather_object:
+    for tests and small models only.
+    """
+    pieces = []
+    for chunk in chunks:
+        for _, sh in param_shards(chunk, value):
+            if sh.replica_id not in (0, (0, 0, 0)) and not _is_first_replica(sh.replica_id):
+                continue
+            pieces.append((sh.key, tuple(sh.global_shape), global_index(sh), sh.data.detach().float().cpu()))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, pieces, group=group)
+        pieces = [p for rank_pieces in gathered for p in rank_pieces]
+    full: dict[str, torch.Tensor] = {}
+    for key, shape, index, data in pieces:
+        if key not in full:
+            full[key] = torch.zeros(shape)
+        full[key][index] = data
+    return full
+
+
+def _is_first_replica(replica_id: object) -> bool:
+    if isinstance(replica_id, tuple):
+        return all(r == 0 for r in replica_id)
+    return replica_id == 0
