@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_jreg.compat import apply_cpu_compat, device, dist_backend
-    from megatron_jreg.config import PRESETS, ModelConfig, ParallelConfig
+    from megatron_jreg.config import PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
     from megatron_jreg.plugin import JregConfig, JregPlugin
-    from megatron_jreg.training.model import Precision, build_model_chunks, transformer_config
+    from megatron_jreg.training.model import build_model_chunks, transformer_config
 
     apply_cpu_compat()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             num_attention_heads=max(1, args.hidden_size // 64), seq_length=args.seq_length)
     model.vocab_size = args.vocab_size
-    precision = Precision(bf16=args.bf16)
+    precision = PrecisionConfig(bf16=args.bf16)
     config = transformer_config(model, ParallelConfig(), precision)
     chunks = build_model_chunks(config, model, model.padded_vocab_size(1))
     dev = device()

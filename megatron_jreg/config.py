@@ -4,6 +4,7 @@ and every error names the flag and the fix."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_jreg.plugin import JregConfig
 
@@ -166,3 +167,209 @@ PRESETS: dict[str, Preset] = {
         "paper: 30 layers × 3072; 24 heads of 128 and FFN 8/3·h (8192) as in Llama-3.2-3B",
     ),
 }
+
+
+@dataclass
+class OptimConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default: micro_batch_size × data-parallel size
+    train_iters: int = 1000
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # default: train_iters
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    calculate_per_token_loss: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    initial_loss_scale: float = 2.0**16  # fp16 only
+
+    def validate(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"--micro-batch-size must be >= 1 (got {self.micro_batch_size})")
+        if self.train_iters < 0:
+            raise ConfigError(f"--train-iters must be >= 0 (got {self.train_iters})")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0 (got lr={self.lr}, min_lr={self.min_lr})")
+        if self.lr_decay_style not in ("cosine", "linear", "constant", "inverse-square-root"):
+            raise ConfigError("--lr-decay-style must be cosine, linear, constant or inverse-square-root")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError("--recompute-granularity must be full or selective")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            self.recompute_method, self.recompute_num_layers = "uniform", self.recompute_num_layers or 1
+        if self.clip_grad < 0:
+            raise ConfigError("--clip-grad must be >= 0 (0 disables clipping)")
+
+    def microbatches(self, data_parallel_size: int) -> int:
+        """Gradient-accumulation steps per iteration; the global batch must split evenly."""
+        gbs = self.global_batch_size or self.micro_batch_size * data_parallel_size
+        per_step = self.micro_batch_size * data_parallel_size
+        if gbs % per_step:
+            raise ConfigError(
+                f"--global-batch-size {gbs} is not divisible by --micro-batch-size × data-parallel size = "
+                f"{self.micro_batch_size} × {data_parallel_size}: choose a multiple of {per_step}"
+            )
+        return gbs // per_step
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = None  # Megatron-LM blend: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..."
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # for --mock-data without a tokenizer
+    data_cache_path: str | None = None
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    def validate(self) -> None:
+        sources = [self.data_path, self.train_data_path]
+        if not self.mock_data and not any(sources):
+            raise ConfigError("no training data: give --data-path PREFIX (or --train-data-path), or --mock-data")
+        if self.mock_data and any(sources):
+            raise ConfigError("--mock-data and --data-path/--train-data-path exclude each other")
+        if self.tokenizer_type is None and self.vocab_size is None:
+            raise ConfigError("give --tokenizer-type/--tokenizer-model (or --vocab-size with --mock-data)")
+        for paths in (self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path):
+            for prefix in parse_blend(paths)[0] if paths else []:
+                missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+                if missing:
+                    raise ConfigError(
+                        f"--data-path prefix {prefix!r}: {prefix}{missing[0]} not found (the prefix is the path "
+                        "without .bin/.idx, e.g. my-data_text_document)"
+                    )
+
+
+def parse_blend(values: list[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron-LM's --data-path: prefixes, or alternating weight prefix pairs."""
+    if len(values) == 1:
+        return [values[0]], None
+    try:
+        weights = [float(v) for v in values[0::2]]
+    except ValueError:
+        return list(values), None  # several prefixes, equal weights
+    if len(values) % 2:
+        raise ConfigError("--data-path with weights needs pairs: W1 PREFIX1 W2 PREFIX2 ...")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError("--data-path weights must be >= 0 and not all 0")
+    return list(values[1::2]), weights
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False  # load weights only; fresh optimizer, scheduler and iteration count
+    exit_signal_handler: bool = True  # SIGTERM: save and exit (Slurm preemption)
+    exit_interval: int | None = None
+
+    def validate(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError("--save-interval must be >= 1")
+        if self.save_interval and not self.save:
+            raise ConfigError("--save-interval needs --save DIR")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    eval_interval: int | None = 1000
+    eval_iters: int = 10
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    metrics_file: str | None = None
+    skip_train: bool = False  # load, evaluate once, exit
+    progress: bool | None = None  # None: a progress line when stdout is a terminal
+
+    def validate(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigError("--log-interval must be >= 1")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError("--eval-interval must be >= 1")
+        if self.wandb_project:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from None
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    fp16: bool = False
+    transformer_impl: str | None = None  # transformer_engine | local; None = TE when importable
+    fp8_format: str | None = None  # e4m3 | hybrid
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_param_gather: bool = False
+
+    def validate(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 exclude each other")
+        if self.transformer_impl not in (None, "transformer_engine", "local"):
+            raise ConfigError("--transformer-impl must be transformer_engine or local")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `megatron-jreg train` needs; built from flags by training/args.py."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    jreg: JregConfig = field(default_factory=JregConfig)
+    seed: int = 1234
+    init_mode: str = "layout-independent"  # or "megatron" (megatron-core's own per-rank init)
+    preset: str | None = None
+
+    def validate(self, world_size: int) -> None:
+        """All checks that need no model or data loading; raise ConfigError naming the flag."""
+        self.model.validate()
+        self.parallel.validate(self.model, world_size)
+        self.optim.validate()
+        self.data.validate()
+        self.checkpoint.validate()
+        self.logging.validate()
+        self.precision.validate()
+        try:
+            self.jreg.validate(self.model.num_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.init_mode not in ("layout-independent", "megatron"):
+            raise ConfigError("--init-mode must be layout-independent or megatron")
+        if self.parallel.context_parallel_size > 1 and self.precision.transformer_impl == "local":
+            raise ConfigError(
+                "--context-parallel-size > 1 needs Transformer Engine attention: use --transformer-impl "
+                "transformer_engine on a GPU image"
+            )
+        self.optim.microbatches(self.data_parallel_size(world_size))
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        )

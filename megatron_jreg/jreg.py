@@ -123,8 +123,9 @@ def displacement_sum(
         return d.sum(), torch.tensor(float(d.numel()), device=d.device)
     if mask.shape != d.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens {tuple(d.shape)}")
-    m = mask.to(torch.float32)
-    return (d * m).sum(), m.sum()
+    real = mask.bool()
+    # where, not multiply: a padded position may hold anything (even inf/NaN) and must not leak in.
+    return torch.where(real, d, 0.0).sum(), real.sum().to(torch.float32)
 
 
 def displacement(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular") -> Tensor:

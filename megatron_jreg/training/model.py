@@ -9,7 +9,6 @@ over TP, as it does for TE's norms.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_jreg.config import ModelConfig, ParallelConfig
+from megatron_jreg.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig
 
 
 class TorchNorm(torch.nn.Module):
@@ -43,24 +42,68 @@ class TorchNorm(torch.nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-@dataclass
-class Precision:
-    bf16: bool = False
-    fp16: bool = False
+def params_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
 
-    @property
-    def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def resolve_transformer_impl(precision: PrecisionConfig) -> str:
+    """transformer_engine or local; FP8 without TE or without an FP8-capable GPU stops here."""
+    impl = precision.transformer_impl
+    if impl is None:
+        impl = "transformer_engine" if torch.cuda.is_available() and have_transformer_engine() else "local"
+    if impl == "transformer_engine" and not have_transformer_engine():
+        raise ConfigError(
+            "--transformer-impl transformer_engine: Transformer Engine is not importable here; use the NGC "
+            "PyTorch image (docker/Dockerfile) or --transformer-impl local"
+        )
+    if precision.fp8_format is not None:
+        if impl != "transformer_engine":
+            raise ConfigError(
+                f"--fp8-format {precision.fp8_format} needs Transformer Engine (--transformer-impl "
+                "transformer_engine on a GPU image with TE); without it train in --bf16"
+            )
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+            raise ConfigError(
+                f"--fp8-format {precision.fp8_format} needs an FP8-capable GPU (Ada/Hopper/Blackwell, compute "
+                "capability >= 8.9); on this machine train in --bf16"
+            )
+        if precision.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability() < (10, 0):
+            raise ConfigError("--fp8-recipe mxfp8 needs a Blackwell GPU; use delayed, tensorwise or blockwise")
+        if not (precision.bf16 or precision.fp16):
+            raise ConfigError("--fp8-format trains the matmuls in FP8 around --bf16 (or --fp16): add --bf16")
+    return impl
+
+
+def fp8_fields(precision: PrecisionConfig) -> dict:
+    """Megatron-LM's FP8 flags as megatron-core TransformerConfig fields (empty without FP8)."""
+    if precision.fp8_format is None:
+        return {}
+    return {
+        "fp8": precision.fp8_format,
+        "fp8_recipe": precision.fp8_recipe,
+        "fp8_amax_history_len": precision.fp8_amax_history_len,
+        "fp8_amax_compute_algo": precision.fp8_amax_compute_algo,
+        "fp8_param": precision.fp8_param_gather,
+    }
 
 
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
-    precision: Precision | None = None,
+    precision: PrecisionConfig | None = None,
     **overrides: object,
 ) -> TransformerConfig:
     """The megatron-core TransformerConfig for a Llama-style model (overrides: any config field)."""
-    precision = precision or Precision()
+    precision = precision or PrecisionConfig()
+    dtype = params_dtype(precision)
     kwargs: dict = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -89,10 +132,11 @@ def transformer_config(
         context_parallel_size=parallel.context_parallel_size,
         bf16=precision.bf16,
         fp16=precision.fp16,
-        params_dtype=precision.params_dtype,
-        pipeline_dtype=precision.params_dtype,
-        autocast_dtype=precision.params_dtype,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
+        **fp8_fields(precision),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

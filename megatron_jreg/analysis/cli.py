@@ -1,0 +1,106 @@
+"""`megatron-jreg analyze`: measure Ψ_ℓ and the jump rates ζ of Hugging Face, GGUF or megatron-jreg models.
+
+    megatron-jreg analyze --model PATH [--model PATH ...] [--checkpoints GLOB] --data lambada \
+        --num-samples 100 [--batch-size 8] [--max-length T] [--dtype float32|bfloat16] \
+        [--distance angular|cosine] [--include-final-norm] [--output DIR]
+
+Parsing only: the settings are validated by `AnalyzeConfig`, the work is done by `run.run_analysis`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_jreg import jreg
+from megatron_jreg.analysis.config import DTYPES, AnalyzeConfig
+from megatron_jreg.analysis.source import AnalysisError
+
+
+def _samples(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {value!r}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megatron-jreg analyze",
+        description="Measure the per-layer displacement Ψ_ℓ and the jump rates ζ_ℓ (Shibata et al. 2026, §3).",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="HF model folder, GGUF file or megatron-jreg checkpoint directory (repeatable)",
+    )
+    p.add_argument("--checkpoints", metavar="GLOB", help="checkpoints of one run, measured in step order")
+    p.add_argument(
+        "--data",
+        default="lambada",
+        metavar="SPEC",
+        help="lambada[:FILE] | wikitext:FILE | jsonl:FILE:KEY | text:FILE (default: bundled LAMBADA)",
+    )
+    p.add_argument("--num-samples", type=_samples, default=100, metavar="N|all")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        metavar="T",
+        help="truncate samples to T tokens (default: the model's context length)",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--distance",
+        choices=jreg.DISTANCES,
+        default="angular",
+        help="angular: arccos(cos)/π (the paper's Ψ); cosine: 1 − cos",
+    )
+    p.add_argument(
+        "--include-final-norm",
+        action="store_true",
+        help="the output_hidden_states convention: Ψ_L measured after the final norm",
+    )
+    p.add_argument("--output", type=Path, default=Path("jump_analysis"), metavar="DIR")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for models that carry none")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_jreg.analysis.run import print_report, run_analysis
+
+    try:
+        cfg = AnalyzeConfig(
+            models=args.model,
+            checkpoints=args.checkpoints,
+            data=args.data,
+            num_samples=args.num_samples,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            dtype=args.dtype,
+            distance=args.distance,
+            include_final_norm=args.include_final_norm,
+            output=args.output,
+            device=args.device,
+            tokenizer=args.tokenizer,
+            progress=args.progress,
+        )
+        results, files = run_analysis(cfg)
+    except (AnalysisError, NotImplementedError) as e:  # NotImplementedError: megatron source TODO
+        print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
+        return 2
+    print_report(results, files)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

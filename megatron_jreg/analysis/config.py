@@ -1,0 +1,164 @@
+"""Settings of `megatron-jreg analyze`: one dataclass, validated once, plus the data and model lists.
+
+Every check names the flag it is about and says how to fix it, so the CLI only parses and prints.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_jreg import jreg
+from megatron_jreg.analysis.source import AnalysisError, ModelSpec, model_kind
+from megatron_jreg.data import text
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DATA_FORMATS = ("lambada", "wikitext", "jsonl", "text")
+PADDING_SIDES = ("right", "left")
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+
+
+@dataclass
+class AnalyzeConfig:
+    """What to measure and how. Field names match the CLI flags (`--num-samples` → num_samples)."""
+
+    models: list[str] = field(default_factory=list)
+    """--model: HF folders, GGUF files or megatron-jreg checkpoint directories, in the order given."""
+    checkpoints: str | None = None
+    """--checkpoints: a glob of one run's checkpoints, measured in the order of the step in their names."""
+    data: str = "lambada"
+    """--data: lambada[:FILE] | wikitext:FILE | jsonl:FILE:KEY | text:FILE (lambada: the bundled test set)."""
+    num_samples: int | None = 100
+    """--num-samples: the first N samples of the data (None: all); LAMBADA samples are whole passages."""
+    batch_size: int = 8
+    max_length: int | None = None
+    """--max-length: truncate samples to T tokens (None: the model's context length)."""
+    dtype: str = "float32"
+    distance: str = "angular"
+    include_final_norm: bool = False
+    output: Path = Path("jump_analysis")
+    device: str = "auto"
+    tokenizer: str | None = None
+    """--tokenizer: a tokenizer folder for models that carry none (a GGUF file without vocabulary)."""
+    padding_side: str = "right"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.output = Path(self.output)
+        if not self.models and not self.checkpoints:
+            raise AnalysisError("nothing to analyze: give --model PATH (repeatable) or --checkpoints GLOB")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise AnalysisError(f"--num-samples must be >= 1 (or 'all'), got {self.num_samples}")
+        if self.batch_size < 1:
+            raise AnalysisError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_length is not None and self.max_length < 1:
+            raise AnalysisError(f"--max-length must be >= 1, got {self.max_length}")
+        if self.dtype not in DTYPES:
+            raise AnalysisError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.distance not in jreg.DISTANCES:
+            raise AnalysisError(f"--distance must be one of {jreg.DISTANCES}, got {self.distance!r}")
+        if self.padding_side not in PADDING_SIDES:
+            raise AnalysisError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise AnalysisError(f"--device {self.device!r} is not a torch device (use auto, cpu, cuda:0)") from e
+        parse_data_spec(self.data)  # fail on a bad --data before any model is loaded
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def settings(self) -> dict:
+        """The settings as written into results.json (paths as strings)."""
+        out = asdict(self)
+        out["output"] = str(self.output)
+        out["device"] = str(self.torch_device)
+        del out["progress"]
+        return out
+
+
+def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:
+    """`--data` → (format, file, jsonl key). `lambada` alone is the vendored LAMBADA test set."""
+    fmt, _, rest = spec.partition(":")
+    if fmt not in DATA_FORMATS:
+        raise AnalysisError(f"--data {spec!r}: format must be one of {DATA_FORMATS}, e.g. --data lambada:FILE")
+    if fmt == "lambada" and not rest:
+        return fmt, text.DEFAULT_LAMBADA, None
+    key = None
+    if fmt == "jsonl":
+        rest, sep, key = rest.rpartition(":")
+        if not sep or not key or not rest:
+            raise AnalysisError(f"--data {spec!r}: jsonl needs a key, e.g. --data jsonl:data.jsonl:text")
+    if not rest:
+        raise AnalysisError(f"--data {spec!r}: give a file, e.g. --data {fmt}:FILE")
+    path = Path(rest)
+    if not path.is_file():
+        raise AnalysisError(f"--data {spec!r}: no such file {path}")
+    return fmt, path, key
+
+
+def load_texts(spec: str, num_samples: int | None) -> list[str]:
+    """The first `num_samples` non-empty samples of `--data` (all when None), in file order."""
+    fmt, path, key = parse_data_spec(spec)
+    if fmt == "lambada":
+        texts = text.lambada_passages(path)
+    elif fmt == "wikitext":
+        texts = text.wikitext_articles(path)
+    elif fmt == "jsonl":
+        texts = list(text.iter_jsonl(path, key or "text"))
+    else:
+        texts = text.text_paragraphs(path)
+    texts = [t for t in texts if t.strip()][:num_samples]
+    if not texts:
+        raise AnalysisError(f"--data {spec!r}: no non-empty samples in {path}")
+    return texts
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The training step in a checkpoint's name: its last number (iter_0001000 → 1000, step-20 → 20)."""
+    match = _LAST_NUMBER.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def resolve_models(models: list[str], checkpoints: str | None) -> list[ModelSpec]:
+    """`--model` paths in the order given, then `--checkpoints` matches ordered by step.
+
+    Labels are the path's last component, lengthened with parent folders until they are unique.
+    """
+    entries: list[tuple[Path, str, int | None]] = [(Path(m), "--model", None) for m in models]
+    if checkpoints:
+        matches = [Path(p) for p in glob.glob(checkpoints)]
+        if not matches:
+            raise AnalysisError(f"--checkpoints {checkpoints!r} matches nothing")
+        stepped = []
+        for p in matches:
+            step = checkpoint_step(p)
+            if step is None:
+                raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
+            stepped.append((step, p))
+        entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
+    kinds = [model_kind(p, flag) for p, flag, _ in entries]
+    labels = _unique_labels([p for p, _, _ in entries])
+    return [ModelSpec(p, label, kind, step) for (p, _, step), label, kind in zip(entries, labels, kinds)]
+
+
+def _unique_labels(paths: list[Path]) -> list[str]:
+    parts = [p.resolve().parts for p in paths]
+    depth = 1
+    while True:
+        labels = ["/".join(ps[-depth:]) for ps in parts]
+        if len(set(labels)) == len(labels) or depth >= max(len(ps) for ps in parts):
+            return labels
+        depth += 1

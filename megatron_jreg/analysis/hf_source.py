@@ -1,0 +1,184 @@
+"""Hugging Face and GGUF models as hidden-state sources.
+
+A local model folder (safetensors or .bin) or a GGUF file (dequantized by transformers' gguf support)
+is loaded with `AutoModelForCausalLM`, but only its base model runs: the LM head and its [b, t, V]
+logits are never computed. The decoder layers are found generically (`find_decoder_layers`) and
+measured with `LayerDisplacementHooks`. `include_final_norm=True` instead reproduces the common
+`output_hidden_states` measurement, whose last entry has the final norm applied.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megatron_jreg.analysis.source import (
+    FINAL_NORM,
+    LAYER_IO,
+    AnalysisError,
+    LayerDisplacementHooks,
+    UnsupportedArchitectureError,
+    is_gguf_file,
+    masked_displacement_sum,
+    real_rows,
+)
+
+# Where the families of the issue keep their decoder layers (for the error message; discovery is generic).
+KNOWN_LAYOUTS = "Llama/Mistral/Qwen/Gemma/OLMo/Phi/GPT-NeoX: `<base>.layers`, GPT-2: `transformer.h`"
+
+
+def _expected_layers(config: Any) -> int | None:
+    """The number of decoder layers the config declares, if it declares one."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:
+    """(qualified name, layers) of the stack of decoder layers of `model`.
+
+    Generic rather than a table of attribute names: the stack is an `nn.ModuleList` of blocks of one
+    class, of length `expected` (the config's layer count) when given, else the one holding the most
+    parameters; the shallowest wins a tie. Raises UnsupportedArchitectureError naming the model class.
+    """
+    candidates = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(block) for block in module}) != 1:
+            continue
+        if expected is not None and len(module) != expected:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        candidates.append((-params if expected is None else 0, name.count("."), name, list(module)))
+    if not candidates:
+        want = f"{expected} identical blocks" if expected is not None else "identical blocks"
+        raise UnsupportedArchitectureError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected an nn.ModuleList of {want} "
+            f"({KNOWN_LAYOUTS}). This architecture is not supported by `megatron-jreg analyze`"
+        )
+    _, _, name, layers = min(candidates, key=lambda c: c[:3])
+    return name, layers
+
+
+def _accepts(module: nn.Module, argument: str) -> bool:
+    return argument in inspect.signature(module.forward).parameters
+
+
+class HFSource:
+    """A transformers causal LM measured layer by layer (see `HiddenStateSource` for the contract).
+
+    model: the loaded `*ForCausalLM` (its `base_model` runs); tokenizer: its tokenizer.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, label: str, include_final_norm: bool = False):
+        self.model = model.eval()
+        self.base = model.base_model
+        self.tokenizer = tokenizer
+        self.label = label
+        self.model_class = type(model).__name__
+        config = model.config
+        self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
+        self.num_layers = len(self.layers)
+        self.include_final_norm = include_final_norm
+        self.convention = FINAL_NORM if include_final_norm else LAYER_IO
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.context_length = next(
+            (
+                v
+                for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                if isinstance(v := getattr(text_config, k, None), int) and v > 0
+            ),
+            None,
+        )
+        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        self.pad_id = int(pad)
+        # Left padding needs explicit positions for absolute-position models (GPT-2); harmless for RoPE.
+        self._pass_positions = _accepts(self.base, "position_ids")
+        self.device = next(self.base.parameters()).device
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, output_hidden_states: bool) -> Any:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        if self._pass_positions:
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if output_hidden_states:
+            kwargs["output_hidden_states"] = True
+        return self.base(**kwargs)
+
+    @torch.no_grad()
+    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        if self.include_final_norm:
+            return self._sums_from_hidden_states(input_ids, attention_mask, kind)
+        with LayerDisplacementHooks(self.layers, attention_mask, kind) as hooks:
+            self._forward(input_ids, attention_mask, output_hidden_states=False)
+        return hooks.sums, hooks.counts
+
+    def _sums_from_hidden_states(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """The `output_hidden_states` convention: pairs (hs[ℓ-1], hs[ℓ]), hs[L] = final_norm(h_L)."""
+        hidden = self._forward(input_ids, attention_mask, output_hidden_states=True).hidden_states
+        if len(hidden) != self.num_layers + 1:
+            raise UnsupportedArchitectureError(
+                f"{self.model_class} returned {len(hidden)} hidden states for {self.num_layers} layers; "
+                "--include-final-norm needs L + 1 (embeddings and every layer): drop the flag"
+            )
+        rows = real_rows(attention_mask)
+        pairs = [masked_displacement_sum(a, b, rows, kind) for a, b in zip(hidden[:-1], hidden[1:])]
+        table = torch.tensor([[s.item(), c.item()] for s, c in pairs], dtype=torch.float64)  # [L, 2]
+        return table[:, 0].clone(), table[:, 1].clone()
+
+    def close(self) -> None:
+        del self.model, self.base, self.layers
+
+
+def _load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        where = f"the GGUF file {path / gguf_file}" if gguf_file else f"{path}"
+        raise AnalysisError(
+            f"cannot load a tokenizer from {where}: {e}. Pass --tokenizer DIR (a folder with tokenizer.json "
+            "or the model's original Hugging Face folder)"
+        ) from e
+
+
+def load_hf_source(
+    path: Path,
+    *,
+    label: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    include_final_norm: bool = False,
+    tokenizer: str | None = None,
+) -> HFSource:
+    """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    gguf_file = path.name if is_gguf_file(path) else None
+    folder = path.parent if gguf_file else path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=gguf_file, dtype=dtype, local_files_only=True
+        )
+    except (ValueError, KeyError, OSError) as e:
+        raise AnalysisError(f"--model {path}: transformers cannot load it as a causal LM: {e}") from e
+    model.to(device)
+    return HFSource(model, _load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)

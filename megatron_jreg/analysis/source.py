@@ -1,0 +1,271 @@
+"""Hidden-state sources: what the analysis needs from a model, whatever framework it comes from.
+
+A source turns a batch of token ids into per-layer displacement sums. Hugging Face / GGUF models
+(`hf_source.py`) and megatron-jreg checkpoints (`megatron_source.py`) implement the same protocol, so
+batching, accumulation, reporting and plots (`measure.py`, `report.py`, `plot.py`) never see the
+framework.
+
+`LayerDisplacementHooks` is the part both share: forward hooks on the decoder layers themselves that
+reduce each layer's (h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward
+pass runs, so no more than one layer's input and output are alive at a time for the measurement.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from megatron_jreg import jreg
+
+# The convention labels that end up in results.json and in the plot legends.
+LAYER_IO = "decoder layer input/output (hooks)"
+FINAL_NORM = "output_hidden_states (final norm applied to the last layer's output)"
+
+_ITER_DIR = re.compile(r"^iter_\d+$")
+
+
+class AnalysisError(ValueError):
+    """A problem the user can fix (a flag, a path, a model we cannot read); the CLI prints it."""
+
+
+class UnsupportedArchitectureError(AnalysisError):
+    """The decoder layers of a model could not be found."""
+
+
+class HiddenStateSource(Protocol):
+    """A model the analysis can measure. Implementations: `HFSource`; the megatron one (TODO, lead).
+
+    Attributes:
+        label: short name for tables and legends.
+        num_layers: L, the number of decoder layers measured.
+        context_length: the longest sequence the model takes, or None if unknown (no truncation then).
+        pad_id: a token id used for padding (any valid id; padded positions are masked everywhere).
+        convention: `LAYER_IO` or `FINAL_NORM`, how h_ℓ is defined.
+        model_class: the class name of the model, for the report.
+    """
+
+    label: str
+    num_layers: int
+    context_length: int | None
+    pad_id: int
+    convention: str
+    model_class: str
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text as the model normally sees it (special tokens included), untruncated."""
+        ...
+
+    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """Per-layer displacement sums over the real tokens of one batch.
+
+        input_ids[b, t] (int64), attention_mask[b, t] (1 = real token; left or right padding) on the
+        CPU → (sums[L], counts[L]), float64 on the CPU: sums[ℓ-1] = Σ over real tokens of d(h_{ℓ-1}, h_ℓ)
+        with d from `jreg.token_displacement(kind)`, counts[ℓ-1] = number of real tokens.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the model (the CLI measures several models one after the other)."""
+        ...
+
+
+def real_rows(mask: Tensor | None) -> Tensor | None:
+    """Flat indices [n] of the real tokens of mask[...] (True/1 = real), or None when all are real."""
+    if mask is None or bool(mask.all()):
+        return None
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:
+    """(Σ d, count) over the real tokens of h_in[..., h], h_out[..., h]; rows from `real_rows(mask)`.
+
+    Gathers the real rows before `jreg.displacement_sum` instead of multiplying by the mask, so a
+    padded position whose hidden state is not finite (a fully masked attention row can give NaN in
+    some attention kernels) cannot turn the sum into NaN, and no work is spent on padding.
+    """
+    if rows is None:
+        return jreg.displacement_sum(h_in, h_out, None, kind)
+    width = h_in.shape[-1]
+    rows = rows.to(h_in.device)
+    return jreg.displacement_sum(
+        h_in.reshape(-1, width).index_select(0, rows), h_out.reshape(-1, width).index_select(0, rows), None, kind
+    )
+
+
+def _first_tensor(value: Any) -> Tensor | None:
+    """The hidden states in a layer's output: the tensor itself or the first element of a tuple/list."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    return None
+
+
+class LayerDisplacementHooks:
+    """Forward hooks on decoder layers that accumulate Σ d(h_in, h_out) and the token count per layer.
+
+    Use as a context manager around one forward pass:
+
+        with LayerDisplacementHooks(layers, mask, "angular") as hooks:
+            model(input_ids, attention_mask=mask)
+        hooks.sums, hooks.counts        # float64 [L] on the CPU, filled on exit
+
+    h_in is the layer's first positional argument (or its `hidden_states` keyword), h_out its output
+    (or the first element of the tuple it returns) — Hugging Face decoder layers and megatron-core's
+    TransformerLayer both follow this. `mask` has the leading shape of the hidden states: [b, t] for
+    Hugging Face's batch-first layout, [s, b] for megatron's sequence-first one; None = all real.
+
+    A layer that modifies its input in place would make h_in wrong silently; the hooks detect it
+    through the tensor's version counter (run under `torch.no_grad`, not `inference_mode`, where the
+    counter is not kept) and raise, pointing at `clone_inputs=True`, which copies h_in first.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], mask: Tensor | None, kind: str, clone_inputs: bool = False):
+        if not layers:
+            raise ValueError("no decoder layers to hook")
+        self.layers = list(layers)
+        self.mask = mask
+        self.rows = real_rows(mask)
+        self.kind = kind
+        self.clone_inputs = clone_inputs
+        self.sums = torch.zeros(len(self.layers), dtype=torch.float64)
+        self.counts = torch.zeros(len(self.layers), dtype=torch.float64)
+        self._partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
+        self._inputs: dict[int, tuple[Tensor, int]] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _pre_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            h_in = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+            if not isinstance(h_in, Tensor):
+                raise UnsupportedArchitectureError(
+                    f"{type(module).__name__} (decoder layer {index + 1}) was called without its hidden "
+                    "states as first argument or `hidden_states=` keyword; cannot capture its input"
+                )
+            if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
+                raise ValueError(
+                    f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
+                    f"{tuple(h_in.shape)} of {type(module).__name__}"
+                )
+            if self.clone_inputs:
+                h_in = h_in.clone()
+            self._inputs[index] = (h_in, h_in._version)
+
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            h_in, version = self._inputs.pop(index)
+            h_out = _first_tensor(output)
+            if h_out is None or h_out.shape != h_in.shape:
+                raise UnsupportedArchitectureError(
+                    f"{type(module).__name__} (decoder layer {index + 1}) returned {type(output).__name__}, "
+                    f"not hidden states of shape {tuple(h_in.shape)}"
+                )
+            if h_in._version != version:
+                raise RuntimeError(
+                    f"{type(module).__name__} modified its input hidden states in place, so h_in is lost; "
+                    "measure with LayerDisplacementHooks(..., clone_inputs=True)"
+                )
+            # Kept on the model's device until exit: one host sync per batch, not one per layer.
+            self._partial[index].append(masked_displacement_sum(h_in, h_out, self.rows, self.kind))
+
+        return hook
+
+    def __enter__(self) -> LayerDisplacementHooks:
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(self._post_hook(i), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._inputs.clear()
+        if exc[0] is not None:
+            return
+        calls = [len(p) for p in self._partial]
+        if any(c != 1 for c in calls):
+            raise RuntimeError(f"each decoder layer should run once per forward pass; calls per layer: {calls}")
+        pairs = torch.stack([torch.stack(p[0]) for p in self._partial]).double().cpu()  # [L, 2]
+        self.sums, self.counts = pairs[:, 0].clone(), pairs[:, 1].clone()
+
+
+# --------------------------------------------------------------------------------------------------
+# What a --model path is, and loading it.
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to measure: `kind` is "hf" (folder), "gguf" (file) or "megatron" (checkpoint dir)."""
+
+    path: Path
+    label: str
+    kind: str
+    step: int | None = None
+
+
+def is_megatron_checkpoint(path: Path) -> bool:
+    """A megatron-jreg checkpoint directory: a run directory (`latest_checkpointed_iteration.txt` or
+    `iter_*/` folders) or one `iter_NNNNNNN/` folder of it."""
+    if not path.is_dir() or (path / "config.json").exists():
+        return False
+    if (path / "latest_checkpointed_iteration.txt").exists():
+        return True
+    if any(p.is_dir() and _ITER_DIR.match(p.name) for p in path.iterdir()):
+        return True
+    return bool(_ITER_DIR.match(path.name))
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A GGUF file: by its magic bytes, so a renamed file still counts."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def model_kind(path: Path, flag: str = "--model") -> str:
+    """ "hf", "gguf" or "megatron" for a path given to `flag`; an AnalysisError says what was expected."""
+    if not path.exists():
+        raise AnalysisError(f"{flag} {path}: no such file or directory")
+    if is_gguf_file(path):
+        return "gguf"
+    if path.is_dir() and (path / "config.json").exists():
+        return "hf"
+    if is_megatron_checkpoint(path):
+        return "megatron"
+    raise AnalysisError(
+        f"{flag} {path}: not a Hugging Face model folder (no config.json), a GGUF file, or a megatron-jreg "
+        "checkpoint directory (latest_checkpointed_iteration.txt or iter_*/ folders); point it at one of these"
+    )
+
+
+def load_source(
+    spec: ModelSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    include_final_norm: bool = False,
+    tokenizer: str | None = None,
+) -> HiddenStateSource:
+    """Build the source for one model; framework imports happen here, lazily."""
+    if spec.kind == "megatron":
+        from megatron_jreg.analysis.megatron_source import load_megatron_source as load
+    else:
+        from megatron_jreg.analysis.hf_source import load_hf_source as load
+    return load(
+        spec.path,
+        label=spec.label,
+        dtype=dtype,
+        device=device,
+        include_final_norm=include_final_norm,
+        tokenizer=tokenizer,
+    )

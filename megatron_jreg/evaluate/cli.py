@@ -1,0 +1,125 @@
+"""`megatron-jreg evaluate`: LAMBADA top-1 and lm-eval tasks on a Hugging Face folder or a checkpoint.
+
+megatron-jreg evaluate --hf out/hf-jreg --tasks lambada,boolq,arc_easy --output results/jreg-s1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_jreg.data.text import DEFAULT_LAMBADA
+from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
+from megatron_jreg.evaluate.models import DTYPES
+from megatron_jreg.evaluate.offline import force_offline
+from megatron_jreg.evaluate.tasks import PAPER_TASKS, TaskError
+
+
+def _task_data(values: list[str]) -> dict[str, Path]:
+    pairs = {}
+    for value in values:
+        task, sep, path = value.partition("=")
+        if not sep or not task or not path:
+            raise ConfigError(f"--task-data {value}: write TASK=PATH, e.g. --task-data arc_easy=data/ai2_arc")
+        pairs[task] = Path(path)
+    return pairs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-jreg evaluate", description=__doc__.split("\n")[0])
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--hf", type=Path, metavar="DIR", help="a local Hugging Face model folder")
+    model.add_argument(
+        "--load", type=Path, metavar="CKPT", help="a megatron-jreg checkpoint (any TP/PP layout)"
+    )
+    p.add_argument("--iteration", type=int, help="checkpoint iteration for --load (default: the latest)")
+    p.add_argument(
+        "--tasks",
+        default="lambada",
+        help=f"comma-separated: lambada (built-in) and lm-eval tasks, e.g. {','.join(PAPER_TASKS)}",
+    )
+    p.add_argument(
+        "--lambada-file",
+        type=Path,
+        default=DEFAULT_LAMBADA,
+        help='LAMBADA JSONL, one {"text": ...} a line (default: the vendored test set)',
+    )
+    p.add_argument("--limit", type=int, help="evaluate the first N examples of each task")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, help="context window for --hf (default: the model's)")
+    p.add_argument("--device", help="torch device for --hf (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights dtype for --hf; auto = the checkpoint's on GPU, float32 on CPU",
+    )
+    p.add_argument(
+        "--task-data",
+        action="append",
+        default=[],
+        metavar="TASK=PATH",
+        help="run an lm-eval task from a local copy of its dataset repository (repeatable)",
+    )
+    p.add_argument(
+        "--include-path",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="folder of extra lm-eval task YAMLs, e.g. tasks over local files (repeatable)",
+    )
+    p.add_argument(
+        "--seed", type=int, help="training seed of the model, stored so `compare` pairs runs by it"
+    )
+    p.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=100000,
+        help="lm-eval bootstrap draws for stderrs without a closed form (perplexity)",
+    )
+    p.add_argument("--output", type=Path, metavar="FILE", help="write the results as JSON")
+    return p
+
+
+def parse_config(argv: list[str] | None) -> EvaluateConfig:
+    args = build_parser().parse_args(argv)
+    return EvaluateConfig(
+        hf=args.hf,
+        load=args.load,
+        iteration=args.iteration,
+        tasks=tuple(t.strip() for t in args.tasks.split(",")),
+        lambada_file=args.lambada_file,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        device=args.device,
+        dtype=args.dtype,
+        output=args.output,
+        task_data=_task_data(args.task_data),
+        include_path=tuple(args.include_path),
+        seed=args.seed,
+        bootstrap_iters=args.bootstrap_iters,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    force_offline()  # before anything imports a Hugging Face library
+    from megatron_jreg.evaluate.runner import evaluate
+
+    try:
+        cfg = parse_config(argv)
+        results = evaluate(cfg)
+    except (ConfigError, TaskError, FileNotFoundError, NotImplementedError) as e:
+        print(f"megatron-jreg evaluate: error: {e}", file=sys.stderr)
+        return 2
+    print(results.table())
+    if cfg.output is not None:
+        results.write(cfg.output)
+        print(f"wrote {cfg.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""`megatron-jreg evaluate` settings: one dataclass, validated once, errors that name the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_jreg.data.text import DEFAULT_LAMBADA
+from megatron_jreg.evaluate.models import DTYPES
+
+BUILTIN_TASKS = ("lambada",)
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """What to evaluate and how.
+
+    Exactly one model source: `hf` (a Hugging Face folder) or `load` (a megatron-jreg checkpoint,
+    optionally at `iteration`). `tasks` mixes the built-in "lambada" with lm-eval task names.
+    """
+
+    hf: Path | None = None
+    load: Path | None = None
+    iteration: int | None = None
+    tasks: tuple[str, ...] = ("lambada",)
+    lambada_file: Path = DEFAULT_LAMBADA
+    limit: int | None = None  # first N examples of each task
+    batch_size: int = 8
+    max_length: int | None = None  # None: the model's context window
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "auto"
+    output: Path | None = None
+    task_data: dict[str, Path] = field(default_factory=dict)  # lm-eval task -> local dataset copy
+    include_path: tuple[Path, ...] = ()  # folders with extra lm-eval task YAMLs
+    seed: int | None = None  # training seed of the model, recorded so `compare` can pair runs
+    bootstrap_iters: int = 100000  # lm-eval's default; only bootstrapped metrics (perplexity) use it
+
+    def __post_init__(self) -> None:
+        if (self.hf is None) == (self.load is None):
+            raise ConfigError(
+                "give exactly one model: --hf DIR (a Hugging Face folder) "
+                "or --load CKPT (a megatron-jreg checkpoint)"
+            )
+        if self.hf is not None and not (Path(self.hf) / "config.json").is_file():
+            raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
+        if self.load is not None and not Path(self.load).exists():
+            raise ConfigError(f"--load {self.load}: no such checkpoint directory")
+        if self.iteration is not None and self.load is None:
+            raise ConfigError("--iteration selects a megatron checkpoint; use it with --load")
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks) or "" in self.tasks:
+            raise ConfigError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
+        if "lambada" in self.tasks and not Path(self.lambada_file).is_file():
+            raise ConfigError(
+                f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)'
+            )
+        for flag, value, least in (
+            ("--limit", self.limit, 1),
+            ("--batch-size", self.batch_size, 1),
+            ("--max-length", self.max_length, 2),
+            ("--bootstrap-iters", self.bootstrap_iters, 0),
+        ):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        for task, path in self.task_data.items():
+            if task not in self.harness_tasks:
+                raise ConfigError(f"--task-data {task}={path}: {task} is not an lm-eval task in --tasks")
+            if not Path(path).exists():
+                raise ConfigError(f"--task-data {task}={path}: no such file or folder")
+        for path in self.include_path:
+            if not Path(path).is_dir():
+                raise ConfigError(f"--include-path {path}: no such folder")
+
+    @property
+    def harness_tasks(self) -> tuple[str, ...]:
+        """The tasks lm-eval runs (all but the built-in ones)."""
+        return tuple(t for t in self.tasks if t not in BUILTIN_TASKS)

@@ -1,0 +1,61 @@
+"""Built-in LAMBADA: the paper's next-token metric, top-1 accuracy, plus target perplexity.
+
+The standard lm-eval "lambada_openai" form, computed without lm-eval so a plain install can run it and
+so it is the same computation for a Hugging Face folder and a megatron checkpoint:
+- context = the passage without its last word, target = " " + last word (`split_passage`);
+- correct when greedy decoding after the context reproduces every target token;
+- perplexity = exp(mean over passages of the target's negative log-likelihood, summed over its tokens),
+  lm-eval's "perplexity" aggregation of per-passage log-likelihoods (not a per-token perplexity).
+Standard errors: accuracy as lm-eval's `mean_stderr` (sample std / sqrt(n)); perplexity by the delta
+method, perplexity * (sample std of the per-passage NLL) / sqrt(n), where lm-eval bootstraps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from megatron_jreg.evaluate.models import CausalLM
+from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
+
+
+def split_passage(text: str) -> tuple[str, str]:
+    """(context, target) as lambada_openai splits a passage: on single spaces, like its
+    `text.split(' ')` templates, so a last word after a newline keeps the text since the last space
+    (7 of the 5,153 vendored passages); that keeps our numbers equal to lm-eval's on the same file."""
+    words = text.split(" ")
+    return " ".join(words[:-1]), " " + words[-1]
+
+
+def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
+    """{acc, acc_stderr, perplexity, perplexity_stderr} from the per-passage target scores."""
+    if not scored:
+        raise ValueError("LAMBADA: no passages to score; check --lambada-file and --limit")
+    acc, acc_stderr = _mean_and_stderr([float(s.greedy) for s in scored])
+    mean_nll, nll_stderr = _mean_and_stderr([-s.logprob for s in scored])
+    perplexity = math.exp(mean_nll)
+    return {
+        "acc": acc,
+        "acc_stderr": acc_stderr,
+        "perplexity": perplexity,
+        "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr,
+    }
+
+
+def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8) -> list[Scored]:
+    """Per-passage target scores, in passage order."""
+    return score(lm, [encode_pair(lm, *split_passage(p)) for p in passages], batch_size)
+
+
+def evaluate_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8) -> dict[str, float | None]:
+    """LAMBADA metrics of `lm` on `passages` (full passages; the last word is the target)."""
+    return lambada_metrics(score_lambada(lm, passages, batch_size))

@@ -1,0 +1,137 @@
+"""The one model interface both evaluators use: `CausalLM`, text <-> token ids -> next-token logits.
+
+The built-in LAMBADA evaluator and the lm-eval adapter only ever call `encode`, `decode` and `logits`, so
+a new backend is one class: `HFCausalLM` here, and a megatron-core model run in-process (any TP/PP layout)
+behind `load_megatron_lm`. Keeping tokenization inside the model object matters because both the
+LAMBADA target split and lm-eval's context/continuation split depend on the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_LENGTH = 2048
+# Config fields that hold the context window, in the order Hugging Face model families use them.
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model as the evaluators see it.
+
+    Attributes:
+        eod: end-of-document token id; greedy generation stops when the model predicts it.
+        prefix_token: the token a sequence is conditioned on when it has no text before it (an empty
+            lm-eval context, the first window of a rolling log-likelihood): lm-eval's `prefix_token_id`,
+            i.e. BOS when the tokenizer has one, else `eod`.
+        vocab_size: number of real tokens; logits columns at or beyond it (megatron pads its output
+            layer to a multiple of 128) are ignored, so a padded column can never win an argmax.
+        max_length: longest input `logits` accepts; callers left-truncate longer inputs to it.
+    """
+
+    eod: int
+    prefix_token: int
+    vocab_size: int
+    max_length: int
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; `special=True` adds what the tokenizer puts around a document by default
+        (e.g. Llama's BOS), `special=False` gives the bare tokens (lm-eval's `add_special_tokens`)."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` with special tokens dropped."""
+        ...
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens[b, t] int64, right-padded rows allowed -> logits[b, t, V'] float32 (V' >= vocab_size).
+
+        Position i of a row may depend only on positions <= i of that row (causal), which is what
+        makes right padding harmless: real tokens never see the padding after them.
+        """
+        ...
+
+
+class HFCausalLM:
+    """`CausalLM` over a Hugging Face `AutoModelForCausalLM` + `AutoTokenizer` loaded from a local folder."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, max_length: int) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("--hf: the tokenizer has no eos_token; set one in tokenizer_config.json")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eod = int(tokenizer.eos_token_id)
+        bos = tokenizer.bos_token_id
+        self.prefix_token = int(bos) if bos is not None else self.eod
+        out_features = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = min(len(tokenizer), int(out_features))
+        self.max_length = max_length
+        self.device = next(model.parameters()).device
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        # No attention mask on purpose: the causal mask alone is right for right-padded rows, and
+        # position ids then count from 0 for every row, as they do without padding.
+        return self.model(input_ids=tokens.to(self.device)).logits.float()
+
+
+def context_length(config: dict, tokenizer_max: int | None) -> int:
+    """The model's context window: the first config field that names one, else the tokenizer's limit
+    when it is a real number (HF uses ~1e30 for 'unset'), else 2048 like lm-eval."""
+    for name in _CONTEXT_FIELDS:
+        if isinstance(config.get(name), int) and config[name] > 0:
+            return int(config[name])
+    if tokenizer_max is not None and 0 < tokenizer_max < 1_000_000:
+        return int(tokenizer_max)
+    return DEFAULT_MAX_LENGTH
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_hf_lm(
+    path: str | Path, device: str | None = None, dtype: str = "auto", max_length: int | None = None
+) -> HFCausalLM:
+    """Load a Hugging Face folder for evaluation, never touching the network.
+
+    dtype "auto" keeps the checkpoint's dtype on GPU and uses float32 on CPU (CPU half precision is
+    slow and lossy); max_length None takes the model's own context window.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
+            "`hf download REPO --local-dir DIR` on a machine with internet"
+        )
+    device = device or default_device()
+    if dtype == "auto":
+        torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    window = max_length or context_length(config.get("text_config", config), tokenizer.model_max_length)
+    return HFCausalLM(model.to(device), tokenizer, window)
+
+
+def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM:
+    """A megatron-jreg checkpoint (any TP/PP layout) as a `CausalLM`, run in-process on megatron-core.
+
+    The hook for `evaluate --load`: everything downstream (LAMBADA, lm-eval) works on the returned object.
+    """
+    raise NotImplementedError("megatron checkpoints land with the training CLI")

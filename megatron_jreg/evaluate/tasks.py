@@ -1,0 +1,153 @@
+"""lm-eval tasks: which configs to run, and whether their datasets are on this machine.
+
+lm-eval 0.4 builds each task from its YAML config and loads the data in the task's constructor with
+`datasets.load_dataset(dataset_path, dataset_name, **dataset_kwargs)`. Offline, `datasets` answers a Hub
+name from its cache (HF_DATASETS_CACHE, e.g. ~/.cache/huggingface/datasets/allenai___sciq/...) and a
+local folder or packaged builder ("json", "parquet") from disk. `check_datasets` makes exactly that call
+for every requested task before any model is loaded, so a missing dataset is reported for all tasks at
+once with the fix, instead of as a traceback after the first tasks have run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The paper's downstream tasks, by their lm-eval names, and the folder of lm-eval's task configs that
+# defines each (indexing only those folders takes milliseconds; all of lm-eval's ~15k configs ~20 s).
+PAPER_TASKS: dict[str, str] = {
+    "boolq": "super_glue/boolq",
+    "arc_easy": "arc",
+    "hellaswag": "hellaswag",
+    "piqa": "piqa",
+    "race": "race",
+    "social_iqa": "siqa",
+    "sciq": "sciq",
+    "swag": "swag",
+}
+
+
+class TaskError(ValueError):
+    """A requested task cannot run; the message says which and what to do."""
+
+
+def task_manager(names: Sequence[str], include_paths: Sequence[Path] = ()):
+    """An lm-eval TaskManager that knows `names`: the paper's folders plus `include_paths` when
+    every name not in `include_paths` is a paper task, else lm-eval's full index."""
+    from lm_eval import tasks as lm_eval_tasks
+    from lm_eval.tasks import TaskManager
+
+    user = [Path(p) for p in include_paths]
+    if user:
+        local = TaskManager(include_path=[str(p) for p in user], include_defaults=False)
+        names = [n for n in names if n not in local.all_tasks]
+    if all(n in PAPER_TASKS for n in names):
+        root = Path(lm_eval_tasks.__file__).parent
+        folders = [str(root / PAPER_TASKS[n]) for n in dict.fromkeys(names)]
+        return TaskManager(include_path=folders + [str(p) for p in user], include_defaults=False)
+    return TaskManager(include_path=[str(p) for p in user] or None)
+
+
+def task_config(manager, name: str) -> dict[str, Any]:
+    """The full config lm-eval would build task `name` from (includes merged, !function resolved)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if name not in manager.all_tasks:
+        raise TaskError(
+            f"--tasks {name}: not an lm-eval task; run `lm_eval ls tasks` for the names, or pass "
+            "--include-path DIR with a task YAML that defines it"
+        )
+    if name not in manager.all_subtasks:
+        raise TaskError(f"--tasks {name}: an lm-eval group or tag; list the tasks it contains instead")
+    entry = manager.task_index[name]
+    return load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else dict(entry.cfg or {})
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """One lm-eval task as it will run: its full config, and the Hub dataset that `--task-data`
+    replaced by a local copy (None when the task runs on its default dataset)."""
+
+    name: str
+    config: dict[str, Any]
+    replaced_dataset: str | None = None
+
+    @property
+    def spec(self) -> str | dict[str, Any]:
+        """What to hand to lm-eval: the bare name when nothing changed, so the task runs untouched."""
+        return self.name if self.replaced_dataset is None else self.config
+
+
+def task_plans(manager, names: Sequence[str], task_data: Mapping[str, Path]) -> list[TaskPlan]:
+    """A plan per task; `--task-data NAME=DIR` swaps dataset_path for DIR (a copy of the dataset
+    repository) in the task's full default config and changes nothing else."""
+    plans = []
+    for name in names:
+        config = task_config(manager, name)
+        if name in task_data:
+            local = {**config, "dataset_path": str(task_data[name])}
+            plans.append(TaskPlan(name, local, replaced_dataset=config.get("dataset_path")))
+        else:
+            plans.append(TaskPlan(name, config))
+    return plans
+
+
+def _eval_split(config: Mapping[str, Any]) -> str | None:
+    """The split lm-eval evaluates: test if the task has one, else validation."""
+    return config.get("test_split") or config.get("validation_split")
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _missing(plan: TaskPlan, error: Exception) -> str:
+    name, path, subset = plan.name, plan.config["dataset_path"], plan.config.get("dataset_name")
+    if plan.replaced_dataset is not None:
+        return (
+            f"{name}: --task-data {name}={path} does not load ({_first_line(error)}). It must be a copy "
+            f"of the dataset repository: `hf download --repo-type dataset {plan.replaced_dataset} "
+            "--local-dir DIR` (for a repository that holds a loading script add "
+            "`--revision refs/convert/parquet`)."
+        )
+    import datasets
+
+    load_args = repr(path) + (f", {subset!r}" if subset else "")
+    where = f" (config {subset})" if subset else ""
+    return (
+        f"{name}: needs the Hugging Face dataset {path}{where}, which is not in the datasets cache "
+        f"{datasets.config.HF_DATASETS_CACHE} ({_first_line(error)}). Fix: on a machine with internet run "
+        f'`python -c "import datasets; datasets.load_dataset({load_args})"` and copy its HF_DATASETS_CACHE '
+        "folder here (or point HF_DATASETS_CACHE at the copy), or run "
+        f"`hf download --repo-type dataset {path} --local-dir DIR` and pass --task-data {name}=DIR."
+    )
+
+
+def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
+    """One line per task whose data cannot be loaded offline, in the order given; empty when all can.
+
+    Tasks that build their data in code (`custom_dataset`) cannot be checked and are let through.
+    """
+    import datasets
+
+    problems = []
+    for plan in plans:
+        config = plan.config
+        if config.get("custom_dataset") is not None or not config.get("dataset_path"):
+            continue
+        kwargs = dict(config.get("dataset_kwargs") or {})
+        kwargs.pop("trust_remote_code", None)  # lm-eval drops it too for datasets >= 4
+        try:
+            data = datasets.load_dataset(config["dataset_path"], config.get("dataset_name"), **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure to load is the thing to report
+            problems.append(_missing(plan, error))
+            continue
+        split = _eval_split(config)
+        if split is not None and split not in data:
+            problems.append(
+                f"{plan.name}: dataset {config['dataset_path']} has no split {split!r} (has {list(data)})"
+            )
+    return problems
