@@ -8,7 +8,10 @@ from pathlib import Path
 
 from megatron_jreg.plugin import JregConfig
 
-__all__ = ["ModelConfig", "ParallelConfig", "JregConfig", "PRESETS", "ConfigError"]
+__all__ = [
+    "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "CheckpointConfig", "LoggingConfig",
+    "PrecisionConfig", "TrainConfig", "JregConfig", "PRESETS", "ConfigError", "parse_blend", "train_config_from_dict",
+]
 
 
 class ConfigError(ValueError):
@@ -373,3 +376,20 @@ class TrainConfig:
         return world_size // (
             p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         )
+
+
+def train_config_from_dict(values: dict) -> TrainConfig:
+    """Rebuild a TrainConfig from `dataclasses.asdict` output (e.g. a checkpoint's megatron_jreg.json)."""
+    import dataclasses
+
+    cfg = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in values:
+            continue
+        current = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(current):
+            known = {x.name for x in dataclasses.fields(current)}
+            setattr(cfg, f.name, type(current)(**{k: v for k, v in values[f.name].items() if k in known}))
+        else:
+            setattr(cfg, f.name, values[f.name])
+    return cfg

@@ -135,7 +135,11 @@ def save_checkpoint(
     consumed_train_samples: int,
     run_config: dict,
 ) -> Path:
-    """Save model, optimizer, scheduler, RNG and data position at `iteration` (collective)."""
+    """Save model, optimizer, scheduler, RNG and data position at `iteration` (collective).
+
+    optimizer/scheduler None writes a weights-only checkpoint (e.g. an import from Hugging Face), which
+    the training CLI loads with --finetune or --no-load-optim.
+    """
     root = Path(root)
     final = iteration_dir(root, iteration)
     rank = dist.get_rank()
@@ -153,7 +157,7 @@ def save_checkpoint(
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
-        "opt_param_scheduler": scheduler.state_dict(),
+        "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng_state": _rng_sharded_object(),
         "parallel_layout": _layout(),
         "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
@@ -283,7 +287,7 @@ def load_checkpoint(
         with torch.no_grad():  # copies into leaf main params (fp32 DistributedOptimizer shards)
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, common.get("adam_steps"))
-    if scheduler is not None:
+    if scheduler is not None and common.get("opt_param_scheduler") is not None:
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"][0])
