@@ -1,23 +1,8 @@
 """megatron-jreg checkpoints as hidden-state sources (read directly, no conversion step for the user).
 
-TODO(lead): implement `load_megatron_source` with the training CLI. `source.model_kind` already routes
-here any `--model` / `--checkpoints` path that `source.is_megatron_checkpoint` accepts: a run directory
-(`latest_checkpointed_iteration.txt` or `iter_*/` folders; use the latest iteration) or one
-`iter_NNNNNNN/` folder. The returned object must satisfy `source.HiddenStateSource`:
-
-- `label`, `num_layers` (L), `context_length` (seq length of the run), `pad_id`, `model_class`,
-  `convention` (`source.LAYER_IO`, or `source.FINAL_NORM` when `include_final_norm`);
-- `encode(texts) -> list[list[int]]` with the run's tokenizer (or `tokenizer` when given);
-- `layer_sums(input_ids[b, t], attention_mask[b, t], kind) -> (sums[L], counts[L])` float64 on the CPU.
-  Reuse `source.LayerDisplacementHooks(model.decoder.layers, mask.t(), kind)`: megatron's
-  TransformerLayer takes `hidden_states` [s, b, h] first and returns `(hidden_states, context)`, which
-  the hooks already handle; pass the mask transposed to [s, b]. Run under `torch.no_grad()` (not
-  `inference_mode`: the hooks use version counters). With pipeline parallelism, gather the per-rank
-  layer sums so that all L layers come back;
-- `close()`.
-
-Then Ψ and ζ here equal what the training CLI logs for the same weights and data (issue 5, "Also in
-the training run"), because both go through `jreg.displacement_sum`.
+The checkpoint is loaded by `training.inference.load_megatron_model` (TP=1/PP=1 in this process, any
+saved layout) and Ψ is recorded by `JregPlugin`, the code that logs Ψ during training: the analysis
+and the training logs share one definition and one implementation.
 """
 
 from __future__ import annotations
@@ -25,8 +10,72 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from megatron_jreg.analysis.source import HiddenStateSource
+from megatron_jreg import jreg
+from megatron_jreg.analysis.source import FINAL_NORM, LAYER_IO, AnalysisError
+
+
+class MegatronSource:
+    """A megatron-jreg GPTModel measured layer by layer (see `HiddenStateSource` for the contract)."""
+
+    def __init__(self, loaded, label: str, include_final_norm: bool = False) -> None:
+        self.loaded = loaded
+        self.label = label
+        self.num_layers = loaded.num_layers
+        self.context_length = loaded.seq_length
+        self.model_class = f"megatron-core GPTModel (iteration {loaded.iteration})"
+        self.include_final_norm = include_final_norm
+        self.convention = FINAL_NORM if include_final_norm else LAYER_IO
+        tok = loaded.tokenizer
+        self.pad_id = int(getattr(tok, "eod", 0) or 0) if tok is not None else 0
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        tok = self.loaded.tokenizer
+        if tok is None:
+            raise AnalysisError(f"{self.loaded.path}: the run had no tokenizer (mock data); pass --tokenizer PATH")
+        return [list(ids) for ids in tok.tokenize_batch(texts)]
+
+    @torch.no_grad()
+    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
+        ids, mask = _right_pad(input_ids, attention_mask.bool(), self.pad_id)
+        sums, counts = self.loaded.layer_sums(ids, mask, kind)
+        if self.include_final_norm:
+            sums[-1] = self._final_norm_sum(ids, mask, kind)
+        return sums, counts
+
+    def _final_norm_sum(self, ids: Tensor, mask: Tensor, kind: str) -> float:
+        """Σ d(h_{L-1}, final_norm(h_L)): the `output_hidden_states` convention for the last layer."""
+        model = self.loaded.model
+        captured: dict[str, Tensor] = {}
+        last = model.decoder.layers[-1]
+        h1 = last.register_forward_hook(lambda m, a, k, o: captured.__setitem__("in", k["hidden_states"]),
+                                        with_kwargs=True)
+        h2 = model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: captured.__setitem__("out", o))
+        try:
+            self.loaded.logits(ids)
+        finally:
+            h1.remove()
+            h2.remove()
+        total, _ = jreg.displacement_sum(captured["in"], captured["out"], mask.t().to(captured["in"].device), kind)
+        return float(total)
+
+    def close(self) -> None:
+        self.loaded = None
+
+
+def _right_pad(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Move each row's real tokens to the front: megatron's causal attention then never sees padding."""
+    if bool(mask.all()):
+        return ids, mask
+    out = torch.full_like(ids, pad_id)
+    new_mask = torch.zeros_like(mask)
+    for row in range(ids.shape[0]):
+        real = ids[row][mask[row]]
+        out[row, : len(real)] = real
+        new_mask[row, : len(real)] = True
+    return out, new_mask
 
 
 def load_megatron_source(
@@ -37,6 +86,12 @@ def load_megatron_source(
     device: torch.device | str,
     include_final_norm: bool = False,
     tokenizer: str | None = None,
-) -> HiddenStateSource:
-    """Load a megatron-jreg dist_checkpointing checkpoint at `path` as a source. TODO(lead)."""
-    raise NotImplementedError("megatron checkpoint analysis lands with the training CLI")
+) -> MegatronSource:
+    """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source."""
+    from megatron_jreg.training.inference import load_megatron_model
+
+    try:
+        loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer)
+    except FileNotFoundError as e:
+        raise AnalysisError(str(e)) from None
+    return MegatronSource(loaded, label, include_final_norm)

@@ -1,1 +1,12 @@
+"""Data pipeline: FineWeb-Edu / JSONL / parquet -> megatron-core indexed datasets (see docs/data.md).
 
+sources.py          inputs (files, directories, globs, HF dataset folders) -> ordered work units
+tokenizers.py       Megatron-LM --tokenizer-type tokenizers with Megatron-LM's conventions
+sentences.py        nltk Punkt sentence splitting without downloads
+indexed.py          the .bin/.idx format, written atomically
+manifest.py         per-output manifests and resume fingerprints
+preprocess.py       `megatron-jreg preprocess`
+train_tokenizer.py  `megatron-jreg train-tokenizer`
+merge.py            `megatron-jreg merge-datasets`
+text.py             plain readers for the demo, analysis and evaluation corpora
+"""

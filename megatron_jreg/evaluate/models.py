@@ -129,9 +129,38 @@ def load_hf_lm(
     return HFCausalLM(model.to(device), tokenizer, window)
 
 
+class MegatronCausalLM:
+    """A megatron-jreg checkpoint (megatron-core GPTModel, TP=1/PP=1 in this process) as a `CausalLM`.
+
+    The run's own tokenizer encodes the text the way preprocess_data.py did for training: no BOS, EOD
+    between documents; an empty context is conditioned on EOD.
+    """
+
+    def __init__(self, loaded) -> None:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{loaded.path}: the run had no tokenizer (mock data): nothing to evaluate text with")
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.eod = int(self.tokenizer.eod)
+        self.prefix_token = self.eod
+        self.vocab_size = loaded.vocab_size
+        self.max_length = loaded.seq_length
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer.tokenize(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.detokenize([i for i in ids if i != self.eod])
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.loaded.logits(tokens).cpu()
+
+
 def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM:
     """A megatron-jreg checkpoint (any TP/PP layout) as a `CausalLM`, run in-process on megatron-core.
 
     The hook for `evaluate --load`: everything downstream (LAMBADA, lm-eval) works on the returned object.
     """
-    raise NotImplementedError("megatron checkpoints land with the training CLI")
+    from megatron_jreg.training.inference import load_megatron_model
+
+    return MegatronCausalLM(load_megatron_model(path, iteration))

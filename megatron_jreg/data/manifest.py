@@ -1,0 +1,76 @@
+"""Manifests next to each output dataset (`PREFIX.manifest.json`), and atomic JSON writes.
+
+A manifest says what a `.bin/.idx` pair holds and how it was made: inputs with sizes and sha256,
+tokenizer identity, document/sequence/token counts, filters, and documents skipped by reason. It is written
+last, so its presence (with a matching fingerprint and file sizes) is what marks a shard as finished
+when a run is repeated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_jreg import __version__
+from megatron_jreg.data.indexed import bin_path, idx_path
+
+MANIFEST_FORMAT = "megatron-jreg dataset manifest v1"
+
+
+def manifest_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.manifest.json")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON under a temporary name, fsync, rename: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fingerprint(obj: Any) -> str:
+    """Stable hash of a JSON-serialisable description of how an output is made."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def new_manifest(prefix: str | Path, **fields: Any) -> dict:
+    """The manifest of a finished dataset at `prefix`, with the on-disk sizes of its two files."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": f"megatron-jreg {__version__}",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "prefix": str(prefix),
+        "files": {"bin_bytes": bin_path(prefix).stat().st_size, "idx_bytes": idx_path(prefix).stat().st_size},
+        **fields,
+    }
+
+
+def read_manifest(prefix: str | Path) -> dict | None:
+    path = manifest_path(prefix)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(prefix: str | Path, expected_fingerprint: str) -> dict | None:
+    """The manifest if the dataset at `prefix` was finished by a run with the same fingerprint, else None."""
+    manifest = read_manifest(prefix)
+    if manifest is None or manifest.get("fingerprint") != expected_fingerprint:
+        return None
+    files = manifest.get("files", {})
+    for path, key in ((bin_path(prefix), "bin_bytes"), (idx_path(prefix), "idx_bytes")):
+        if not path.is_file() or path.stat().st_size != files.get(key):
+            return None
+    return manifest

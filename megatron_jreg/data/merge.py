@@ -1,0 +1,157 @@
+"""`megatron-jreg merge-datasets`: concatenate indexed-dataset shards into one `.bin/.idx` pair.
+
+Inputs are prefixes, directories (every finished pair inside, sorted by name, as Megatron-LM's
+tools/merge_datasets.py does) or globs. Shards must share the token dtype and, where they have manifests,
+the tokenizer. The merged manifest lists each input with its sizes and sha256 and sums the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_jreg.data.indexed import (
+    IndexedWriter,
+    bin_path,
+    dataset_exists,
+    idx_path,
+    read_index,
+    remove_dataset,
+)
+from megatron_jreg.data.manifest import (
+    fingerprint,
+    is_complete,
+    manifest_path,
+    new_manifest,
+    read_manifest,
+    write_json_atomic,
+)
+from megatron_jreg.data.tokenizers import file_sha256
+
+
+def _strip_suffix(path: str) -> str:
+    for suffix in (".bin", ".idx", ".manifest.json"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
+def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[str]:
+    """Dataset prefixes named by prefixes, `.bin/.idx` paths, directories or globs (partial files ignored)."""
+    prefixes: list[str] = []
+    for pattern in patterns:
+        stripped = _strip_suffix(pattern)
+        if dataset_exists(stripped):
+            prefixes.append(stripped)
+            continue
+        if os.path.isdir(pattern):
+            candidates = sorted(str(p)[:-4] for p in Path(pattern).glob("*.idx"))
+        else:
+            candidates = sorted(
+                {_strip_suffix(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))}
+            )
+        found = [p for p in candidates if dataset_exists(p)]
+        if not found:
+            raise FileNotFoundError(f"--input {pattern}: no finished .bin/.idx pair there")
+        prefixes.extend(found)
+    unique = list(dict.fromkeys(os.path.abspath(p) for p in prefixes))
+    return [p for p in unique if exclude is None or p != os.path.abspath(exclude)]
+
+
+def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
+    """Merge datasets in the given order into `output_prefix`; returns the merged manifest.
+
+    An identical earlier merge (same inputs, sizes and mtimes) is kept and not redone.
+    """
+    prefixes = resolve_prefixes(inputs, exclude=output_prefix)
+    if not prefixes:
+        raise ValueError("--input: nothing to merge")
+    manifests = [read_manifest(p) for p in prefixes]
+    tokenizers = {str(m["tokenizer"]) for m in manifests if m is not None}
+    if len(tokenizers) > 1:
+        raise ValueError(
+            "--input: the shards were made with different tokenizers (see their .manifest.json 'tokenizer'); "
+            "merge only shards of one tokenizer"
+        )
+    described = [[p, bin_path(p).stat().st_size, os.stat(idx_path(p)).st_mtime_ns] for p in prefixes]
+    fp = fingerprint({"merge": described})
+    done = is_complete(output_prefix, fp)
+    if done is not None:
+        print(f"{output_prefix}: already merged from the same inputs, skipped", file=sys.stderr)
+        return done
+    dtype = read_index(prefixes[0]).dtype
+    manifest_path(output_prefix).unlink(missing_ok=True)
+    remove_dataset(output_prefix)
+    writer = IndexedWriter(output_prefix, dtype)
+    try:
+        for p in prefixes:
+            writer.append_dataset(p)
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    skipped: collections.Counter = collections.Counter()
+    for m in manifests:
+        skipped.update((m or {}).get("skipped", {}))
+    known = [m for m in manifests if m is not None]
+    manifest = new_manifest(
+        output_prefix,
+        fingerprint=fp,
+        dtype=np.dtype(dtype).name,
+        documents=writer.documents,
+        sequences=writer.sequences,
+        tokens=writer.tokens,
+        max_token_id=writer.max_token_id,
+        tokenizer=known[0]["tokenizer"] if known else None,
+        append_eod=known[0].get("append_eod") if known else None,
+        level=known[0].get("level") if known else None,
+        filters=known[0].get("filters") if known else None,
+        skipped=dict(sorted(skipped.items())),
+        inputs=[
+            {
+                "prefix": p,
+                "bin_bytes": bin_path(p).stat().st_size,
+                "idx_bytes": idx_path(p).stat().st_size,
+                "bin_sha256": file_sha256(bin_path(p)),
+                "idx_sha256": file_sha256(idx_path(p)),
+                "documents": read_index(p).num_documents,
+                "manifest": m is not None,
+            }
+            for p, m in zip(prefixes, manifests)
+        ],
+    )
+    write_json_atomic(manifest_path(output_prefix), manifest)
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-jreg merge-datasets", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--input", nargs="+", required=True, help="dataset prefixes, directories or globs, in order"
+    )
+    p.add_argument("--output-prefix", required=True, help="merged dataset prefix (no .bin/.idx)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        manifest = merge_datasets(args.input, args.output_prefix)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-jreg merge-datasets: error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
+        f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Input discovery and reading: FineWeb-Edu parquet, local Hugging Face dataset folders, JSONL(.gz/.zst).
+
+`resolve_inputs` turns `--input` (files, directories, globs) into a sorted file list. `iter_units` cuts the
+files into work units, in a fixed order, for the worker processes:
+
+    JSONL      blocks of whole lines (~`block_bytes`), read and decompressed by the main process
+    parquet    one row group, read by the worker (decompression runs in parallel)
+    HF arrow   record-batch slices of a `save_to_disk` folder's .arrow files, read by the main process
+
+`read_records` (in a worker) turns a unit into records: the text of each `--json-keys` key, the
+FineWeb-Edu `int_score`, and where the record came from (file:line or file:row), or the reason it is bad.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
+TEXT_SUFFIXES = (".txt",)  # plain text: only for tokenizer training (one sample per line)
+SUPPORTED_SUFFIXES = (".parquet", ".arrow", *JSONL_SUFFIXES)
+
+# Reasons a record is skipped (errors; --on-error fail stops at the first) ...
+ERROR_REASONS = (
+    "malformed_json",
+    "missing_key",
+    "not_a_string",
+    "not_utf8",
+    "missing_int_score",
+    "unreadable_file",
+)
+# ... and reasons that are filters or empty input (never an error).
+FILTER_REASONS = ("empty", "blank_line", "below_min_int_score", "too_short")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str
+    kind: str  # "jsonl" | "parquet" | "arrow" | "text"
+    size: int
+
+
+def _kind(path: str, allow_text: bool) -> str | None:
+    name = path.lower()
+    if name.endswith(".manifest.json"):  # our own manifests, when outputs sit next to the inputs
+        return None
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if allow_text and name.endswith(TEXT_SUFFIXES):
+        return "text"
+    return None
+
+
+def _hf_folder_files(folder: Path, split: str | None) -> list[Path] | None:
+    """The .arrow files of a `datasets` save_to_disk folder (DatasetDict: the `split`), or None."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        split = split or ("train" if "train" in splits else None)
+        if split not in splits:
+            raise ValueError(
+                f"--input {folder}: a DatasetDict with splits {splits}; choose one with --hf-split"
+            )
+        folder = folder / split
+    if not (folder / "state.json").is_file():
+        return None
+    state = json.loads((folder / "state.json").read_text())
+    return [folder / f["filename"] for f in state["_data_files"]]
+
+
+def resolve_inputs(
+    patterns: list[str], hf_split: str | None = None, allow_text: bool = False
+) -> list[InputFile]:
+    """Files named by `--input`: a file, a directory (searched recursively, or a HF dataset folder), a glob.
+
+    Order is deterministic: each pattern's files sorted by path, patterns in the order given.
+    """
+    files: list[Path] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.is_file():
+            if _kind(str(path), allow_text) is None:
+                raise ValueError(
+                    f"--input {path}: unsupported file type; use {', '.join(SUPPORTED_SUFFIXES)}"
+                )
+            files.append(path)
+        elif path.is_dir():
+            hf = _hf_folder_files(path, hf_split)
+            if hf is not None:
+                files.extend(hf)
+                continue
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and _kind(str(p), allow_text)
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            if not found:
+                raise ValueError(
+                    f"--input {path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory"
+                )
+            files.extend(found)
+        else:
+            found = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if _kind(p, allow_text))
+            if not found:
+                raise FileNotFoundError(
+                    f"--input {pattern}: no such file, directory, or matching input files"
+                )
+            files.extend(found)
+    unique = list(dict.fromkeys(p.resolve() for p in files))
+    return [InputFile(str(p), _kind(str(p), allow_text) or "", p.stat().st_size) for p in unique]
+
+
+def open_binary(path: str, raw: io.BufferedIOBase | None = None) -> io.BufferedIOBase:
+    """Open a file (or wrap its open `raw` handle), decompressing .gz and .zst transparently."""
+    name = path.lower()
+    raw = raw or open(path, "rb")
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if name.endswith((".zst", ".zstd")):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
+    return raw
+
+
+@dataclass
+class Unit:
+    """One piece of work, processed by one worker call; units of a file come in file order."""
+
+    path: str
+    kind: str
+    index: int  # block / row group / slice number within the file
+    input_bytes: int  # share of the file's on-disk bytes (progress and ETA)
+    first_line: int = 1  # jsonl: line number of data's first line
+    data: bytes | None = None  # jsonl: whole lines
+    table: Any = None  # arrow: a pyarrow Table slice
+    first_row: int = 0  # arrow/parquet: row number of the first row
+    error: str | None = None  # unreadable file: why
+
+
+def _jsonl_units(file: InputFile, block_bytes: int) -> Iterator[Unit]:
+    raw = open(file.path, "rb")
+    stream = open_binary(file.path, raw)  # raw.tell() is the compressed position: progress and ETA
+    line, index, consumed, rest = 1, 0, 0, b""
+    try:
+        while True:
+            chunk = stream.read(block_bytes)
+            data = rest + chunk
+            if not chunk:
+                if data:
+                    yield Unit(file.path, "jsonl", index, file.size - consumed, line, data)
+                return
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            data, rest = data[:cut], data[cut:]
+            position = raw.tell() if stream is not raw else consumed + len(data)
+            yield Unit(file.path, "jsonl", index, max(position - consumed, 0), line, data)
+            consumed, index, line = max(position, consumed), index + 1, line + data.count(b"\n")
+    except Exception as e:  # truncated or corrupt compressed stream (EOFError, zstd errors, ...)
+        yield Unit(file.path, "jsonl", index, file.size - consumed, line, error=f"{type(e).__name__}: {e}")
+    finally:
+        stream.close()
+        raw.close()
+
+
+def _parquet_units(file: InputFile) -> Iterator[Unit]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file.path).metadata
+    except Exception as e:  # any reader failure: unreadable
+        yield Unit(file.path, "parquet", 0, file.size, error=f"{type(e).__name__}: {e}")
+        return
+    rows = max(meta.num_rows, 1)
+    first = 0
+    for rg in range(meta.num_row_groups):
+        n = meta.row_group(rg).num_rows
+        yield Unit(file.path, "parquet", rg, file.size * n // rows, first_row=first)
+        first += n
+
+
+def _arrow_units(file: InputFile, columns: list[str], rows_per_unit: int) -> Iterator[Unit]:
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(file.path)
+        try:
+            table = pa.ipc.open_stream(source).read_all()  # `datasets` writes the streaming format
+        except pa.ArrowInvalid:
+            table = pa.ipc.open_file(source).read_all()
+    except Exception as e:
+        yield Unit(file.path, "arrow", 0, file.size, error=f"{type(e).__name__}: {e}")
+        return
+    wanted = [c for c in columns if c in table.column_names]
+    table = table.select(wanted)
+    rows = max(table.num_rows, 1)
+    for index, start in enumerate(range(0, table.num_rows, rows_per_unit)):
+        piece = table.slice(start, rows_per_unit)
+        yield Unit(
+            file.path, "arrow", index, file.size * piece.num_rows // rows, table=piece, first_row=start
+        )
+
+
+def iter_units(files: list[InputFile], columns: list[str], block_bytes: int = 1 << 20) -> Iterator[Unit]:
+    """Work units of `files` in order; `columns` are the text keys (+ int_score when filtering)."""
+    for file in files:
+        if file.kind == "jsonl":
+            yield from _jsonl_units(file, block_bytes)
+        elif file.kind == "parquet":
+            yield from _parquet_units(file)
+        elif file.kind == "arrow":
+            yield from _arrow_units(file, columns, rows_per_unit=2048)
+        else:
+            raise ValueError(f"{file.path}: {file.kind} input is only supported for tokenizer training")
+
+
+@dataclass
+class Records:
+    """Records of one unit: texts[key][i], int_scores[i], and bad records as (position, reason, where)."""
+
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    int_scores: list[Any] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # record ordinal within the unit
+    where: list[str] = field(default_factory=list)  # file:line / file:row of each good record
+    bad: list[tuple[int, str, str]] = field(default_factory=list)
+    count: int = 0  # records seen (good + bad)
+
+
+def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
+    out = Records(texts={k: [] for k in keys})
+    lines = unit.data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for offset, raw in enumerate(lines):
+        pos, where = out.count, f"{unit.path}:{unit.first_line + offset}"
+        out.count += 1
+        if not raw.strip():
+            out.bad.append((pos, "blank_line", where))
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            out.bad.append((pos, "not_utf8", f"{where} ({e.reason} at byte {e.start})"))
+            continue
+        except ValueError as e:
+            out.bad.append((pos, "malformed_json", f"{where} ({e})"))
+            continue
+        if not isinstance(record, dict):
+            out.bad.append(
+                (pos, "malformed_json", f"{where} (a JSON {type(record).__name__}, not an object)")
+            )
+            continue
+        values = [record.get(k) for k in keys]
+        missing = [k for k, v in zip(keys, values) if v is None]
+        if missing:
+            out.bad.append((pos, "missing_key", f"{where} (no {missing[0]!r}; keys: {sorted(record)[:8]})"))
+            continue
+        if not all(isinstance(v, str) for v in values):
+            out.bad.append((pos, "not_a_string", f"{where} ({keys[0]!r} holds a non-string value)"))
+            continue
+        score = record.get("int_score") if want_score else None
+        if want_score and (isinstance(score, bool) or not isinstance(score, int | float)):
+            out.bad.append(
+                (pos, "missing_int_score", f"{where} (no numeric 'int_score' for --min-int-score)")
+            )
+            continue
+        for k, v in zip(keys, values):
+            out.texts[k].append(v)
+        out.int_scores.append(score)
+        out.positions.append(pos)
+        out.where.append(where)
+    return out
+
+
+def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool) -> Records:
+    import pyarrow as pa
+
+    out = Records(texts={k: [] for k in keys})
+    n = table.num_rows
+    out.count = n
+    label = f"{unit.path}:row"
+    missing = [k for k in keys if k not in table.column_names]
+    if missing or (want_score and "int_score" not in table.column_names):
+        reason = "missing_key" if missing else "missing_int_score"
+        what = missing[0] if missing else "int_score"
+        out.bad = [
+            (
+                i,
+                reason,
+                f"{label} {unit.first_row + i} (no column {what!r}; columns: {table.column_names[:10]})",
+            )
+            for i in range(n)
+        ]
+        return out
+    columns = {}
+    for k in keys:
+        col = table.column(k)
+        if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+            values = []
+            for b in col.to_pylist():
+                try:
+                    values.append(None if b is None else b.decode("utf-8"))
+                except UnicodeDecodeError:
+                    values.append(UnicodeDecodeError)
+            columns[k] = values
+        elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            columns[k] = col.to_pylist()
+        else:
+            columns[k] = [None if v is None else TypeError for v in col.to_pylist()]
+    scores = table.column("int_score").to_pylist() if want_score else [None] * n
+    for i in range(n):
+        where = f"{label} {unit.first_row + i}"
+        values = [columns[k][i] for k in keys]
+        if any(v is None for v in values):
+            out.bad.append((i, "missing_key", f"{where} (null {keys[0]!r})"))
+        elif any(v is UnicodeDecodeError for v in values):
+            out.bad.append((i, "not_utf8", where))
+        elif any(v is TypeError for v in values):
+            out.bad.append((i, "not_a_string", f"{where} ({keys[0]!r} is {table.column(keys[0]).type})"))
+        elif want_score and (isinstance(scores[i], bool) or not isinstance(scores[i], int | float)):
+            out.bad.append((i, "missing_int_score", where))
+        else:
+            for k, v in zip(keys, values):
+                out.texts[k].append(v)
+            out.int_scores.append(scores[i])
+            out.positions.append(i)
+            out.where.append(where)
+    return out
+
+
+def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
+    """Parse a unit into records (runs in a worker). An unreadable file yields one `unreadable_file` entry."""
+    if unit.error is not None:
+        return Records(
+            texts={k: [] for k in keys}, bad=[(0, "unreadable_file", f"{unit.path} ({unit.error})")], count=1
+        )
+    if unit.kind == "jsonl":
+        return _jsonl_records(unit, keys, want_score)
+    if unit.kind == "arrow":
+        return _table_records(unit, unit.table, keys, want_score)
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(unit.path)
+        present = set(pf.schema_arrow.names)
+        wanted = [c for c in [*keys, *(["int_score"] if want_score else [])] if c in present]
+        table = pf.read_row_group(unit.index, columns=wanted)
+    except Exception as e:  # a corrupt row group
+        return Records(
+            texts={k: [] for k in keys},
+            count=1,
+            bad=[(0, "unreadable_file", f"{unit.path} row group {unit.index} ({type(e).__name__}: {e})")],
+        )
+    return _table_records(unit, table, keys, want_score)
+
+
+def iter_texts(files: list[InputFile], key: str = "text") -> Iterator[str]:
+    """Every readable text of `files` in order (tokenizer and Punkt training); bad records are skipped."""
+    for file in files:
+        if file.kind == "text":
+            with open(file.path, encoding="utf-8", errors="replace") as f:
+                yield from (line for line in f if line.strip())
+            continue
+        for unit in iter_units([file], [key]):
+            yield from read_records(unit, [key], want_score=False).texts[key]

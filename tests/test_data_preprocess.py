@@ -1,0 +1,354 @@
+"""Preprocessing behaviour: round trips, FineWeb-Edu parquet filters, bad input, interruption, shards."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_jreg.data import merge
+from megatron_jreg.data import preprocess as pp
+from megatron_jreg.data.indexed import dataset_exists, read_documents, read_index
+from megatron_jreg.data.manifest import read_manifest
+from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+from megatron_jreg.data.sentences import SentenceSplitter, load_punkt_tab
+from megatron_jreg.data.text import wikitext_articles
+from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+WIKI = ROOT / "examples" / "data" / "wikitext-2"
+FINEWEB_COLUMNS = [
+    "text",
+    "id",
+    "dump",
+    "url",
+    "file_path",
+    "language",
+    "language_score",
+    "token_count",
+    "score",
+    "int_score",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    return train_tokenizer([str(WIKI / "valid.txt")], str(out), 600, "hf-bpe", max_chars=150_000)
+
+
+@pytest.fixture(scope="module")
+def tok(bpe):
+    return build_tokenizer("HuggingFaceTokenizer", bpe)
+
+
+@pytest.fixture(scope="module")
+def articles() -> list[str]:
+    return wikitext_articles(WIKI / "valid.txt")[:24]
+
+
+def _write_jsonl(path: Path, texts: list[str], **extra) -> Path:
+    lines = "".join(
+        json.dumps({"text": t, **{k: v[i] for k, v in extra.items()}}) + "\n" for i, t in enumerate(texts)
+    )
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(lines.encode()))
+    elif path.suffix == ".zst":
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    else:
+        path.write_text(lines, encoding="utf-8")
+    return path
+
+
+def _run(bpe: str, inputs, prefix: Path, **kw) -> dict:
+    inputs = [str(p) for p in (inputs if isinstance(inputs, list) else [inputs])]
+    cfg = PreprocessConfig(
+        input=inputs,
+        output_prefix=str(prefix),
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=bpe,
+        append_eod=True,
+        **kw,
+    )
+    return preprocess(cfg)
+
+
+def _docs(prefix: Path, level: str = "document") -> list[list[int]]:
+    return [d.tolist() for d in read_documents(f"{prefix}_text_{level}")]
+
+
+def _bytes(prefix: Path) -> tuple[bytes, bytes]:
+    return Path(f"{prefix}_text_document.bin").read_bytes(), Path(f"{prefix}_text_document.idx").read_bytes()
+
+
+def test_round_trip_any_compression_any_worker_count(bpe, tok, articles, tmp_path, monkeypatch):
+    """Tokens read back equal direct tokenization + eod: .jsonl/.gz/.zst, 1 or 2 workers, any unit size."""
+    plain = _write_jsonl(tmp_path / "a.jsonl", articles)
+    summary = _run(bpe, plain, tmp_path / "plain")
+    assert _docs(tmp_path / "plain") == [tok.tokenize(t) + [tok.eod] for t in articles]
+    assert summary["documents"] == len(articles) and summary["tokenizer_backend"] == "tiktoken"
+    assert summary["dtype"] == "uint16" and read_index(tmp_path / "plain_text_document").dtype == np.uint16
+    manifest = read_manifest(tmp_path / "plain_text_document")
+    assert manifest["documents"] == len(articles) and manifest["tokens"] == summary["tokens"]
+    assert manifest["tokenizer"]["eod"] == tok.eod and len(manifest["inputs"][0]["sha256"]) == 64
+    assert manifest["max_token_id"] == max(max(d) for d in _docs(tmp_path / "plain"))
+
+    expected = _bytes(tmp_path / "plain")
+    for suffix in (".jsonl.gz", ".jsonl.zst"):
+        _run(bpe, _write_jsonl(tmp_path / f"a{suffix}", articles), tmp_path / suffix[-3:], block_mb=0.05)
+        assert _bytes(tmp_path / suffix[-3:]) == expected
+    _run(bpe, plain, tmp_path / "two", workers=2, block_mb=0.03)
+    assert _bytes(tmp_path / "two") == expected
+    monkeypatch.setattr(pp, "BATCH_BYTES", 5_000)  # many tokenizer batches inside one unit
+    _run(bpe, plain, tmp_path / "batches", block_mb=4)
+    assert _bytes(tmp_path / "batches") == expected
+
+
+def _fineweb_table(texts: list[str]):
+    import pyarrow as pa
+
+    n = len(texts)
+    return pa.table(
+        {
+            "text": texts,
+            "id": [f"<urn:uuid:{i}>" for i in range(n)],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.org/{i}" for i in range(n)],
+            "file_path": ["s3://commoncrawl/x.warc.gz"] * n,
+            "language": ["en"] * n,
+            "language_score": [0.95] * n,
+            "token_count": [len(t.split()) for t in texts],
+            "score": [(i % 6) + 0.25 for i in range(n)],
+            "int_score": [i % 6 for i in range(n)],
+        }
+    )
+
+
+def test_fineweb_parquet_filters_and_hf_folder(bpe, tok, articles, tmp_path):
+    import pyarrow.parquet as pq
+
+    table = _fineweb_table(articles)
+    assert table.column_names == FINEWEB_COLUMNS
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table.slice(0, 14), tmp_path / "pq" / "000_00000.parquet", row_group_size=5)
+    pq.write_table(table.slice(14), tmp_path / "pq" / "001_00000.parquet", row_group_size=4)
+
+    summary = _run(bpe, tmp_path / "pq", tmp_path / "edu", min_int_score=3)
+    kept = [t for i, t in enumerate(articles) if i % 6 >= 3]
+    assert _docs(tmp_path / "edu") == [tok.tokenize(t) + [tok.eod] for t in kept]
+    assert summary["skipped"] == {"below_min_int_score": len(articles) - len(kept)}
+    assert read_manifest(tmp_path / "edu_text_document")["filters"]["min_int_score"] == 3
+
+    min_chars = min(len(t) for t in kept[:5]) + 1  # at least one short document before the --max-docs cut
+    summary = _run(
+        bpe,
+        str(tmp_path / "pq" / "*.parquet"),
+        tmp_path / "short",
+        min_int_score=3,
+        min_chars=min_chars,
+        max_docs=4,
+    )
+    long_enough = [t for t in kept if len(t) >= min_chars]
+    assert _docs(tmp_path / "short") == [tok.tokenize(t) + [tok.eod] for t in long_enough[:4]]
+    before_cut = kept[: kept.index(long_enough[3])]  # records after the 4th kept document are not read
+    assert summary["skipped"]["too_short"] == sum(len(t) < min_chars for t in before_cut) >= 1
+
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict(table.to_pydict()).save_to_disk(str(tmp_path / "hf"))
+    _run(bpe, tmp_path / "hf", tmp_path / "hfout", min_int_score=3)
+    assert _bytes(tmp_path / "hfout") == _bytes(tmp_path / "edu")
+
+
+def test_bad_input_is_counted_by_reason(bpe, tok, articles, tmp_path, capsys):
+    good = articles[:3]
+    lines = [
+        json.dumps({"text": good[0]}).encode(),
+        b'{"text": "unterminated',  # line 2
+        json.dumps({"body": "no text key"}).encode(),
+        b'{"text": "caf\xe9 in latin-1"}',  # not UTF-8
+        json.dumps({"text": ""}).encode(),
+        b"",  # blank line
+        json.dumps({"text": None}).encode(),
+        json.dumps({"text": 42}).encode(),
+        b'{"text": "lone surrogate \\ud800"}',
+        b"[1, 2, 3]",
+        json.dumps({"text": good[1]}).encode(),
+        json.dumps({"text": " "}).encode(),  # whitespace has tokens: kept, as Megatron-LM does
+    ]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (folder / "b.parquet").write_bytes(b"PAR1 this is not a parquet file")
+    (folder / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": good[2]}).encode() * 50)[:40])
+    _write_jsonl(folder / "d.jsonl", [good[2]])
+
+    summary = _run(bpe, folder, tmp_path / "out", log_interval=1)
+    assert summary["skipped"] == {
+        "blank_line": 1,
+        "empty": 1,
+        "malformed_json": 2,
+        "missing_key": 2,
+        "not_a_string": 1,
+        "not_utf8": 2,
+        "unreadable_file": 2,
+    }
+    assert _docs(tmp_path / "out") == [tok.tokenize(t) + [tok.eod] for t in [good[0], good[1], " ", good[2]]]
+    assert summary["skipped_examples"]["malformed_json"][0].startswith(f"{folder / 'a.jsonl'}:2 ")
+    assert read_manifest(tmp_path / "out_text_document")["skipped"] == summary["skipped"]
+    progress = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("processed ")]
+    assert [ln.split(" (")[0] for ln in progress] == ["processed 3 docs", "processed 4 docs"]
+    assert "ETA" in progress[0]
+
+    with pytest.raises(PreprocessError, match=rf"{folder / 'a.jsonl'}:2 .*malformed_json.*--on-error skip"):
+        _run(bpe, folder, tmp_path / "strict", on_error="fail")
+    assert not list(tmp_path.glob("strict*"))  # nothing left behind, not even partial files
+    assert (
+        pp.main(
+            [
+                "--input",
+                str(folder),
+                "--output-prefix",
+                str(tmp_path / "cli"),
+                "--tokenizer-type",
+                "HuggingFaceTokenizer",
+                "--tokenizer-model",
+                bpe,
+                "--on-error",
+                "fail",
+            ]
+        )
+        == 1
+    )
+    assert "a.jsonl:2" in capsys.readouterr().err
+
+
+KILL_SCRIPT = """
+import json, os, signal, sys
+from megatron_jreg.data import indexed
+from megatron_jreg.data.preprocess import PreprocessConfig, preprocess
+add, calls = indexed.IndexedWriter.add_documents, []
+def add_then_die(self, *args):
+    add(self, *args)
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as abrupt as a node failure: no cleanup runs
+indexed.IndexedWriter.add_documents = add_then_die
+preprocess(PreprocessConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_interrupted_run_leaves_no_complete_output_then_resumes(bpe, tok, articles, tmp_path):
+    src = _write_jsonl(tmp_path / "a.jsonl", articles)
+    prefix = tmp_path / "out"
+    args = {
+        "input": [str(src)],
+        "output_prefix": str(prefix),
+        "tokenizer_type": "HuggingFaceTokenizer",
+        "tokenizer_model": bpe,
+        "append_eod": True,
+        "block_mb": 0.02,
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(args)], env=env, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert Path(f"{prefix}_text_document.bin.partial").stat().st_size > 0  # it was killed mid-write
+    assert not dataset_exists(f"{prefix}_text_document")
+    assert not Path(f"{prefix}_text_document.manifest.json").exists()
+
+    summary = preprocess(PreprocessConfig(**args))  # the same command again redoes the shard
+    assert summary["shards"]["written"] == [0]
+    assert _docs(prefix) == [tok.tokenize(t) + [tok.eod] for t in articles]
+    assert not list(tmp_path.glob("*.partial"))
+    mtime = Path(f"{prefix}_text_document.bin").stat().st_mtime_ns
+    summary = preprocess(PreprocessConfig(**args))  # and now skips it
+    assert summary["shards"] == {"written": [], "already_complete": [0], "not_written": []}
+    assert summary["documents"] == len(articles)
+    assert Path(f"{prefix}_text_document.bin").stat().st_mtime_ns == mtime
+
+
+def test_output_shards_resume_and_merge(bpe, articles, tmp_path):
+    files = [_write_jsonl(tmp_path / f"part{i}.jsonl", articles[i * 8 : (i + 1) * 8]) for i in range(3)]
+    _run(bpe, files, tmp_path / "single")
+    summary = _run(bpe, str(tmp_path / "part*.jsonl"), tmp_path / "sh", output_shards=2)
+    shard_prefixes = [f"{tmp_path}/sh_{i:05d}_text_document" for i in range(2)]
+    assert summary["outputs"] == shard_prefixes and summary["shards"]["written"] == [0, 1]
+    assert [len(read_manifest(p)["inputs"]) for p in shard_prefixes] == [2, 1]
+
+    summary = _run(bpe, str(tmp_path / "part*.jsonl"), tmp_path / "node", output_shards=2, shard_ids=[1])
+    assert summary["outputs"] == [f"{tmp_path}/node_00001_text_document"]  # one node's share of the shards
+    assert _bytes(tmp_path / "node_00001") == _bytes(tmp_path / "sh_00001")
+
+    files[1].write_text(files[1].read_text() + json.dumps({"text": "one more document"}) + "\n")
+    summary = _run(bpe, str(tmp_path / "part*.jsonl"), tmp_path / "sh", output_shards=2)
+    assert summary["shards"]["written"] == [0] and summary["shards"]["already_complete"] == [1]
+
+    files[1].write_text("".join(files[1].read_text().splitlines(keepends=True)[:-1]))
+    _run(bpe, str(tmp_path / "part*.jsonl"), tmp_path / "sh", output_shards=2)
+    assert (
+        merge.main(
+            [
+                "--input",
+                str(tmp_path / "sh_*_text_document.idx"),
+                "--output-prefix",
+                str(tmp_path / "merged_text_document"),
+            ]
+        )
+        == 0
+    )
+    assert _bytes(tmp_path / "merged") == _bytes(tmp_path / "single")
+    merged = read_manifest(tmp_path / "merged_text_document")
+    assert merged["documents"] == len(articles) and [i["prefix"] for i in merged["inputs"]] == shard_prefixes
+    assert merged["tokenizer"] == read_manifest(shard_prefixes[0])["tokenizer"]
+    assert merged["max_token_id"] == max(read_manifest(p)["max_token_id"] for p in shard_prefixes)
+    with pytest.raises(ValueError, match="--output-shards 4 but the input has only 3 file"):
+        _run(bpe, files, tmp_path / "too_many", output_shards=4)
+
+
+def test_split_sentences_trains_punkt_when_no_model_is_given(bpe, tok, articles, tmp_path, monkeypatch):
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path / "no_nltk_data"))
+    import nltk.data
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
+    src = _write_jsonl(tmp_path / "a.jsonl", articles[:6])
+    summary = _run(bpe, src, tmp_path / "s", split_sentences=True, punkt_train_chars=40_000)
+    saved = summary["sentence_splitter"]["saved"]
+    assert summary["sentence_splitter"]["trained_chars"] == 40_000 and summary["level"] == "sentence"
+    splitter = SentenceSplitter(load_punkt_tab(saved))
+    index = read_index(tmp_path / "s_text_sentence")
+    expected_docs, expected_lengths = [], []
+    for text in articles[:6]:
+        sentences = [ids for ids in map(tok.tokenize, splitter.split(text)) if ids]
+        sentences[-1].append(tok.eod)
+        expected_docs.append([t for s in sentences for t in s])
+        expected_lengths += [len(s) for s in sentences]
+    assert len(expected_lengths) > 3 * len(expected_docs)  # really split into sentences
+    assert _docs(tmp_path / "s", "sentence") == expected_docs
+    assert index.sequence_lengths.tolist() == expected_lengths
+
+    summary = _run(bpe, src, tmp_path / "given", split_sentences=True, punkt_model=saved)
+    assert summary["sentence_splitter"]["source"] == f"punkt_tab {saved}"
+    assert _docs(tmp_path / "given", "sentence") == expected_docs
+
+
+def test_configuration_errors_name_the_flag(bpe, articles, tmp_path):
+    src = _write_jsonl(tmp_path / "a.jsonl", articles[:2])
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(f"{bpe}/tokenizer.json").save(str(tmp_path / "tokenizer.json"))  # no eos_token config
+    with pytest.raises(ValueError, match="--append-eod"):
+        _run(str(tmp_path), src, tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="--input .*nothing_here"):
+        _run(bpe, tmp_path / "nothing_here*.jsonl", tmp_path / "x")
+    with pytest.raises(ValueError, match="--workers must be >= 1"):
+        _run(bpe, src, tmp_path / "x", workers=0)
+    with pytest.raises(ValueError, match="--keep-newlines only applies with --split-sentences"):
+        _run(bpe, src, tmp_path / "x", keep_newlines=True)

@@ -1,0 +1,168 @@
+"""Tokenizers: Megatron-LM conventions, the tiktoken fast path's exactness, clear errors."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_jreg.data.tokenizers import HuggingFaceTokenizer, build_tokenizer
+from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+WIKI = Path(__file__).resolve().parent.parent / "examples" / "data" / "wikitext-2"
+TRICKY = [
+    "Plain English, with numbers 1234567 and 3.14159.",
+    "Whitespace:   three spaces\n\n\ttab\r\nCRLF   \n  trailing   ",
+    "Unicode: naïve café — 東京 😀 ｆｕｌｌ Ω≈ç √ ∫ \u200b zero-width",
+    "Special text inside: before<|endoftext|>after and <|endoftext|><|endoftext|>",
+    "Contractions: don't I'LL we've they'd it's O'Neil's",
+    "",
+    " ",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_bpe(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    return train_tokenizer([str(WIKI / "valid.txt")], str(out), 1000, "hf-bpe", max_chars=300_000)
+
+
+def _reference_ids(folder: str, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).encode(text).ids
+
+
+def test_hf_bpe_fast_path_matches_tokenizers_library(hf_bpe):
+    tok = build_tokenizer("HuggingFaceTokenizer", hf_bpe)
+    assert tok.backend == "tiktoken"
+    assert tok.vocab_size == 1000 and tok.eod == 0 and tok.pad is None
+    texts = TRICKY + (WIKI / "test.txt").read_text(encoding="utf-8")[:200_000].split("\n")
+    expected = [_reference_ids(hf_bpe, t) for t in TRICKY]
+    assert [tok.tokenize(t) for t in TRICKY] == expected
+    assert tok.tokenize_batch(texts) == [e.ids for e in tok._hf.encode_batch(texts)]
+    threaded = build_tokenizer("HuggingFaceTokenizer", hf_bpe, threads=2)  # tiktoken's own thread pool
+    assert threaded.tokenize_batch(texts) == tok.tokenize_batch(texts)
+    assert tok.tokenize("a<|endoftext|>b")[1] == tok.eod
+    assert tok.detokenize(tok.tokenize(TRICKY[2])) == TRICKY[2]
+
+
+def test_llama3_style_tokenizer_json_with_bos_template(hf_bpe, tmp_path):
+    """Split+ByteLevel pre-tokenizer and a BOS post-processor also run on tiktoken, with the BOS added."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers, processors
+
+    hf = Tokenizer.from_file(f"{hf_bpe}/tokenizer.json")
+    hf.add_special_tokens(["<|begin_of_text|>"])
+    bos = hf.token_to_id("<|begin_of_text|>")
+    pattern = (  # Llama-3's
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), "isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+    )
+    hf.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+            ),
+        ]
+    )
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    tok = HuggingFaceTokenizer(tmp_path)
+    assert tok.backend == "tiktoken"
+    assert [tok.tokenize(t) for t in TRICKY] == [hf.encode(t).ids for t in TRICKY]
+    assert tok.tokenize("hello")[0] == bos and tok.vocab_size == 1001
+
+
+def test_unconvertible_tokenizer_falls_back_to_tokenizers(hf_bpe, tmp_path):
+    from tokenizers import Tokenizer, normalizers
+
+    hf = Tokenizer.from_file(f"{hf_bpe}/tokenizer.json")
+    hf.normalizer = normalizers.NFKC()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = HuggingFaceTokenizer(tmp_path)
+    assert tok.backend.startswith("tokenizers (no exact tiktoken conversion: a normalizer")
+    assert tok.eod is None  # no tokenizer_config.json: no eos token, so --append-eod will refuse
+    assert tok.tokenize_batch(TRICKY) == [hf.encode(t).ids for t in TRICKY]
+    assert tok.tokenize(TRICKY[2]) != _reference_ids(hf_bpe, TRICKY[2])  # NFKC really changed the ids
+
+
+def test_gpt2_bpe_from_vocab_and_merges_matches_transformers(hf_bpe, tmp_path):
+    """GPT2BPETokenizer follows GPT2TokenizerFast(vocab, merges), which Megatron-LM loads for this type."""
+    from transformers import GPT2TokenizerFast
+
+    model = json.loads(Path(f"{hf_bpe}/tokenizer.json").read_text())["model"]
+    (tmp_path / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    tok = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt")
+    )
+    ref = GPT2TokenizerFast.from_pretrained(tmp_path)  # reads vocab.json + merges.txt
+    assert tok.backend == "tiktoken"
+    assert tok.eod == ref.eos_token_id == 0 and tok.vocab_size == len(ref)
+    assert [tok.tokenize(t) for t in TRICKY] == [ref(t).input_ids for t in TRICKY]
+
+
+def _tiktoken_entries(hf_bpe: str) -> list[dict]:
+    """Megatron-LM's tiktoken JSON from a byte-level BPE: 256 bytes, then merged tokens in merge order."""
+    from megatron_jreg.data.tokenizers import _byte_to_unicode
+
+    to_byte = {c: b for b, c in _byte_to_unicode().items()}
+    model = json.loads(Path(f"{hf_bpe}/tokenizer.json").read_text())["model"]
+    pieces = [bytes([b]) for b in range(256)]
+    pieces += [bytes(to_byte[c] for c in "".join(m)) for m in model["merges"]]
+    return [
+        {"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": p.decode("utf-8", "replace")}
+        for i, p in enumerate(pieces)
+    ]
+
+
+def test_tiktokenizer_megatron_json_and_tiktoken_file(hf_bpe, tmp_path):
+    entries = _tiktoken_entries(hf_bpe)
+    (tmp_path / "vocab.json").write_text(json.dumps(entries))
+    tok = build_tokenizer("TikTokenizer", str(tmp_path / "vocab.json"), vocab_size=1000 + len(entries))
+    assert tok.eod == 2 and tok.pad == 4 and tok.vocab_size == 1000 + len(entries)
+    ids = tok.tokenize("Hello world</s>")
+    assert ids[-1] == 2 and min(ids[:-1]) >= 1000  # text ids are shifted past the 1000 special tokens
+    assert tok.detokenize(ids) == "Hello world</s>"
+
+    lines = [f"{e['token_bytes']} {e['rank']}" for e in entries]
+    (tmp_path / "cl100k_base.tiktoken").write_text("\n".join(lines) + "\n")
+    tok = build_tokenizer("TikTokenizer", str(tmp_path / "cl100k_base.tiktoken"))
+    assert tok.eod == 100257 and tok.vocab_size == 100277
+    assert tok.detokenize(tok.tokenize(TRICKY[2])) == TRICKY[2]
+    (tmp_path / "mystery.tiktoken").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="unknown tiktoken encoding 'mystery'"):
+        build_tokenizer("TikTokenizer", str(tmp_path / "mystery.tiktoken"))
+
+
+def test_sentencepiece_conventions(tmp_path):
+    import sentencepiece
+
+    model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "sp"), 500, max_chars=200_000)
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert (tok.vocab_size, tok.eod, tok.pad) == (500, sp.eos_id(), None) and tok.eod == 2
+    assert tok.tokenize_batch(TRICKY) == [sp.encode(t) for t in TRICKY]
+    assert tok.identity["type"] == "SentencePieceTokenizer" and len(tok.identity["sha256"]) == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (("BertWordPieceCase",), ValueError, "--tokenizer-type 'BertWordPieceCase' is not supported"),
+        (("SentencePieceTokenizer", "/nonexistent.model"), FileNotFoundError, "--tokenizer-model"),
+        (("HuggingFaceTokenizer", "/nonexistent"), FileNotFoundError, "no tokenizer.json"),
+        (("GPT2BPETokenizer",), FileNotFoundError, "--vocab-file"),
+        (("TikTokenizer", "/nonexistent.json"), FileNotFoundError, "no download happens"),
+    ],
+)
+def test_build_tokenizer_errors_name_the_flag(args, error, match):
+    with pytest.raises(error, match=match):
+        build_tokenizer(*args)
