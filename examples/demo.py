@@ -60,6 +60,7 @@ def prepare_data(out: Path, vocab_size: int) -> tuple[str, Path]:
 def train_args(args: argparse.Namespace, tokenizer: str, data: Path, run_dir: Path) -> list[str]:
     return [
         "--num-layers", "6", "--hidden-size", "192", "--num-attention-heads", "6", "--ffn-hidden-size", "512",
+        "--untie-embeddings-and-output-weights",
         "--seq-length", "128", "--micro-batch-size", str(args.batch_size), "--global-batch-size",
         str(args.batch_size), "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-warmup-iters", str(max(1, args.train_iters // 20)), "--lr-decay-style", "cosine",

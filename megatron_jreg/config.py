@@ -35,7 +35,7 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     swiglu: bool = True
     disable_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = True
+    untie_embeddings_and_output_weights: bool = False  # Megatron-LM default: tied
     init_method_std: float = 0.02
     vocab_size: int | None = None  # true vocabulary size (from the tokenizer), before padding
     make_vocab_size_divisible_by: int = 128
@@ -146,8 +146,10 @@ class Preset:
     extra: dict = field(default_factory=dict)
 
 
-# The paper gives layers × hidden (12×768, 16×2048, 30×3072). Heads, FFN width and vocabulary follow
-# the Llama recipes of those widths (see README "Model presets" for where each number comes from).
+# The paper gives layers × hidden (12×768, 16×2048, 30×3072) and the names 170M/1B/3.4B. Heads, query
+# groups, FFN width, RoPE base and tied embeddings follow Llama-3.2 (1B: 16×2048, 32 heads, 8 KV heads,
+# FFN 8192; 3B: 24 heads, 8 KV heads, FFN 8192); with the Llama-3 tokenizer (128,256 tokens) and tied
+# embeddings the parameter counts come out at 174M, 1.24B and 3.41B, matching the paper's names.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
@@ -156,18 +158,18 @@ PRESETS: dict[str, Preset] = {
     ),
     "llama-170m": Preset(
         ModelConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, num_attention_heads=12,
-                    seq_length=2048),
-        "paper: 12 layers × 768; 12 heads of 64 and FFN 8/3·h (2048) as in Llama",
+                    num_query_groups=4, seq_length=2048, rotary_base=500000),
+        "paper: 12 layers × 768; 12 heads of 64, 4 KV groups, FFN 2048 (8/3·h) in Llama-3.2 proportions",
     ),
     "llama-1b": Preset(
-        ModelConfig(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
-                    seq_length=2048),
-        "paper: 16 layers × 2048; 16 heads of 128 and FFN 5632 as in TinyLlama-1.1B",
+        ModelConfig(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                    num_query_groups=8, seq_length=2048, rotary_base=500000),
+        "paper: 16 layers × 2048; heads, KV groups and FFN of Llama-3.2-1B",
     ),
     "llama-3.4b": Preset(
         ModelConfig(num_layers=30, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
-                    seq_length=2048),
-        "paper: 30 layers × 3072; 24 heads of 128 and FFN 8/3·h (8192) as in Llama-3.2-3B",
+                    num_query_groups=8, seq_length=2048, rotary_base=500000),
+        "paper: 30 layers × 3072; heads, KV groups and FFN of Llama-3.2-3B",
     ),
 }
 
