@@ -55,44 +55,96 @@ def have_transformer_engine() -> bool:
 
 
 def resolve_transformer_impl(precision: PrecisionConfig) -> str:
-    """transformer_engine or local; FP8 without TE or without an FP8-capable GPU stops here."""
+    """transformer_engine or local; FP8 that cannot run here stops with what is missing and what to use.
+
+    Without --transformer-impl: Transformer Engine when it imports and a GPU is visible, else local. The
+    trainer calls this before any process group, model or data exists, so an FP8 run that cannot work
+    fails in seconds, not after the model is built. FP8 needs, in this order: TE layers (FP8 lives only in
+    TE's GEMMs), --bf16/--fp16 around them, a GPU whose tensor cores have the recipe's FP8 GEMMs, a TE new
+    enough for the recipe (the versions megatron-core's `get_fp8_recipe` asks for), and TE's own verdict
+    on this GPU and CUDA (e.g. FP8 on Ada also needs CUDA >= 12.1).
+    """
     impl = precision.transformer_impl
+    have_te = have_transformer_engine()
     if impl is None:
-        impl = "transformer_engine" if torch.cuda.is_available() and have_transformer_engine() else "local"
-    if impl == "transformer_engine" and not have_transformer_engine():
+        impl = "transformer_engine" if torch.cuda.is_available() and have_te else "local"
+    if impl == "transformer_engine" and not have_te:
         raise ConfigError(
             "--transformer-impl transformer_engine: Transformer Engine is not importable here; use the NGC "
             "PyTorch image (docker/Dockerfile) or --transformer-impl local"
         )
-    if precision.fp8_format is not None:
-        if impl != "transformer_engine":
+    if precision.fp8_format is None:
+        if precision.fp8_param_gather:
             raise ConfigError(
-                f"--fp8-format {precision.fp8_format} needs Transformer Engine (--transformer-impl "
-                "transformer_engine on a GPU image with TE); without it train in --bf16"
+                "--fp8-param-gather keeps the weights in FP8 and needs --fp8-format e4m3|hybrid; drop it to train "
+                "in --bf16"
             )
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-            raise ConfigError(
-                f"--fp8-format {precision.fp8_format} needs an FP8-capable GPU (Ada/Hopper/Blackwell, compute "
-                "capability >= 8.9); on this machine train in --bf16"
-            )
-        if precision.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability() < (10, 0):
-            raise ConfigError("--fp8-recipe mxfp8 needs a Blackwell GPU; use delayed, tensorwise or blockwise")
-        if not (precision.bf16 or precision.fp16):
-            raise ConfigError("--fp8-format trains the matmuls in FP8 around --bf16 (or --fp16): add --bf16")
+        return impl
+    flag = f"--fp8-format {precision.fp8_format} --fp8-recipe {precision.fp8_recipe}"
+    if impl != "transformer_engine":
+        missing = "--transformer-impl local was given" if have_te else "Transformer Engine is not importable here"
+        raise ConfigError(
+            f"{flag}: FP8 runs inside Transformer Engine's layers and {missing}; use the NGC PyTorch image "
+            "(docker/Dockerfile) with --transformer-impl transformer_engine, or drop --fp8-format and train in --bf16"
+        )
+    if not (precision.bf16 or precision.fp16):
+        raise ConfigError(f"{flag}: FP8 runs the matmuls around --bf16 (or --fp16) weights and activations: add --bf16")
+    # recipe: (oldest TE that megatron-core 0.19 builds it with, compute capability, GPU, what to use instead)
+    min_te, min_cc, gpus, instead = {
+        "delayed": (None, (8, 9), "Ada, Hopper or newer", "train in --bf16"),
+        "tensorwise": ("2.2.0.dev0", (8, 9), "Ada, Hopper or newer", "train in --bf16"),
+        "blockwise": ("2.3.0.dev0", (9, 0), "Hopper or newer", "use --fp8-recipe delayed or tensorwise"),
+        "mxfp8": ("2.1.0", (10, 0), "Blackwell", "use --fp8-recipe delayed, tensorwise or blockwise"),
+    }[precision.fp8_recipe]
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"{flag} needs an FP8-capable GPU ({gpus}) and no CUDA device is visible here; train in --bf16 "
+            "(FP8 runs are launched on GPU nodes: see examples/gpu_smoke.sh and examples/slurm/)"
+        )
+    cc = tuple(torch.cuda.get_device_capability())
+    if cc < min_cc:
+        raise ConfigError(
+            f"{flag} needs a GPU of compute capability >= {min_cc[0]}.{min_cc[1]} ({gpus}); "
+            f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}: {instead}"
+        )
+    from megatron.core import utils as mcore_utils
+
+    if min_te is not None and not mcore_utils.is_te_min_version(min_te):
+        raise ConfigError(
+            f"{flag} needs Transformer Engine >= {min_te} and this one is {mcore_utils.get_te_version()}: use a "
+            "newer NGC PyTorch image (docker/Dockerfile) or --fp8-recipe delayed"
+        )
+    try:  # TE's own verdict on this GPU, driver and CUDA for the recipe (what fp8_autocast would raise later)
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager as te_fp8_state
+    except (ImportError, OSError):
+        te_fp8_state = None  # a TE without it gives no verdict; the checks above stand
+    probe_name = {"mxfp8": "is_mxfp8_available", "blockwise": "is_fp8_block_scaling_available"}.get(
+        precision.fp8_recipe, "is_fp8_available"
+    )
+    probe = getattr(te_fp8_state, probe_name, None)
+    if probe is not None:
+        available, reason = probe()
+        if not available:
+            raise ConfigError(f"{flag}: Transformer Engine cannot run this recipe here ({reason}): {instead}")
     return impl
 
 
 def fp8_fields(precision: PrecisionConfig) -> dict:
-    """Megatron-LM's FP8 flags as megatron-core TransformerConfig fields (empty without FP8)."""
+    """Megatron-LM's FP8 flags as megatron-core TransformerConfig fields (empty without --fp8-format).
+
+    --fp8-format → `fp8`, --fp8-recipe → `fp8_recipe`, --fp8-param-gather → `fp8_param` (Megatron-LM
+    feeds the same flag to the DDP config's `fp8_param_gather`). The amax history and how it is reduced
+    belong to delayed scaling only: tensorwise scales each tensor from its current amax and blockwise/mxfp8
+    per block, and megatron-core ignores the amax fields for them, so they are passed with `delayed` only
+    and the config shows what will run.
+    """
     if precision.fp8_format is None:
         return {}
-    return {
-        "fp8": precision.fp8_format,
-        "fp8_recipe": precision.fp8_recipe,
-        "fp8_amax_history_len": precision.fp8_amax_history_len,
-        "fp8_amax_compute_algo": precision.fp8_amax_compute_algo,
-        "fp8_param": precision.fp8_param_gather,
-    }
+    fields = {"fp8": precision.fp8_format, "fp8_recipe": precision.fp8_recipe, "fp8_param": precision.fp8_param_gather}
+    if precision.fp8_recipe == "delayed":
+        fields["fp8_amax_history_len"] = precision.fp8_amax_history_len
+        fields["fp8_amax_compute_algo"] = precision.fp8_amax_compute_algo
+    return fields
 
 
 def transformer_config(
@@ -158,7 +210,17 @@ def local_layer_spec() -> ModuleSpec:
 
 
 def transformer_engine_layer_spec() -> ModuleSpec:
-    """megatron-core's Transformer Engine layer spec (fused norm+linear, TE attention)."""
+    """megatron-core's Transformer Engine layer spec (fused norm+linear, TE attention).
+
+    Still megatron's `TransformerLayer`, with each pre-norm fused into the TE linear after it, so the
+    layer's input and output are the residual stream exactly as in the local spec: JREG's hook on
+    `TransformerLayer` sees the same bf16 hidden states on both paths (FP8 exists only inside TE's GEMMs).
+    """
+    if not have_transformer_engine():  # megatron-core would fail with "'NoneType' object is not callable"
+        raise ConfigError(
+            "the Transformer Engine layer spec needs Transformer Engine, which is not importable here: use "
+            "--transformer-impl local, or the NGC PyTorch image (docker/Dockerfile)"
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec()
