@@ -87,6 +87,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     context_parallel_size: int = 1
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     def validate(self, model: ModelConfig, world_size: int) -> None:
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
@@ -120,6 +122,8 @@ class ParallelConfig:
                     f"--num-layers {model.num_layers} is not divisible by PP × layers per virtual stage = "
                     f"{pp} × {self.num_layers_per_virtual_pipeline_stage}"
                 )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.sequence_parallel and tp == 1:
             self.sequence_parallel = False  # as Megatron-LM: sequence parallelism needs TP > 1
         heads = model.num_attention_heads
@@ -364,6 +368,9 @@ class TrainConfig:
             self.jreg.validate(self.model.num_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.precision.fp8_param_gather and not self.parallel.use_distributed_optimizer:
+            raise ConfigError("--fp8-param-gather gathers FP8 parameters in the distributed optimizer: add "
+                              "--use-distributed-optimizer (or drop the flag)")
         if self.init_mode not in ("layout-independent", "megatron"):
             raise ConfigError("--init-mode must be layout-independent or megatron")
         if self.parallel.context_parallel_size > 1 and self.precision.transformer_impl == "local":

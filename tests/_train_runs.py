@@ -39,6 +39,7 @@ def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
         "pp2": ["--pipeline-model-parallel-size", "2"],
         "dp2": [],
         "dp2-distopt": ["--use-distributed-optimizer"],
+        "dp2-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     }
     for name, extra in layouts.items():
         out[name] = train(TINY + extra + ["--metrics-file", f"{tmp}/{name}.jsonl"])[0]

@@ -47,7 +47,7 @@ def val_loss(path):
     return [r["val_loss"] for r in records(path) if "val_loss" in r][-1]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2", "dp2-distopt"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2", "dp2-distopt", "dp2-overlap"])
 def test_same_losses_and_jreg_at_every_layout(runs, layout):
     assert runs["one"]["single"] == 0 and runs["two"][layout] == 0
     ref = train_losses(runs["tmp"] / "single.jsonl")

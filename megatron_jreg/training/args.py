@@ -42,6 +42,8 @@ FLAGS: list[tuple[str, str | None, str, dict[str, Any]]] = [
     ("--sequence-parallel", "parallel", "sequence_parallel", {"action": "store_true"}),
     ("--context-parallel-size", "parallel", "context_parallel_size", {"type": int, "default": 1}),
     ("--use-distributed-optimizer", "parallel", "use_distributed_optimizer", {"action": "store_true"}),
+    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", {"action": "store_true"}),
+    ("--overlap-param-gather", "parallel", "overlap_param_gather", {"action": "store_true"}),
     # optimization
     ("--micro-batch-size", "optim", "micro_batch_size", {"type": int, "default": 1}),
     ("--global-batch-size", "optim", "global_batch_size", {"type": int}),

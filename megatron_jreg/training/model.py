@@ -151,9 +151,15 @@ def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
     precision: PrecisionConfig | None = None,
+    fused: bool = False,
     **overrides: object,
 ) -> TransformerConfig:
-    """The megatron-core TransformerConfig for a Llama-style model (overrides: any config field)."""
+    """The megatron-core TransformerConfig for a Llama-style model (overrides: any config field).
+
+    fused: megatron's fused kernels (bias-activation, bias-dropout-add, RoPE, masked softmax, fused
+    weight-gradient accumulation), as Megatron-LM enables them by default; they need a GPU with Transformer
+    Engine, so the trainer turns them on with the TE implementation only.
+    """
     precision = precision or PrecisionConfig()
     dtype = params_dtype(precision)
     kwargs: dict = dict(
@@ -170,10 +176,11 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=fused,
+        masked_softmax_fusion=fused,
+        gradient_accumulation_fusion=fused,
         persist_layer_norm=False,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,

@@ -98,7 +98,8 @@ class Trainer:
             if o.recompute_granularity == "selective":
                 recompute = {"recompute_granularity": "selective"}
         self.tconfig = transformer_config(
-            cfg.model, cfg.parallel, cfg.precision, calculate_per_token_loss=o.calculate_per_token_loss, **recompute
+            cfg.model, cfg.parallel, cfg.precision, fused=self.transformer_impl == "transformer_engine",
+            calculate_per_token_loss=o.calculate_per_token_loss, **recompute,
         )
         self.padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
         chunks = build_model_chunks(self.tconfig, cfg.model, self.padded_vocab, self.transformer_impl)
@@ -108,14 +109,21 @@ class Trainer:
             chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
         if cfg.precision.bf16 or cfg.precision.fp16:
             chunks = [Float16Module(self.tconfig, c) for c in chunks]
+        p = cfg.parallel
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-            check_for_nan_in_grad=False,
+            grad_reduce_in_fp32=True, use_distributed_optimizer=p.use_distributed_optimizer,
+            overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+            fp8_param_gather=cfg.precision.fp8_param_gather, check_for_nan_in_grad=False,
         )
         self.model = [
             DistributedDataParallel(self.tconfig, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
         ]
         self.tconfig.finalize_model_grads_func = finalize_model_grads
+        if p.overlap_grad_reduce:  # as Megatron-LM: the schedule defers grad sync to the last microbatch
+            no_sync = [c.no_sync for c in self.model]
+            self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            grad_sync = [c.start_grad_sync for c in self.model]
+            self.tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
         n_params = sum(p.numel() for c in chunks for p in c.parameters())
         self.log.info(f"model: {cfg.model.num_layers} layers × {cfg.model.hidden_size}, vocabulary "
                       f"{cfg.model.vocab_size} (padded {self.padded_vocab}), {n_params / 1e6:.2f}M parameters "
