@@ -55,17 +55,24 @@ class JregConfig:
 
 @dataclass
 class JregStats:
-    """Ψ of all L layers for one step (same on every rank) and the figures derived from it."""
+    """Ψ of all L layers for one step (same on every rank) and the figures derived from it.
+
+    `psi` and ζ always use the paper's angular Ψ; `psi_distance` and `jreg_loss` use the training
+    distance (identical lists when that is angular).
+    """
 
     psi: list[float]
-    jreg_loss: float  # L_cos = Σ w_ℓ Ψ_ℓ, before λ
+    jreg_loss: float  # L_cos = Σ w_ℓ Ψ_ℓ under the training distance, before λ
     zeta: dict[str, float] = field(default_factory=dict)  # zeta_L, zeta_L-1, zeta_L-2
+    psi_distance: list[float] = field(default_factory=list)
 
     @classmethod
-    def from_psi(cls, psi: Tensor, weights: Tensor) -> JregStats:
+    def from_psi(cls, psi: Tensor, weights: Tensor, psi_distance: Tensor | None = None) -> JregStats:
         psi = psi.double().cpu()
+        psi_distance = psi if psi_distance is None else psi_distance.double().cpu()
         zeta = jreg.final_jumps(psi) if psi.numel() >= 2 else {}
-        return cls(psi=psi.tolist(), jreg_loss=float(jreg.jreg_loss(psi, weights)), zeta=zeta)
+        return cls(psi=psi.tolist(), jreg_loss=float(jreg.jreg_loss(psi_distance, weights)), zeta=zeta,
+                   psi_distance=psi_distance.tolist())
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -127,7 +134,10 @@ class JregPlugin:
         self._mask: Tensor | None = None
         self._mask_count: Tensor | None = None
         self._microbatches = 0
-        self._sums: Tensor | None = None  # [L] fp64 on the activations' device, created on first use
+        # [2, L] fp64 on the activations' device, created on first use: row 0 Ψ under the training
+        # distance, row 1 the angular Ψ (only filled when the training distance is not angular).
+        self._sums: Tensor | None = None
+        self._angular = cfg.distance == "angular"
         self._tp = self.mcfg.tensor_model_parallel_size
         self._cp = self.mcfg.context_parallel_size
         self._sp = bool(self.mcfg.sequence_parallel) and self._tp > 1
@@ -170,7 +180,7 @@ class JregPlugin:
 
     def finish_step(self) -> JregStats:
         """Reduce the recorded Ψ over all ranks (one all-reduce) and return the step's statistics."""
-        shares = torch.zeros(self.num_layers, dtype=torch.float64, device=_device())
+        shares = torch.zeros(2, self.num_layers, dtype=torch.float64, device=_device())
         if self._sums is not None:
             shares += self._sums.to(shares.device)
         if not self._sp and self._tp > 1:
@@ -185,7 +195,9 @@ class JregPlugin:
         if not self.penalize:
             self.remove_hooks()
         self.recording = False
-        return JregStats.from_psi(psi, self.weights)
+        if self._angular:
+            return JregStats.from_psi(psi[0], self.weights)
+        return JregStats.from_psi(psi[1], self.weights, psi_distance=psi[0])
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -227,8 +239,12 @@ class JregPlugin:
         count = self._token_count(h_out)
         if self.recording:
             if self._sums is None:
-                self._sums = torch.zeros(self.num_layers, dtype=torch.float64, device=h_out.device)
-            self._sums[layer_number - 1] += (total.detach() / count).double()
+                self._sums = torch.zeros(2, self.num_layers, dtype=torch.float64, device=h_out.device)
+            self._sums[0, layer_number - 1] += (total.detach() / count).double()
+            if not self._angular:  # ζ is defined on the angular Ψ whatever the training distance
+                with torch.no_grad():
+                    angular, _ = jreg.displacement_sum(h_in.detach(), h_out.detach(), mask, "angular")
+                self._sums[1, layer_number - 1] += (angular / count).double()
         if not attach:
             return None
         if self.mcfg.calculate_per_token_loss:

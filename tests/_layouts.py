@@ -138,7 +138,8 @@ def run_layout(layout: Layout, grads: bool = True) -> dict:
         pairs = torch.stack([x["lm loss"].double() for x in losses])
         lm = torch.tensor([(pairs[:, 0] / pairs[:, 1]).mean().item(), 1.0], dtype=torch.float64)
     dist.all_reduce(lm)
-    result = {"lm_loss": (lm[0] / lm[1]).item(), "psi": stats.psi, "jreg_loss": stats.jreg_loss}
+    result = {"lm_loss": (lm[0] / lm[1]).item(), "psi": stats.psi, "jreg_loss": stats.jreg_loss,
+              "psi_distance": stats.psi_distance}
     if grads:
         full = gather_full(ddp, value=lambda p: p.main_grad)
         if dist.get_rank() == 0:
@@ -288,6 +289,7 @@ SINGLE_LAYOUTS = [
     Layout("per-token-loss", per_token=True),
     Layout("loss-scale-8", loss_scale=8.0),
     Layout("lambda-0", lam=0.0),
+    Layout("cosine", distance="cosine"),
 ]
 TWO_RANK_LAYOUTS = [
     Layout("tp2", tp=2),
@@ -316,6 +318,7 @@ def single_rank_suite(rank: int, world: int) -> dict:
     return {
         "layouts": run_layouts(rank, world, SINGLE_LAYOUTS),
         "explicit": explicit_reference(rank, world, Layout("explicit")),
+        "explicit-cosine": explicit_reference(rank, world, Layout("explicit-cosine", distance="cosine")),
         "train": train_psi_last(rank, world, [0.0, 1.0, 5.0]),
         "hooks": {lam: hook_counts(lam) for lam in (0.0, 1.0)},
     }

@@ -35,6 +35,16 @@ def test_plugin_gradients_equal_the_explicitly_written_loss(single):
     assert max_rel_diff(ref["grads"], explicit["grads"]) < RTOL
 
 
+def test_cosine_distance_trains_on_one_minus_cos_and_logs_angular_psi(single):
+    results = by_name(SINGLE_LAYOUTS, single["layouts"])
+    cos, ref = results["cosine"], results["single"]
+    explicit = single["explicit-cosine"]
+    assert cos["psi"] == pytest.approx(ref["psi"], rel=RTOL)  # ζ's Ψ is angular whatever the training distance
+    assert cos["psi_distance"] == pytest.approx(explicit["psi"], rel=RTOL)
+    assert max_rel_diff(cos["grads"], explicit["grads"]) < RTOL
+    assert max_rel_diff(cos["grads"], ref["grads"]) > 1e-3
+
+
 @pytest.mark.parametrize("name", ["full-recompute", "selective-recompute", "per-token-loss"])
 def test_recompute_and_per_token_loss_give_identical_results(single, name):
     results = by_name(SINGLE_LAYOUTS, single["layouts"])

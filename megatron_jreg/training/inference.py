@@ -64,7 +64,7 @@ class MegatronModel:
         stats = plugin.finish_step()
         plugin.remove_hooks()
         count = float(mask.sum()) if mask is not None else float(tokens.numel())
-        psi = torch.tensor(stats.psi, dtype=torch.float64)
+        psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
         return psi * count, torch.full_like(psi, count)
 
 
@@ -73,8 +73,12 @@ def load_megatron_model(
     iteration: int | None = None,
     dtype: torch.dtype = torch.float32,
     tokenizer_model: str | None = None,
+    load_tokenizer: bool = True,
 ) -> MegatronModel:
-    """Load a checkpoint (a save dir or an iter_* dir) into a one-process TP=1/PP=1 model."""
+    """Load a checkpoint (a save dir or an iter_* dir) into a one-process TP=1/PP=1 model.
+
+    load_tokenizer=False skips the run's tokenizer (e.g. exporting weights whose tokenizer has moved).
+    """
     from megatron_jreg.training.data import tokenizer_for
     from megatron_jreg.training.distributed import init_model_parallel, init_process_group
     from megatron_jreg.training.model import build_model_chunks, transformer_config
@@ -85,7 +89,7 @@ def load_megatron_model(
     if tokenizer_model is not None:
         cfg.data.tokenizer_model = tokenizer_model
     tokenizer = None
-    if cfg.data.tokenizer_type is not None:
+    if load_tokenizer and cfg.data.tokenizer_type is not None:
         tokenizer, _ = tokenizer_for(cfg)
     init_process_group()
     init_model_parallel(cfg.model, cfg.parallel, cfg.seed)

@@ -169,6 +169,8 @@ class Trainer:
         except ckpt.CheckpointMismatch as e:
             raise ConfigError(f"--load: {e}") from None
         self.last_checkpoint = state.path
+        if (weights_only or c.no_load_optim) and (self.cfg.precision.bf16 or self.cfg.precision.fp16):
+            self.optimizer.reload_model_params()  # fp32 main params from the loaded weights (as Megatron-LM)
         if not weights_only:
             self.iteration, self.consumed_samples = state.iteration, state.consumed_train_samples
         self.log.info(f"loaded {state.path} ({'weights only' if weights_only else f'iteration {state.iteration}'})")
