@@ -5,7 +5,7 @@
 3. Indexed datasets (.bin/.idx) with `megatron-jreg preprocess`: train = WikiText-2 valid,
    validation = WikiText-2 test.
 4. Two `megatron-jreg train` runs side by side (one CPU core each), same seed and data: a 6-layer ×
-   192 Llama, baseline (λ = 0) and JREG (λ = 1, α = 1).
+   192 Llama, baseline (λ = 0) and JREG (λ = 1, α = 1, 1 − cos penalty).
 5. A table (final lm loss, validation loss, ζ_L, ζ_{L−1}, ζ_{L−2}) and a plot of Ψ_ℓ per layer.
 
 Everything lands in --output (default demo_output/): metrics.jsonl and train.log per run, psi.png,
@@ -25,7 +25,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WIKITEXT = HERE / "data" / "wikitext-2"
 
-RUNS = {"baseline": ["--jreg-lambda", "0"], "jreg": ["--jreg-lambda", "1", "--jreg-alpha", "1"]}
+RUNS = {
+    "baseline": ["--jreg-lambda", "0"],
+    # the pilot's setting: the smooth 1 − cos penalty (Ψ and ζ are still reported with the angular Ψ)
+    "jreg": ["--jreg-lambda", "1", "--jreg-alpha", "1", "--jreg-distance", "cosine"],
+}
 
 
 def prepare_data(out: Path, vocab_size: int) -> tuple[str, Path]:
@@ -162,7 +166,7 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="demo_output", help="where everything is written")
-    p.add_argument("--train-iters", type=int, default=600)
+    p.add_argument("--train-iters", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--log-interval", type=int, default=25)

@@ -44,7 +44,8 @@ def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
     for name, extra in layouts.items():
         out[name] = train(TINY + extra + ["--metrics-file", f"{tmp}/{name}.jsonl"])[0]
     # The distributed optimizer resumes exactly (same layout) ...
-    resume = ["--use-distributed-optimizer", "--save", f"{tmp}/distopt-ckpt", "--metrics-file", f"{tmp}/dp2-resumed.jsonl"]
+    resume = ["--use-distributed-optimizer", "--save", f"{tmp}/distopt-ckpt",
+              "--metrics-file", f"{tmp}/dp2-resumed.jsonl"]
     out["distopt-exit"] = train(TINY + resume + ["--exit-interval", "2"])[0]
     out["distopt-resume"] = train(TINY + resume + ["--load", f"{tmp}/distopt-ckpt"])[0]
     # ... and refuses another TP/PP with a message (its format reshards over DP only).
@@ -105,9 +106,9 @@ def crash_during_save(tmp: str) -> dict:
 
     dist_checkpointing.save = dying_save
     try:
-        rc, err = train(TINY + ["--save", f"{tmp}/crash", "--save-interval", "1"])
+        _, err = train(TINY + ["--save", f"{tmp}/crash", "--save-interval", "1"])
     except RuntimeError as e:
-        rc, err = -1, str(e)
+        err = str(e)
     finally:
         dist_checkpointing.save = original
     root = Path(tmp) / "crash"

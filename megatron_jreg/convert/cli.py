@@ -1,0 +1,115 @@
+"""`megatron-jreg convert` / `tools/convert_checkpoint.py`: megatron-jreg checkpoints <-> Hugging Face Llama.
+
+    mcore-to-hf --load CKPT_DIR [--iteration N] --output HF_DIR [--dtype bfloat16|float32] [--tokenizer-model PATH]
+    hf-to-mcore --hf HF_DIR --output CKPT_DIR [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
+
+Both check the written model's logits against the source (on by default when both fit in memory) and
+print `max_abs_logit_diff=…` as the last line. Exit codes: 0 done, 1 logits differ, 2 refused / bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # hf_io.DTYPES; named here so --help needs no torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-jreg convert",
+        description="Convert checkpoints between megatron-jreg (megatron-core) and Hugging Face Llama, "
+        "checked by logits.",
+    )
+    sub = parser.add_subparsers(dest="direction", required=True)
+    verify_help = ("compare the logits of the written model with the source's on a fixed token batch "
+                   "(default: when both models fit in memory); --no-verify skips it")
+    threshold_help = "largest allowed |logit difference| in float32 (default 1e-4)"
+
+    out = sub.add_parser("mcore-to-hf", help="megatron-jreg checkpoint (any TP/PP) → Hugging Face LlamaForCausalLM")
+    out.add_argument("--load", required=True, help="checkpoint folder (the --save folder, or one iter_* folder)")
+    out.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
+    out.add_argument("--output", required=True, help="new Hugging Face folder (must not exist or be empty)")
+    out.add_argument("--dtype", choices=DTYPE_NAMES,
+                     help="dtype of the written weights (default: the run's precision: --bf16 → bfloat16, "
+                     "else float32)")
+    out.add_argument("--tokenizer-model",
+                     help="tokenizer to write next to the weights: a Hugging Face folder (tokenizer.json) or a "
+                     "SentencePiece .model (default: the run's own tokenizer when it is one of those)")
+    out.add_argument("--tokenizer-type", help="--tokenizer-type of --tokenizer-model (default: from the file)")
+    out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    out.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help=verify_help)
+    out.add_argument("--verify-threshold", type=float, help=threshold_help)
+
+    inp = sub.add_parser("hf-to-mcore", help="Hugging Face Llama folder → megatron-jreg checkpoint (weights only)")
+    inp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors or .bin)")
+    inp.add_argument("--output", required=True, help="new checkpoint folder, for `megatron-jreg train --load OUT "
+                     "--finetune` (must not exist or be empty)")
+    layout = ("checked against the model and recorded (Megatron-LM's flag). The checkpoint is written once at "
+              "TP=1/PP=1: dist_checkpointing reshards on load, so it loads at any layout")
+    inp.add_argument("--tensor-model-parallel-size", type=int, default=1, help=f"intended TP size, {layout}")
+    inp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=f"intended PP size, {layout}")
+    inp.add_argument("--seq-length", type=int, help="training sequence length (default: max_position_embeddings)")
+    inp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="megatron pads the vocabulary to a multiple of this × TP (default 128)")
+    inp.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help=verify_help)
+    inp.add_argument("--verify-threshold", type=float, help=threshold_help)
+    return parser
+
+
+def _report(verification, notes: list[str]) -> None:
+    for note in notes:
+        if note:
+            print(f"note: {note}")
+    if verification is None:
+        print("max_abs_logit_diff=not measured")
+        return
+    v = verification
+    print(f"logits checked on {v.tokens_shape[0]}×{v.tokens_shape[1]} tokens: largest |logit| {v.max_abs_logit:.4g}, "
+          f"threshold {v.threshold:.1e}")
+    if v.rounding_effect is not None:
+        print(f"note: rounding the weights to the export dtype moved the logits by up to {v.rounding_effect:.3e} "
+              "(the check above compares the rounded weights on both sides)")
+    print(f"max_abs_logit_diff={v.max_abs_logit_diff:.3e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # before the imports: --help and usage errors stay instant
+
+    from megatron_jreg.config import ConfigError
+    from megatron_jreg.convert.hf_io import ConversionError
+    from megatron_jreg.convert.llama import UnsupportedModel
+    from megatron_jreg.convert.verify import VerificationFailed
+    from megatron_jreg.training.distributed import shutdown
+
+    try:
+        if args.direction == "mcore-to-hf":
+            from megatron_jreg.convert.to_hf import mcore_to_hf
+
+            result = mcore_to_hf(args.load, args.output, args.iteration, args.dtype, args.tokenizer_model,
+                                 args.tokenizer_type, args.verify, args.verify_threshold, args.max_shard_size)
+            print(f"wrote {result.output} from iteration {result.iteration}: {len(result.files)} files, "
+                  f"{str(result.dtype).removeprefix('torch.')}")
+            _report(result.verification, [result.note])
+        else:
+            from megatron_jreg.convert.from_hf import hf_to_mcore, train_flags
+
+            result = hf_to_mcore(args.hf, args.output, args.tensor_model_parallel_size,
+                                 args.pipeline_model_parallel_size, args.seq_length, args.make_vocab_size_divisible_by,
+                                 args.verify, args.verify_threshold)
+            print(f"wrote {result.output} (weights only). Continue training with:\n  megatron-jreg train "
+                  + " ".join(train_flags(result.config, result.output)) + " [data and optimizer flags]")
+            _report(result.verification, result.notes)
+    except VerificationFailed as e:
+        print(f"megatron-jreg convert: {e}", file=sys.stderr)
+        return 1
+    except (UnsupportedModel, ConversionError, ConfigError, FileNotFoundError) as e:
+        print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing's writer processes re-import __main__
+    sys.exit(main())

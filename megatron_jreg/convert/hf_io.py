@@ -1,0 +1,203 @@
+"""Hugging Face folders on disk: read config and weights without running pickled code, write sharded
+safetensors with their index, and carry a tokenizer across.
+
+Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_model*.bin` through
+`torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# Tokenizer files a Hugging Face folder may hold; copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+
+
+class ConversionError(RuntimeError):
+    """Bad input for a conversion (missing files, unsupported tokenizer, ...); the message says what to do."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"--hf {folder}: no config.json; give a Hugging Face model folder (save_pretrained)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def checkpoint_dtype(hf: dict, state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype the weights are stored in (so a round trip keeps them bit-exact); when they mix dtypes,
+    config.json's `dtype`/`torch_dtype`, else float32."""
+    stored = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(stored) == 1:
+        return stored.pop()
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return DTYPES.get(name, torch.float32) if isinstance(name, str) else torch.float32
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: safetensors (sharded or not), else pytorch .bin (sharded or not)."""
+    for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
+        index = folder / index_name
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [folder / n for n in names]
+        if (folder / single).is_file():
+            return [folder / single]
+    raise ConversionError(
+        f"--hf {folder}: no model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or {BIN_INDEX}"
+    )
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """{name: tensor} of every weight file; .bin files through torch.load(weights_only=True) only."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        if path.suffix == ".safetensors":
+            part = load_file(str(path))
+        else:
+            try:
+                part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others for non-tensor pickles
+                raise ConversionError(
+                    f"{path}: refused to load (weights_only=True allows tensors only, no pickled code): {e}"
+                ) from None
+        state.update(part)
+    return state
+
+
+def shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split tensors, in order, into groups of at most `max_shard_bytes` (a larger tensor gets its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
+    """Write `model-0000i-of-0000n.safetensors` shards and `model.safetensors.index.json`; the file names."""
+    from safetensors.torch import save_file
+
+    groups = shard(tensors, max_shard_bytes)
+    umask = os.umask(0)
+    os.umask(umask)
+    weight_map, names = {}, []
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(folder / name), metadata={"format": "pt"})
+        os.chmod(folder / name, 0o666 & ~umask)  # safetensors creates 0600 files; readable like the rest
+        weight_map.update(dict.fromkeys(group, name))
+        names.append(name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' → bytes (Hugging Face's max_shard_size spelling)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def tokenizer_kind(tokenizer_type: str | None, path: Path) -> str:
+    """'hf' (a folder or tokenizer.json) or 'sentencepiece' (a .model file); others cannot be exported."""
+    if tokenizer_type in (None, "HuggingFaceTokenizer") and (
+        (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json"
+    ):
+        return "hf"
+    if tokenizer_type in (None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and (
+        path.is_file() and path.suffix == ".model"
+    ):
+        return "sentencepiece"
+    raise ConversionError(
+        f"--tokenizer-model {path} ({tokenizer_type or 'type unknown'}): only a Hugging Face tokenizer (a folder "
+        "with tokenizer.json) or a SentencePiece .model can be written next to the weights; convert the "
+        "tokenizer to one of those, or leave --tokenizer-model out and add the tokenizer files yourself"
+    )
+
+
+def write_tokenizer(kind: str, path: Path, folder: Path, bos: str | None, eos: str | None) -> list[str]:
+    """Copy a tokenizer into an exported folder; the files written.
+
+    A SentencePiece model becomes `tokenizer.model` with a LlamaTokenizer config that adds no BOS/EOS,
+    the megatron-jreg convention the model was trained with.
+    """
+    written = []
+    if kind == "hf":
+        source = path if path.is_dir() else path.parent
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, folder / name)
+                written.append(name)
+        return written
+    shutil.copy2(path, folder / "tokenizer.model")
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": bos,
+        "eos_token": eos,
+        "model_max_length": 1 << 30,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ["tokenizer.model", "tokenizer_config.json"]
+
+
+def hf_tokenizer_flags(folder: Path) -> tuple[str, str] | None:
+    """(--tokenizer-type, --tokenizer-model) for a Hugging Face folder's own tokenizer, if it has one."""
+    if (folder / "tokenizer.json").is_file():
+        return "HuggingFaceTokenizer", str(folder.resolve())
+    if (folder / "tokenizer.model").is_file():
+        return "SentencePieceTokenizer", str((folder / "tokenizer.model").resolve())
+    return None
+
+
+def special_tokens(kind: str, path: Path) -> dict[str, tuple[str, int] | None]:
+    """{'bos'|'eos'|'pad': (token text, id) or None} of an exportable tokenizer, for config.json and
+    generation_config.json."""
+    out: dict[str, tuple[str, int] | None] = dict.fromkeys(("bos", "eos", "pad"))
+    if kind == "sentencepiece":
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        for key, token_id in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())):
+            if token_id >= 0:
+                out[key] = (sp.id_to_piece(token_id), token_id)
+        return out
+    from tokenizers import Tokenizer
+
+    folder = path if path.is_dir() else path.parent
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            config.update(json.loads((folder / name).read_text(encoding="utf-8")))
+    for key in out:
+        value = config.get(f"{key}_token")
+        text = value.get("content") if isinstance(value, dict) else value
+        if text is not None and hf.token_to_id(text) is not None:
+            out[key] = (text, hf.token_to_id(text))
+    return out

@@ -1,0 +1,154 @@
+"""What makes a conversion trustworthy: the converted model computes the same logits as the source, and a
+failed conversion leaves nothing behind.
+
+The check runs one fixed token batch through the megatron-core model and the transformers model, both in
+float32 and holding the same weights (those written to disk), and takes the largest absolute logit
+difference. In float32 the two implementations agree to ~1e-6, so a mapping error (swapped q/k/v heads
+or groups, gate/up halves, a wrong RoPE base, a lost tie, a misplaced norm) shows far above the 1e-4
+threshold. (A norm epsilon barely moves the logits; it is copied field to field and tested as such.)
+An export to a narrower dtype (float32 training → bfloat16 files) rounds the weights: the check then
+compares against the megatron model with its weights rounded the same way, and reports the rounding's
+own effect on the logits separately (a property of the chosen dtype, not of the conversion).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_jreg.convert.hf_io import ConversionError
+
+THRESHOLD = 1e-4  # float32 arithmetic, same weights on both sides
+
+
+class VerificationFailed(RuntimeError):
+    """The converted model's logits differ from the source's by more than the threshold."""
+
+
+@dataclass
+class Verification:
+    max_abs_logit_diff: float
+    threshold: float
+    max_abs_logit: float
+    tokens_shape: tuple[int, int]
+    rounding_effect: float | None = None  # max |logit change| from rounding the weights to the export dtype
+
+
+def probe_tokens(vocab_size: int, seq_length: int, batch: int = 2, length: int = 32, seed: int = 0) -> torch.Tensor:
+    """A fixed batch tokens[batch, min(length, seq_length)] of ids drawn uniformly from the true vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, min(length, seq_length)), generator=gen)
+
+
+def compare_logits(
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    converted: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    threshold: float | None = None,
+) -> Verification:
+    """Run tokens[b, t] through both models (each returns fp32 logits[b, t, V]); raise above threshold
+    (default THRESHOLD)."""
+    threshold = THRESHOLD if threshold is None else threshold
+    with torch.no_grad():
+        ref = reference(tokens).float().cpu()
+        got = converted(tokens).float().cpu()
+    if ref.shape != got.shape:
+        raise VerificationFailed(f"logit shapes differ: source {tuple(ref.shape)}, converted {tuple(got.shape)}")
+    scale = float(ref.abs().max())
+    diff = float((ref - got).abs().max())
+    if not diff <= threshold:  # also catches NaN
+        raise VerificationFailed(
+            f"max_abs_logit_diff={diff:.3e} exceeds the threshold {threshold:.1e} (largest |logit| {scale:.3g}): "
+            "the converted model does not reproduce the source; nothing was written"
+        )
+    return Verification(diff, threshold, scale, (tokens.shape[0], tokens.shape[1]))
+
+
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Round a float32 model's weights in place to the values `dtype` can hold; whether any changed."""
+    changed = False
+    for p in model.parameters():
+        rounded = p.to(dtype).to(p.dtype)
+        if not torch.equal(rounded, p):
+            p.copy_(rounded)
+            changed = True
+    return changed
+
+
+def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A transformers LlamaForCausalLM loaded in float32 from `folder` (safetensors, never downloads),
+    as tokens[b, t] → fp32 logits[b, t, V]."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).to(device)
+    model.eval()
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens.to(device)).logits
+
+    return logits
+
+
+def fits_in_memory(num_params: int, copies: int = 3) -> tuple[bool, str]:
+    """Whether `copies` float32 copies of the model fit in free memory (both models + the converted
+    tensors); (fits, a sentence saying how much is needed and free)."""
+    import psutil
+
+    needed = num_params * 4 * copies
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0] + psutil.virtual_memory().available
+    else:
+        free = psutil.virtual_memory().available
+    return needed < 0.9 * free, f"verification needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
+def should_verify(verify: bool | None, num_params: int) -> tuple[bool, str]:
+    """(run the logit check?, why not): --verify forces it, --no-verify skips it, the default runs it when
+    the models fit in memory."""
+    if verify is False:
+        return False, "logits not verified: --no-verify"
+    fits, sentence = fits_in_memory(num_params)
+    if verify is None and not fits:
+        return False, f"logits not verified: {sentence} (pass --verify to check anyway)"
+    return True, ""
+
+
+def single_process() -> None:
+    """Conversions run in one process; under torchrun every rank would load everything and write the same
+    output."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConversionError(
+            f"the converter runs as one process (found a world of {world} ranks): run it with python, not "
+            "torchrun; checkpoints load at any TP/PP"
+        )
+
+
+@contextlib.contextmanager
+def staged_output(output: Path) -> Iterator[Path]:
+    """A temporary sibling folder to write into; renamed to `output` only when the block succeeds, deleted
+    when it fails. `output` must not exist, or be an empty folder."""
+    output = Path(output).absolute()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ConversionError(f"--output {output} exists and is not empty: remove it or choose another folder")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if output.exists():
+        output.rmdir()
+    os.replace(tmp, output)
