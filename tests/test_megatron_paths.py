@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -88,14 +89,26 @@ def _chain(rank: int, world: int, tmp: str) -> dict:
 
     # The CLIs on the checkpoint.
     from megatron_jreg.analysis.cli import main as analyze_main
+    from megatron_jreg.convert.cli import main as convert_main
     from megatron_jreg.evaluate.cli import main as evaluate_main
+    from tests.test_evaluate import LAMBADA_TASK_YAML
 
+    passages = root / "lambada16.jsonl"
+    passages.write_text("".join(LAMBADA.read_text(encoding="utf-8").splitlines(keepends=True)[:16]), encoding="utf-8")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(LAMBADA_TASK_YAML.format(path=passages), encoding="utf-8")
+    os.environ["DISABLE_MULTIPROC"] = "1"  # lm-eval's perplexity stderr bootstrap, in-process
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         out["analyze_rc"] = analyze_main(["--model", f"{tmp}/ckpt", "--data", f"lambada:{LAMBADA}", "--num-samples",
                                           "8", "--output", f"{tmp}/analysis", "--no-progress"])
-        out["evaluate_rc"] = evaluate_main(["--load", f"{tmp}/ckpt", "--tasks", "lambada", "--limit", "16",
+        out["evaluate_rc"] = evaluate_main(["--load", f"{tmp}/ckpt", "--tasks", "lambada,lambada_local",
+                                            "--lambada-file", str(passages), "--include-path", str(tasks),
                                             "--output", f"{tmp}/eval.json"])
+        out["convert_rc"] = convert_main(["mcore-to-hf", "--load", f"{tmp}/ckpt", "--output", f"{tmp}/hf"])
+        out["evaluate_hf_rc"] = evaluate_main(["--hf", f"{tmp}/hf", "--tasks", "lambada", "--lambada-file",
+                                               str(passages), "--output", f"{tmp}/eval_hf.json"])
     out["stdout"] = buf.getvalue()
     return out
 
@@ -129,6 +142,23 @@ def test_analyze_and_evaluate_clis_read_the_checkpoint(chain):
     results = json.loads((tmp / "analysis" / "results.json").read_text())
     assert results and "zeta_L" in json.dumps(results)
     assert out["evaluate_rc"] == 0, out["stdout"]
-    evaluated = json.loads((tmp / "eval.json").read_text())
-    lambada = evaluated["results"]["lambada"]
+    evaluated = json.loads((tmp / "eval.json").read_text())["results"]
+    lambada = evaluated["lambada"]
     assert 0.0 <= lambada["acc"] <= 1.0 and lambada["perplexity"] > 1.0
+
+
+def test_lm_eval_task_runs_offline_on_the_megatron_checkpoint(chain):
+    out, tmp = chain
+    evaluated = json.loads((tmp / "eval.json").read_text())["results"]
+    builtin, harness = evaluated["lambada"], evaluated["lambada_local"]
+    assert harness["acc"] == pytest.approx(builtin["acc"])  # the same 16 passages through lm-eval
+    assert harness["perplexity"] == pytest.approx(builtin["perplexity"], rel=1e-4)
+
+
+def test_megatron_checkpoint_and_its_hf_export_score_the_same(chain):
+    out, tmp = chain
+    assert out["convert_rc"] == 0 and out["evaluate_hf_rc"] == 0, out["stdout"]
+    megatron = json.loads((tmp / "eval.json").read_text())["results"]["lambada"]
+    hf = json.loads((tmp / "eval_hf.json").read_text())["results"]["lambada"]
+    assert hf["acc"] == megatron["acc"]
+    assert hf["perplexity"] == pytest.approx(megatron["perplexity"], rel=1e-4)
