@@ -47,22 +47,28 @@ def _unit(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _TokenDisplacement(torch.autograd.Function):
-    """Per-token displacement d[T] between rows of a[T, h] and b[T, h] (any float dtype)."""
+    """Per-token displacement d[T] between rows of a[T, h] and b[T, h] (any float dtype).
+
+    Written for few passes over [T, h] (this runs for every layer of every microbatch): the angle comes
+    from the chord |â − b̂| (exact near 0, where arccos(cos) loses digits), and backward reuses its
+    buffers in place.
+    """
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, angular: bool) -> Tensor:  # type: ignore[override]
         rows, width = a.shape
         out = torch.empty(rows, dtype=torch.float32, device=a.device)
         for lo, hi in _row_chunks(rows, width):
-            ua, _ = _unit(a[lo:hi])
-            ub, _ = _unit(b[lo:hi])
+            ua, na = _unit(a[lo:hi])
+            ub, nb = _unit(b[lo:hi])
             if angular:
-                # 2·atan2(|â-b̂|, |â+b̂|) is the angle without arccos' cancellation near 0 and π.
-                chord = torch.linalg.vector_norm(ua - ub, dim=-1)
-                anti = torch.linalg.vector_norm(ua + ub, dim=-1)
-                out[lo:hi] = 2.0 * torch.atan2(chord, anti) / math.pi
+                chord = torch.linalg.vector_norm(ua.sub_(ub), dim=-1)  # |â − b̂|
+                # angle = 2·atan2(|â − b̂|, |â + b̂|), and |â + b̂|² = 4 − |â − b̂|² for unit vectors.
+                angle = 2.0 * torch.atan2(chord, (4.0 - chord.square()).clamp_min(0.0).sqrt())
+                live = (na > NORM_EPS) & (nb > NORM_EPS)
+                out[lo:hi] = torch.where(live, angle / math.pi, 0.5)  # a zero vector counts as orthogonal
             else:
-                out[lo:hi] = 1.0 - (ua * ub).sum(-1)
+                out[lo:hi] = 1.0 - torch.linalg.vecdot(ua, ub)
         ctx.save_for_backward(a, b)
         ctx.angular = angular
         return out
@@ -75,22 +81,19 @@ class _TokenDisplacement(torch.autograd.Function):
         for lo, hi in _row_chunks(*a.shape):
             ua, na = _unit(a[lo:hi])
             ub, nb = _unit(b[lo:hi])
-            cos = (ua * ub).sum(-1, keepdim=True)
-            # Components of b̂ orthogonal to â and vice versa; |perp| = sin(angle).
-            perp_a = ub - cos * ua
-            perp_b = ua - cos * ub
-            g = grad[lo:hi].float().unsqueeze(-1)
+            cos = torch.linalg.vecdot(ua, ub).unsqueeze(-1)
+            # Components of b̂ orthogonal to â and of â orthogonal to b̂; |perp| = sin(angle).
+            perp_a = torch.addcmul(ub, ua, cos, value=-1.0)
+            perp_b = ua.addcmul_(ub, cos, value=-1.0)
+            # d(1 − cos)/da = −perp_a/|a|; d angle/da = −perp_a/(|a| sin): bounded by 1/|a|, 0 when a ∥ b.
+            g = grad[lo:hi].float() * ((na > NORM_EPS) & (nb > NORM_EPS))  # zero vectors: no gradient
+            coef_a = -g / na.clamp_min(NORM_EPS)
+            coef_b = -g / nb.clamp_min(NORM_EPS)
             if ctx.angular:
-                # d angle / d a = -perp_a / (|a| sin): bounded by 1/|a|, zero when a ∥ b.
-                perp_a = perp_a / torch.linalg.vector_norm(perp_a, dim=-1, keepdim=True).clamp_min(1e-12)
-                perp_b = perp_b / torch.linalg.vector_norm(perp_b, dim=-1, keepdim=True).clamp_min(1e-12)
-                g = g / math.pi
-            # d(1 - cos)/d a = -perp_a / |a|;  the angular form differs only by the normalised perp.
-            live = ((na > NORM_EPS) & (nb > NORM_EPS)).unsqueeze(-1)  # zero vectors: no gradient
-            ga = -g * perp_a / na.clamp_min(NORM_EPS).unsqueeze(-1)
-            gb = -g * perp_b / nb.clamp_min(NORM_EPS).unsqueeze(-1)
-            grad_a[lo:hi] = torch.where(live, ga, 0.0).to(a.dtype)
-            grad_b[lo:hi] = torch.where(live, gb, 0.0).to(b.dtype)
+                coef_a = coef_a / (math.pi * torch.linalg.vector_norm(perp_a, dim=-1).clamp_min(1e-12))
+                coef_b = coef_b / (math.pi * torch.linalg.vector_norm(perp_b, dim=-1).clamp_min(1e-12))
+            grad_a[lo:hi] = perp_a.mul_(coef_a.unsqueeze(-1))
+            grad_b[lo:hi] = perp_b.mul_(coef_b.unsqueeze(-1))
         return grad_a, grad_b, None
 
 

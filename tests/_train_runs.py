@@ -63,7 +63,7 @@ def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
 
 def single_rank_runs(rank: int, world: int, tmp: str, tokenizer: str, bad_data: str) -> dict:
     out: dict = {}
-    out["single"] = train(TINY + ["--metrics-file", f"{tmp}/single.jsonl"])[0]
+    out["single"] = train(TINY + ["--metrics-file", f"{tmp}/single.jsonl", "--tensorboard-dir", f"{tmp}/tb"])[0]
     run = ["--save", f"{tmp}/ckpt", "--metrics-file", f"{tmp}/resumed.jsonl"]
     out["exit"] = train(TINY + run + ["--exit-interval", "2"])[0]
     out["resume"] = train(TINY + run + ["--load", f"{tmp}/ckpt"])[0]

@@ -68,6 +68,18 @@ def test_metrics_file_fields(runs):
     assert "val_loss" in rec[-1] and rec[-1]["iteration"] == 4
 
 
+def test_tensorboard_scalars_and_psi_per_layer(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs["tmp"] / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    assert {"train/lm_loss", "train/jreg_loss", "train/zeta_L", "train/lr", "validation/lm_loss"} <= scalars
+    assert {f"psi/layer_{ell:03d}" for ell in range(1, 5)} <= scalars
+    assert [e.step for e in acc.Scalars("train/lm_loss")] == [1, 2, 3, 4]
+    assert "psi/per_layer" in acc.Tags()["histograms"]
+
+
 @pytest.mark.parametrize("name,reference", [("resumed", "single"), ("dp2-resumed", "dp2-distopt")])
 def test_resume_continues_exactly(runs, name, reference):
     assert runs["one"]["exit"] == 0 and runs["one"]["resume"] == 0
