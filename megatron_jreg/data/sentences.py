@@ -1,6 +1,6 @@
 """Sentence splitting for `--split-sentences` with nltk's Punkt, without any download.
 
-Cluster nodes have no internet, so `nltk.download("punkt")` is never called. The Punkt parameters come
+Cluster nodes have no internet, so nltk's downloader is never used. The Punkt parameters come
 from, in order: `--punkt-model` (a `punkt_tab/<lang>` folder), nltk's data path (NLTK_DATA, ~/nltk_data;
 looked up, not fetched), or Punkt training on the first `--punkt-train-chars` characters of the input.
 The source is reported in the summary and the manifests; trained parameters are saved in punkt_tab format
