@@ -81,10 +81,9 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self.plugin = JregPlugin(self.model, cfg.jreg)
-        self.iteration, consumed = 0, 0
-        self._maybe_load()
-        consumed = self.consumed_samples
-        self._build_data(consumed)
+        self.iteration = 0
+        self._maybe_load()  # sets iteration and consumed_samples when resuming
+        self._build_data(self.consumed_samples)
         if cfg.checkpoint.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
