@@ -2,7 +2,7 @@
 
     megatron-jreg analyze --model PATH [--model PATH ...] [--checkpoints GLOB] --data lambada \
         --num-samples 100 [--batch-size 8] [--max-length T] [--dtype float32|bfloat16] \
-        [--distance angular|cosine] [--include-final-norm] [--output DIR]
+        [--distance angular|cosine] [--include-final-norm] [--stream|--no-stream] [--output DIR]
 
 Parsing only: the settings are validated by `AnalyzeConfig`, the work is done by `run.run_analysis`.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_jreg import jreg
 from megatron_jreg.analysis.config import DTYPES, AnalyzeConfig
 from megatron_jreg.analysis.source import AnalysisError
+from megatron_jreg.hub import ModelFileError
 
 
 def _samples(value: str) -> int | None:
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PATH",
-        help="HF model folder, GGUF file or megatron-jreg checkpoint directory (repeatable)",
+        help="HF model folder or hub id (org/name, read from the local cache), GGUF file, or megatron-jreg "
+        "checkpoint directory (repeatable)",
     )
     p.add_argument("--checkpoints", metavar="GLOB", help="checkpoints of one run, measured in step order")
     p.add_argument(
@@ -70,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=Path("jump_analysis"), metavar="DIR")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for models that carry none")
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read Llama-family safetensors one decoder layer at a time (memory: one layer + the samples' "
+        "hidden states); default: stream only when the weights do not fit in free memory",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -92,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             output=args.output,
             device=args.device,
             tokenizer=args.tokenizer,
+            stream=args.stream,
             progress=args.progress,
         )
         results, files = run_analysis(cfg)
-    except (AnalysisError, NotImplementedError) as e:  # NotImplementedError: megatron source TODO
+    except (AnalysisError, ModelFileError, NotImplementedError) as e:  # NotImplementedError: megatron source TODO
         print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
         return 2
     print_report(results, files)

@@ -6,13 +6,14 @@ Every check names the flag it is about and says how to fix it, so the CLI only p
 from __future__ import annotations
 
 import glob
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_jreg import jreg
+from megatron_jreg import hub, jreg
 from megatron_jreg.analysis.source import AnalysisError, ModelSpec, model_kind
 from megatron_jreg.data import text
 
@@ -45,6 +46,9 @@ class AnalyzeConfig:
     tokenizer: str | None = None
     """--tokenizer: a tokenizer folder for models that carry none (a GGUF file without vocabulary)."""
     padding_side: str = "right"
+    stream: bool | None = None
+    """--stream / --no-stream: layer-by-layer from safetensors (Llama family), or in memory; None: stream
+    only the models whose weights do not fit in free memory (`stream_source.should_stream`)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -65,9 +69,16 @@ class AnalyzeConfig:
             raise AnalysisError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
         if self.device != "auto":
             try:
-                torch.device(self.device)
+                device = torch.device(self.device)
             except RuntimeError as e:
                 raise AnalysisError(f"--device {self.device!r} is not a torch device (use auto, cpu, cuda:0)") from e
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise AnalysisError(f"--device {self.device}: no CUDA device here; use --device cpu (or auto)")
+        if self.tokenizer is not None:
+            self.tokenizer = str(hub.resolve(self.tokenizer, "--tokenizer"))
+            if not Path(self.tokenizer).exists():
+                raise AnalysisError(f"--tokenizer {self.tokenizer}: no such folder; pass a folder with tokenizer.json")
+        check_output_dir(self.output, "--output")
         parse_data_spec(self.data)  # fail on a bad --data before any model is loaded
 
     @property
@@ -87,6 +98,17 @@ class AnalyzeConfig:
         out["device"] = str(self.torch_device)
         del out["progress"]
         return out
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """A folder we can create or write into, checked before any work (not after the last model)."""
+    if path.exists() and not path.is_dir():
+        raise AnalysisError(f"{flag} {path}: is a file, not a folder; pass a folder (it is created if missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise AnalysisError(f"{flag} {path}: cannot write into {existing}; pass a folder you can write to")
 
 
 def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:
@@ -112,14 +134,19 @@ def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:
 def load_texts(spec: str, num_samples: int | None) -> list[str]:
     """The first `num_samples` non-empty samples of `--data` (all when None), in file order."""
     fmt, path, key = parse_data_spec(spec)
-    if fmt == "lambada":
-        texts = text.lambada_passages(path)
-    elif fmt == "wikitext":
-        texts = text.wikitext_articles(path)
-    elif fmt == "jsonl":
-        texts = list(text.iter_jsonl(path, key or "text"))
-    else:
-        texts = text.text_paragraphs(path)
+    try:
+        if fmt == "lambada":
+            texts = text.lambada_passages(path)
+        elif fmt == "wikitext":
+            texts = text.wikitext_articles(path)
+        elif fmt == "jsonl":
+            texts = list(text.iter_jsonl(path, key or "text"))
+        else:
+            texts = text.text_paragraphs(path)
+    except UnicodeDecodeError as e:
+        raise AnalysisError(f"--data {spec!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # iter_jsonl: "<file>:<line>: cannot read key ..."
+        raise AnalysisError(f"--data {spec!r}: {e}; fix or drop that line") from None
     texts = [t for t in texts if t.strip()][:num_samples]
     if not texts:
         raise AnalysisError(f"--data {spec!r}: no non-empty samples in {path}")
@@ -133,11 +160,14 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def resolve_models(models: list[str], checkpoints: str | None) -> list[ModelSpec]:
-    """`--model` paths in the order given, then `--checkpoints` matches ordered by step.
+    """`--model` paths (or hub ids, resolved from the local cache) in the order given, then `--checkpoints`
+    matches ordered by step.
 
-    Labels are the path's last component, lengthened with parent folders until they are unique.
+    Labels are the path's last component (a hub id's repo name), lengthened with parent folders (the
+    organisation) until they are unique.
     """
-    entries: list[tuple[Path, str, int | None]] = [(Path(m), "--model", None) for m in models]
+    entries: list[tuple[Path, str, int | None]] = [(hub.resolve(m, "--model"), "--model", None) for m in models]
+    shown = [Path(m) if hub.describe(p) else p for m, (p, _, _) in zip(models, entries)]  # hub ids by name
     if checkpoints:
         matches = [Path(p) for p in glob.glob(checkpoints)]
         if not matches:
@@ -150,12 +180,12 @@ def resolve_models(models: list[str], checkpoints: str | None) -> list[ModelSpec
             stepped.append((step, p))
         entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
     kinds = [model_kind(p, flag) for p, flag, _ in entries]
-    labels = _unique_labels([p for p, _, _ in entries])
+    labels = _unique_labels(shown + [p for p, _, _ in entries[len(models) :]])
     return [ModelSpec(p, label, kind, step) for (p, _, step), label, kind in zip(entries, labels, kinds)]
 
 
 def _unique_labels(paths: list[Path]) -> list[str]:
-    parts = [p.resolve().parts for p in paths]
+    parts = [(p.resolve() if p.exists() else p).parts for p in paths]
     depth = 1
     while True:
         labels = ["/".join(ps[-depth:]) for ps in parts]

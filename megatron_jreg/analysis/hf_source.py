@@ -24,8 +24,12 @@ from megatron_jreg.analysis.source import (
     UnsupportedArchitectureError,
     is_gguf_file,
     masked_displacement_sum,
+    one_line,
     real_rows,
 )
+from megatron_jreg.hub import ModelFileError, load_causal_lm
+
+HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent from the files
 
 # Where the families of the issue keep their decoder layers (for the error message; discovery is generic).
 KNOWN_LAYOUTS = "Llama/Mistral/Qwen/Gemma/OLMo/Phi/GPT-NeoX: `<base>.layers`, GPT-2: `transformer.h`"
@@ -68,6 +72,26 @@ def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[
     return name, layers
 
 
+def context_length(config: Any) -> int | None:
+    """The longest sequence the config declares, or None (no truncation then)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def padding_id(tokenizer: Any) -> int:
+    """A token id to pad with: the tokenizer's pad token, else its EOS, else 0 (padding is masked anyway)."""
+    return int(next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0))
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+
+
 def _accepts(module: nn.Module, argument: str) -> bool:
     return argument in inspect.signature(module.forward).parameters
 
@@ -89,24 +113,15 @@ class HFSource:
         self.num_layers = len(self.layers)
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.context_length = next(
-            (
-                v
-                for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                if isinstance(v := getattr(text_config, k, None), int) and v > 0
-            ),
-            None,
-        )
-        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-        self.pad_id = int(pad)
+        self.context_length = context_length(config)
+        self.pad_id = padding_id(tokenizer)
         # Left padding needs explicit positions for absolute-position models (GPT-2); harmless for RoPE.
         self._pass_positions = _accepts(self.base, "position_ids")
         self.device = next(self.base.parameters()).device
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+        return encode_texts(self.tokenizer, texts)
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, output_hidden_states: bool) -> Any:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
@@ -144,19 +159,42 @@ class HFSource:
         del self.model, self.base, self.layers
 
 
-def _load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> Any:
+def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> Any:
     from transformers import AutoTokenizer
 
-    if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    try:
-        return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    source, where = (tokenizer, f"--tokenizer {tokenizer}") if tokenizer is not None else (str(path), None)
+    if where is None:
         where = f"the GGUF file {path / gguf_file}" if gguf_file else f"{path}"
+    try:
+        return AutoTokenizer.from_pretrained(source, gguf_file=None if tokenizer else gguf_file, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise AnalysisError(
-            f"cannot load a tokenizer from {where}: {e}. Pass --tokenizer DIR (a folder with tokenizer.json "
-            "or the model's original Hugging Face folder)"
+            f"cannot load a tokenizer from {where}: {one_line(e)}. Pass --tokenizer DIR (a folder with "
+            "tokenizer.json or the model's original Hugging Face folder)"
         ) from e
+
+
+def check_gguf(path: Path) -> None:
+    """Parse a GGUF file's header, metadata and tensor table, and check every tensor's bytes are in the
+    file, so a truncated or corrupt download is one line naming the file instead of a parser traceback."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(str(path))
+        tensors = list(reader.tensors)
+    except Exception as e:  # noqa: BLE001 - any parse failure of the file is the thing to report
+        raise AnalysisError(
+            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e)}); "
+            "it is truncated or corrupt: download or convert it again"
+        ) from None
+    if not tensors:
+        raise AnalysisError(f"--model {path}: the GGUF file holds no tensors; download or convert it again")
+    end = max(t.data_offset + t.n_bytes for t in tensors)
+    if end > size:
+        raise AnalysisError(
+            f"--model {path}: the GGUF file is truncated ({size} of {end} bytes); download or convert it again"
+        )
 
 
 def load_hf_source(
@@ -168,17 +206,21 @@ def load_hf_source(
     include_final_norm: bool = False,
     tokenizer: str | None = None,
 ) -> HFSource:
-    """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source."""
-    from transformers import AutoModelForCausalLM
+    """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source.
 
+    Refuses a model whose files lack weights of its architecture, or hold ones it does not use
+    (`hub.load_causal_lm`); the LM head is exempt, since the analysis never runs it.
+    """
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
+    if gguf_file:
+        check_gguf(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(folder), gguf_file=gguf_file, dtype=dtype, local_files_only=True
-        )
+        model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD,), gguf_file=gguf_file, dtype=dtype)
+    except ModelFileError as e:
+        raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
-        raise AnalysisError(f"--model {path}: transformers cannot load it as a causal LM: {e}") from e
+        raise AnalysisError(f"--model {path}: transformers cannot load it as a causal LM: {one_line(e)}") from e
     model.to(device)
-    return HFSource(model, _load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)
+    return HFSource(model, load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.source import HiddenStateSource, ModelSpec
+from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource, LayerStreamingSource, ModelSpec
 
 
 @dataclass
@@ -36,6 +36,10 @@ class ModelResult:
     """Real tokens seen by layer ℓ, index ℓ-1."""
     samples: int
     truncated_samples: int
+    streamed: bool = False
+    """Measured layer by layer from safetensors (`stream_source.py`) rather than loaded whole."""
+    peak_memory_bytes: int | None = None
+    """Peak memory while loading and measuring this model (`memory.PeakMemory`), when measured."""
 
     @property
     def num_layers(self) -> int:
@@ -146,16 +150,23 @@ def measure(
     """Ψ_ℓ totals of `source` over `texts` (all positions of each sample, padding excluded)."""
     samples, truncated = encode_samples(source, texts, max_length)
     if not samples:
-        raise ValueError(f"{spec.label}: no sample has any token")
+        raise AnalysisError(f"{spec.label}: no sample has any token; check --data")
     sums = torch.zeros(source.num_layers, dtype=torch.float64)
     counts = torch.zeros(source.num_layers, dtype=torch.float64)
-    bar = _progress_bar(sum(map(len, samples)), spec.label, progress)
+    tokens = sum(map(len, samples))
+    bar = _NoProgress()
     try:
-        for ids, mask in padded_batches(samples, batch_size, source.pad_id, padding_side):
-            batch_sums, batch_counts = source.layer_sums(ids, mask, kind)
-            sums += batch_sums
-            counts += batch_counts
-            bar.update(int(mask.sum()))
+        if isinstance(source, LayerStreamingSource):  # every batch through one layer at a time
+            bar = _progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
+            batches = list(padded_batches(samples, batch_size, source.pad_id, "right"))
+            sums, counts = source.stream_sums(batches, kind, bar.update)
+        else:
+            bar = _progress_bar(tokens, spec.label, progress)
+            for ids, mask in padded_batches(samples, batch_size, source.pad_id, padding_side):
+                batch_sums, batch_counts = source.layer_sums(ids, mask, kind)
+                sums += batch_sums
+                counts += batch_counts
+                bar.update(int(mask.sum()))
     finally:
         bar.close()
     return ModelResult(

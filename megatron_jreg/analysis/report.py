@@ -75,6 +75,8 @@ def result_record(result: ModelResult) -> dict:
         "displacement_sums": result.sums,
         "samples": result.samples,
         "truncated_samples": result.truncated_samples,
+        "streamed": result.streamed,
+        "peak_memory_bytes": result.peak_memory_bytes,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,9 +12,11 @@ import torch
 
 from megatron_jreg.analysis.config import AnalyzeConfig, load_texts, resolve_models
 from megatron_jreg.analysis.measure import ModelResult, measure
+from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.plot import write_plots
 from megatron_jreg.analysis.report import format_table, write_results
-from megatron_jreg.analysis.source import load_source
+from megatron_jreg.analysis.source import AnalysisError, load_source
+from megatron_jreg.analysis.stream_source import not_streamable, should_stream
 
 
 def _stderr(message: str) -> None:
@@ -27,6 +30,11 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
     memory of one model only.
     """
     specs = resolve_models(cfg.models, cfg.checkpoints)
+    if cfg.stream:
+        for spec in specs:
+            reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path)
+            if reason:
+                raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
     texts = load_texts(cfg.data, cfg.num_samples)
     log(
         f"analyze: {len(specs)} model(s), {len(texts)} samples of {cfg.data}, distance {cfg.distance}, "
@@ -34,31 +42,47 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
     )
     results = []
     for i, spec in enumerate(specs, 1):
-        log(f"[{i}/{len(specs)}] loading {spec.path} ({spec.kind})")
-        source = load_source(
-            spec,
-            dtype=cfg.torch_dtype,
-            device=cfg.torch_device,
-            include_final_norm=cfg.include_final_norm,
-            tokenizer=cfg.tokenizer,
-        )
-        try:
-            result = measure(
-                source,
-                texts,
+        stream = cfg.stream
+        if stream is None and spec.kind == "hf":
+            stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device)
+            log(f"[{i}/{len(specs)}] {spec.path} ({spec.kind}): {why}")
+        log(f"[{i}/{len(specs)}] {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
+        with PeakMemory(cfg.torch_device) as memory:
+            source = load_source(
                 spec,
-                batch_size=cfg.batch_size,
-                max_length=cfg.max_length,
-                kind=cfg.distance,
-                padding_side=cfg.padding_side,
-                progress=cfg.progress,
+                dtype=cfg.torch_dtype,
+                device=cfg.torch_device,
+                include_final_norm=cfg.include_final_norm,
+                tokenizer=cfg.tokenizer,
+                stream=bool(stream),
             )
-        finally:
-            source.close()
-            del source
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            try:
+                result = measure(
+                    source,
+                    texts,
+                    spec,
+                    batch_size=cfg.batch_size,
+                    max_length=cfg.max_length,
+                    kind=cfg.distance,
+                    padding_side=cfg.padding_side,
+                    progress=cfg.progress,
+                )
+            finally:
+                source.close()
+                del source
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        result.streamed, result.peak_memory_bytes = bool(stream), memory.peak
+        if memory.peak is not None:
+            where = "GPU memory allocated" if cfg.torch_device.type == "cuda" else "resident set of this process"
+            log(f"    peak memory {memory.peak / 2**30:.2f} GiB ({where}; {'streamed' if stream else 'in memory'})")
+        bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
+        if bad:
+            raise AnalysisError(
+                f"{spec.path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
+                "overflow; check the model's weights, or measure with --dtype float32"
+            )
         if result.truncated_samples:
             log(f"    {result.truncated_samples} sample(s) truncated to the model's context (--max-length)")
         results.append(result)

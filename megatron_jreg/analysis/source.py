@@ -13,15 +13,16 @@ pass runs, so no more than one layer's input and output are alive at a time for 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
+from megatron_jreg.hub import read_config
 
 # The convention labels that end up in results.json and in the plot legends.
 LAYER_IO = "decoder layer input/output (hooks)"
@@ -39,7 +40,7 @@ class UnsupportedArchitectureError(AnalysisError):
 
 
 class HiddenStateSource(Protocol):
-    """A model the analysis can measure. Implementations: `HFSource`; the megatron one (TODO, lead).
+    """A model the analysis can measure: `HFSource`, `MegatronSource`, `StreamingSource`.
 
     Attributes:
         label: short name for tables and legends.
@@ -75,6 +76,27 @@ class HiddenStateSource(Protocol):
         ...
 
 
+@runtime_checkable
+class LayerStreamingSource(HiddenStateSource, Protocol):
+    """A source that measures all batches one layer at a time (`StreamingSource`), so only one layer's
+    weights are in memory; `measure` hands it every batch at once."""
+
+    def stream_sums(
+        self, batches: Sequence[tuple[Tensor, Tensor]], kind: str, on_batch: Callable[[int], None] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(input_ids[b, t], attention_mask[b, t]) right-padded batches → (sums[L], counts[L]) float64
+        on the CPU, the sums of `layer_sums` over the batches; on_batch(real tokens) after each batch
+        of each layer."""
+        ...
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, shortened: library errors can span pages."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def real_rows(mask: Tensor | None) -> Tensor | None:
     """Flat indices [n] of the real tokens of mask[...] (True/1 = real), or None when all are real."""
     if mask is None or bool(mask.all()):
@@ -98,7 +120,7 @@ def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, ki
     )
 
 
-def _first_tensor(value: Any) -> Tensor | None:
+def first_tensor(value: Any) -> Tensor | None:
     """The hidden states in a layer's output: the tensor itself or the first element of a tuple/list."""
     if isinstance(value, Tensor):
         return value
@@ -162,7 +184,7 @@ class LayerDisplacementHooks:
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             h_in, version = self._inputs.pop(index)
-            h_out = _first_tensor(output)
+            h_out = first_tensor(output)
             if h_out is None or h_out.shape != h_in.shape:
                 raise UnsupportedArchitectureError(
                     f"{type(module).__name__} (decoder layer {index + 1}) returned {type(output).__name__}, "
@@ -239,6 +261,7 @@ def model_kind(path: Path, flag: str = "--model") -> str:
     if is_gguf_file(path):
         return "gguf"
     if path.is_dir() and (path / "config.json").exists():
+        read_config(path, flag)  # a broken config.json stops here, before any model is loaded
         return "hf"
     if is_megatron_checkpoint(path):
         return "megatron"
@@ -255,10 +278,16 @@ def load_source(
     device: torch.device,
     include_final_norm: bool = False,
     tokenizer: str | None = None,
+    stream: bool = False,
 ) -> HiddenStateSource:
-    """Build the source for one model; framework imports happen here, lazily."""
+    """Build the source for one model; framework imports happen here, lazily. `stream`: read a Hugging
+    Face folder one layer at a time (`stream_source.py`) instead of loading it."""
+    if stream and spec.kind != "hf":
+        raise AnalysisError(f"--stream: {spec.path} is a {spec.kind} model; streaming reads Hugging Face folders")
     if spec.kind == "megatron":
         from megatron_jreg.analysis.megatron_source import load_megatron_source as load
+    elif stream:
+        from megatron_jreg.analysis.stream_source import load_stream_source as load
     else:
         from megatron_jreg.analysis.hf_source import load_hf_source as load
     return load(

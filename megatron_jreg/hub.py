@@ -1,0 +1,244 @@
+"""Hugging Face models on this machine, offline: hub ids resolved from the local cache, complete loads only.
+
+`analyze --model`, `evaluate --hf` and `convert` take either a local path or a hub id (`org/name`,
+`org/name@REVISION`, `org/name/sub/file.gguf`). A hub id is answered from the cache that `hf download`
+and `from_pretrained` fill, laid out as
+
+    <cache>/models--org--name/refs/main             the commit hash the branch points to
+    <cache>/models--org--name/snapshots/<hash>/...  the files of that commit (symlinks into blobs/)
+
+with <cache> = $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+~/.cache/huggingface/hub (huggingface_hub's own order). Nothing is ever downloaded: a model that is not
+there is one error line naming the cache folder searched and the command that fills it.
+
+`load_causal_lm` is the one place where a Hugging Face folder becomes a model: transformers only logs
+weights that are missing from the files (and initialises them randomly) or present but unused, so a
+Mixtral folder without its expert weights would be measured and scored as a random model. It refuses
+such a folder instead, naming the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+_HASH = re.compile(r"^[0-9a-f]{40}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SHOWN_KEYS = 3  # keys named in an error line before "... and N more"
+
+
+class ModelFileError(ValueError):
+    """A model on disk that cannot be used as it is; the message is one line naming the path and the fix."""
+
+
+class HubError(ModelFileError):
+    """A model that is neither a local path nor in the Hugging Face cache; the message says where we looked."""
+
+
+class IncompleteWeightsError(ModelFileError):
+    """A model folder whose weight files do not match its architecture (missing or unexpected tensors)."""
+
+
+class BadConfigError(ModelFileError):
+    """A config.json that is not JSON, or not a model config."""
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache folder, by the environment variables huggingface_hub reads."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def _repo_folder(repo_id: str) -> str:
+    return "models--" + repo_id.replace("/", "--")
+
+
+def _looks_like_id(spec: str) -> bool:
+    """`org/name[@rev][/path...]` or `name`: no absolute, home or dot-relative paths, no empty parts."""
+    if not spec or spec.startswith(("/", "~", ".")) or "\\" in spec:
+        return False
+    head, _, _ = spec.partition("@")
+    return all(_NAME.match(part) for part in head.split("/")) and "//" not in spec
+
+
+def _split(spec: str) -> list[tuple[str, str | None, str]]:
+    """Candidate (repo id, revision, path inside the snapshot) readings of `spec`, most specific first.
+
+    `org/name/file.gguf` may be the file of repo org/name or (for a one-part legacy id) more path; both
+    readings are tried, two-part ids first, as the Hub's own ids are.
+    """
+    out = []
+    parts = spec.split("/")
+    for n in (2, 1):
+        if len(parts) < n:
+            continue
+        repo = "/".join(parts[:n])
+        rest = "/".join(parts[n:])
+        revision = None
+        if "@" in repo:
+            repo, _, revision = repo.partition("@")
+        elif "@" in rest:
+            continue  # a revision belongs right after the repo id
+        out.append((repo, revision, rest))
+    return out
+
+
+def _snapshot(repo_dir: Path, repo_id: str, revision: str | None, flag: str) -> Path:
+    """The snapshot folder of `revision` (a branch or tag in refs/, or a commit hash or its prefix)."""
+    snapshots = repo_dir / "snapshots"
+    available = sorted(p.name for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if not available:
+        raise HubError(
+            f"{flag} {repo_id}: {repo_dir} holds no snapshot (an interrupted download); run "
+            f"`hf download {repo_id}` on a machine with internet and copy {repo_dir} here"
+        )
+    ref = repo_dir / "refs" / (revision or "main")
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8").strip()
+    elif revision is not None:
+        matches = [h for h in available if h.startswith(revision)]
+        if len(matches) != 1:
+            raise HubError(
+                f"{flag} {repo_id}@{revision}: no such branch, tag or commit in {repo_dir} "
+                f"(snapshots: {', '.join(h[:12] for h in available)}); use one of these"
+            )
+        commit = matches[0]
+    elif len(available) == 1:
+        commit = available[0]  # a cache copied without refs/: one snapshot is unambiguous
+    else:
+        raise HubError(
+            f"{flag} {repo_id}: {repo_dir} has no refs/main and {len(available)} snapshots; choose one with "
+            f"{repo_id}@COMMIT ({', '.join(h[:12] for h in available)})"
+        )
+    folder = snapshots / commit
+    if not folder.is_dir():
+        raise HubError(
+            f"{flag} {repo_id}: refs/{revision or 'main'} points to commit {commit[:12]}, which is not in "
+            f"{snapshots}; download that revision again or pass {repo_id}@COMMIT of a snapshot that is there"
+        )
+    return folder
+
+
+def _check_links(folder: Path, flag: str, repo_id: str) -> None:
+    """Snapshot files are symlinks into blobs/; a dangling one is a file whose download never finished."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink() and not path.exists():
+            raise HubError(
+                f"{flag} {repo_id}: {path.relative_to(folder)} in {folder} points to a blob that is not there "
+                f"(an incomplete download); run `hf download {repo_id}` again and copy the cache here"
+            )
+
+
+def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) -> Path:
+    """A local path for `spec`: the path itself when it exists, else its snapshot in the hub cache.
+
+    Raises HubError (one line: the flag, the local path and the cache folder searched, the fix).
+    """
+    text = str(spec)
+    local = Path(text).expanduser()
+    if local.exists() or not _looks_like_id(text):
+        return local
+    cache = cache or hub_cache()
+    readings = _split(text)
+    for repo_id, revision, rest in readings:
+        repo_dir = cache / _repo_folder(repo_id)
+        if not repo_dir.is_dir():
+            continue
+        folder = _snapshot(repo_dir, repo_id, revision, flag)
+        _check_links(folder, flag, repo_id)
+        target = folder / rest if rest else folder
+        if not target.exists():
+            raise HubError(
+                f"{flag} {text}: the cached snapshot {folder} of {repo_id} has no {rest}; "
+                f"list it with `ls {folder}` and name a file that is there"
+            )
+        return target
+    repo_id = readings[0][0] if readings else text
+    raise HubError(
+        f"{flag} {text}: no such file or folder, and no {_repo_folder(repo_id)} in the Hugging Face cache {cache} "
+        f"(HF_HUB_CACHE); on a machine with internet run `hf download {repo_id}` and copy the cache here, "
+        "or pass a local folder"
+    )
+
+
+def describe(path: Path) -> str | None:
+    """`org/name@<commit>` for a path inside a hub-cache snapshot, else None (for result records)."""
+    parts = Path(path).resolve().parts if Path(path).exists() else Path(path).parts
+    for i in range(len(parts) - 2):
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots" and _HASH.match(parts[i + 2]):
+            return parts[i][len("models--") :].replace("--", "/") + "@" + parts[i + 2]
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading a folder, refusing one whose weights do not all load.
+
+
+def read_config(folder: Path, flag: str) -> dict[str, Any]:
+    """config.json of a model folder as a dict; bad JSON or a non-object is one line naming the file."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadConfigError(f"{flag} {folder}: cannot read {path} ({e}); restore the model's config.json") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise BadConfigError(
+            f"{flag} {folder}: {path} is not a Hugging Face model config (a JSON object with a model_type); "
+            "restore the model's config.json"
+        )
+    return config
+
+
+def _named(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:SHOWN_KEYS])
+    return shown + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")
+
+
+def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignore: Iterable[str] = ()) -> None:
+    """Raise IncompleteWeightsError when `from_pretrained(..., output_loading_info=True)` reports missing,
+    unexpected or mismatched tensors (keys starting with one of `ignore` excepted)."""
+    skip = tuple(ignore)
+    problems = []
+    for field, what in (
+        ("missing_keys", "missing from the files (they would be random)"),
+        ("unexpected_keys", "in the files but not in the model"),
+        ("mismatched_keys", "of the wrong shape"),
+    ):
+        keys = [k if isinstance(k, str) else str(k[0]) for k in info.get(field) or ()]
+        keys = [k for k in keys if not (skip and k.startswith(skip))]
+        if keys:
+            problems.append(f"{len(keys)} weight(s) {what}: {_named(keys)}")
+    if problems:
+        raise IncompleteWeightsError(
+            f"{where}: the weights do not match {model_class}: {'; '.join(problems)}. The files are incomplete "
+            "or for another architecture: download or convert the model again"
+        )
+
+
+def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)`, refusing a model
+    whose weights do not all load (IncompleteWeightsError); transformers' own load report is silenced,
+    since this error replaces it. `where` starts the message (e.g. "--model DIR")."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, output_loading_info=True, **kwargs
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_loading_info(info, type(model).__name__, where, ignore)
+    return model

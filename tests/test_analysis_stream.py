@@ -1,0 +1,178 @@
+"""Layer streaming (`analyze --stream`): the same Ψ as the in-memory path, one decoder layer in memory at a time.
+
+Tiny random models of each streamable family, saved in small safetensors shards so that a layer spans
+several files; samples of different lengths in batches of 3, so every batch is padded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_jreg.analysis import stream_source
+from megatron_jreg.analysis.cli import main
+from megatron_jreg.analysis.hf_source import load_hf_source
+from megatron_jreg.analysis.measure import measure
+from megatron_jreg.analysis.source import AnalysisError, ModelSpec
+from megatron_jreg.analysis.stream_source import StreamingSource, load_stream_source
+from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
+from megatron_jreg.data.text import lambada_passages
+from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    passages = lambada_passages()[10:17]
+    return [" ".join(p.split()[:n]) for p, n in zip(passages, (4, 33, 12, 27, 9, 19, 40))]
+
+
+def _config(family: str, **extra):
+    config = family_config(family, layers=4)
+    for key, value in extra.items():
+        setattr(config, key, value)
+    return config
+
+
+def _save_sharded(config, folder: Path, tokenizer) -> Path:
+    """save_random_model, then re-saved in ~8 KB shards (several files per layer) with an index."""
+    save_random_model(config, folder, tokenizer)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    model.save_pretrained(folder, max_shard_size="8KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def _psi(source, texts, batch_size=3) -> list[float]:
+    path = Path(getattr(source, "folder", "m"))
+    return measure(source, texts, ModelSpec(path, "m", "hf"), batch_size=batch_size).psi
+
+
+VARIANTS = {
+    # GQA (4 query heads, 2 KV heads) and RoPE, as family_config builds them.
+    "llama": ("llama", {}),
+    # Llama-3.1-style frequency scaling of RoPE.
+    "llama3_rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    # A sliding window shorter than the samples, so the window changes the attention.
+    "mistral_window": ("mistral", {"sliding_window": 8}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "qwen3": ("qwen3", {}),  # per-head q/k norms
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_streaming_equals_in_memory(variant, tokenizer, texts, tmp_path):
+    family, extra = VARIANTS[variant]
+    folder = _save_sharded(_config(family, **extra), tmp_path / variant, tokenizer)
+    reference = _psi(load_hf_source(folder, label="m"), texts)
+    streamed_source = load_stream_source(folder, label="m")
+    streamed = _psi(streamed_source, texts)
+    assert streamed == pytest.approx(reference, abs=1e-5)
+    assert len(set(reference)) == len(reference)  # distinct layers: a swapped or skipped layer would show
+    if variant == "mistral_window":  # the window was applied: without it Ψ is different
+        streamed_source.windows = [None] * streamed_source.num_layers
+        assert _psi(streamed_source, texts) != pytest.approx(reference, abs=1e-5)
+
+
+def test_streaming_final_norm_and_bfloat16(tokenizer, texts, tmp_path):
+    folder = _save_sharded(_config("llama"), tmp_path / "m", tokenizer)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        ref = _psi(load_hf_source(folder, label="m", dtype=dtype, include_final_norm=True), texts)
+        got = _psi(load_stream_source(folder, label="m", dtype=dtype, include_final_norm=True), texts)
+        assert got == pytest.approx(ref, abs=tol)
+        plain = _psi(load_stream_source(folder, label="m", dtype=dtype), texts)
+        assert got[:-1] == pytest.approx(plain[:-1]) and got[-1] != pytest.approx(plain[-1], abs=1e-4)
+
+
+def test_one_layer_in_memory_at_a_time(tokenizer, texts, tmp_path, monkeypatch):
+    """Every read is one layer's tensors (or the embedding rows in use), and no two decoder layers ever
+    hold real tensors at the same time."""
+    folder = _save_sharded(_config("llama"), tmp_path / "m", tokenizer)
+    source = load_stream_source(folder, label="m")
+    reads: list[set[str]] = []
+    live: list[int] = []
+    original_load, original_filled = SafetensorsFolder.load, StreamingSource._filled
+
+    def load(self, names):
+        reads.append({n.split(".")[2] if ".layers." in n else n for n in names})
+        return original_load(self, names)
+
+    def filled(self, module, prefix):
+        live.append(sum(any(p.device.type != "meta" for p in layer.parameters()) for layer in self.layers))
+        return original_filled(self, module, prefix)
+
+    monkeypatch.setattr(SafetensorsFolder, "load", load)
+    monkeypatch.setattr(StreamingSource, "_filled", filled)
+    _psi(source, texts)
+    assert reads == [{str(i)} for i in range(4)]  # one read per layer, of that layer only
+    assert live == [0, 0, 0, 0]  # when a layer is read, no other layer holds tensors
+    assert all(p.device.type == "meta" for p in source.base.parameters())  # and none is left afterwards
+
+
+def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
+    folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
+    weights = SafetensorsFolder(folder)
+    full = load_file(folder / "model.safetensors")["model.embed_tokens.weight"]
+    ids = [0, 1, 2, 7, 9, 10, VOCAB - 1]
+    assert torch.equal(weights.rows("model.embed_tokens.weight", ids), full[ids])
+    stored = load_file(folder / "model.safetensors").values()
+    assert weights.nbytes() == sum(t.numel() * t.element_size() for t in stored)
+
+
+def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypatch, capsys):
+    folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
+    argv = ["--model", str(folder), "--num-samples", "3", "--max-length", "40", "--no-progress"]
+    assert main([*argv, "--output", str(tmp_path / "mem")]) == 0
+    monkeypatch.setattr(stream_source, "available_bytes", lambda device: 1000)
+    assert main([*argv, "--output", str(tmp_path / "auto")]) == 0
+    err = capsys.readouterr().err
+    assert "in memory: the weights need" in err and "streaming layer by layer" in err
+    mem = json.loads((tmp_path / "mem" / "results.json").read_text())["models"][0]
+    auto = json.loads((tmp_path / "auto" / "results.json").read_text())["models"][0]
+    assert (mem["streamed"], auto["streamed"]) == (False, True)
+    assert auto["psi"] == pytest.approx(mem["psi"], abs=1e-5)
+    assert auto["peak_memory_bytes"] > 0 and auto["model_class"] == "LlamaForCausalLM (streamed)"
+
+
+def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path):
+    gpt2 = save_random_model(family_config("gpt2"), tmp_path / "gpt2", tokenizer)
+    with pytest.raises(AnalysisError, match="model_type 'gpt2'"):
+        load_stream_source(gpt2, label="g")
+
+    folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    tensors["model.layers.2.mlp.extra.weight"] = torch.zeros(3)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(AnalysisError, match=r"1 weight\(s\) missing.*layers\.2\.mlp\.up_proj.*extra"):
+        load_stream_source(folder, label="m")
+
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match=r"model.safetensors: tensor .* \(truncated or corrupt\)"):
+        SafetensorsFolder(folder)
