@@ -25,6 +25,7 @@ EXTRA = [
     "Special text inside a document: A<|endoftext|>B </s> <s> stays special where the tokenizer says so.",
     "Unicode and spacing: naïve café — 東京 😀\n\n\tindented   runs of   spaces  ",
     "Numbers 1234567 and 3.14159, contractions don't I'LL they've.",
+    "Chat markers: <|im_start|>user<tag> hi <tag> ▁x<unk>  the end <SPECIAL_9>",
     " ",
 ]
 
@@ -147,3 +148,270 @@ def test_megatron_core_reads_the_output(corpus, tmp_path):
     for i, text in enumerate(texts):
         assert ds[i].tolist() == tok.tokenize(text) + [tok.eod]
     assert ds.document_indices.tolist() == list(range(len(texts) + 1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every option of Megatron-LM's tools/preprocess_data.py (core_v0.19.0), with its meaning.
+
+# Its own options, as (option strings, dest, default); its tokenizer group comes from megatron.training below.
+MEGATRON_TOOL_OPTIONS = [
+    (["--input"], "input", None),
+    (["--json-keys"], "json_keys", ["text"]),
+    (["--split-sentences"], "split_sentences", False),
+    (["--keep-newlines"], "keep_newlines", False),
+    (["--append-eod"], "append_eod", False),
+    (["--lang"], "lang", "english"),
+    (["--output-prefix"], "output_prefix", None),
+    (["--workers"], "workers", None),
+    (["--find-optimal-num-workers"], "find_optimal_num_workers", False),
+    (["--workers-to-check"], "workers_to_check", [16, 32, 64]),
+    (["--max-documents"], "max_documents", 100_000),
+    (["--partitions"], "partitions", 1),
+    (["--log-interval"], "log_interval", 1000),
+    (["--keep-sequential-samples"], "keep_sequential_samples", False),
+]
+RENAMED_DESTS = {"metadata_path": "tokenizer_metadata", "special_tokens": "tokenizer_special_tokens"}
+RELAXED_DEFAULTS = {"workers": 1}  # required there; one worker here when not given
+
+
+def _megatron_lm_options() -> list[tuple[list[str], str, object, object]]:
+    import argparse
+
+    from megatron.training.arguments import _add_tokenizer_args
+
+    group = _add_tokenizer_args(argparse.ArgumentParser())
+    tokenizer = [(a.option_strings, a.dest, a.default, a.choices) for a in group._actions if a.dest != "help"]
+    return tokenizer + [(strings, dest, default, None) for strings, dest, default in MEGATRON_TOOL_OPTIONS]
+
+
+def test_every_megatron_lm_option_is_accepted_with_its_default():
+    from megatron_jreg.data.preprocess import build_parser
+    from megatron_jreg.data.preprocess.cli import config_from_args
+
+    options = _megatron_lm_options()
+    assert sum(len(strings) for strings, *_ in options) == 36  # 34 options, two with a second spelling
+    ours = {s: a for a in build_parser()._actions for s in a.option_strings}
+    for strings, dest, default, choices in options:
+        actions = {id(ours[s]) for s in strings}  # every spelling, one option
+        action = ours[strings[0]]
+        assert len(actions) == 1 and action.dest == RENAMED_DESTS.get(dest, dest), strings
+        assert action.default == RELAXED_DEFAULTS.get(dest, default), strings
+        assert choices is None or set(choices) <= set(action.choices), strings
+    # A command line using every option parses into the configuration it names.
+    argv = (
+        "--input a.jsonl --json-keys text --split-sentences --keep-newlines --append-eod --lang english "
+        "--output-prefix out --workers 4 --find-optimal-num-workers --workers-to-check 2 4 --max-documents 50 "
+        "--partitions 2 --log-interval 10 --keep-sequential-samples --vocab-size 100 --padded-vocab-size 128 "
+        "--disable-pad-vocab-size --vocab-file v.json --merge-file m.txt --vocab-extra-ids 0 --tokenizer-type "
+        "NullTokenizer --tokenizer-model tok --tokenizer-metadata meta.json --tokenizer-special-tokens <a> <b> "
+        "--tiktoken-pattern v1 --tiktoken-num-special-tokens 10 --tokenizer-sentencepiece-legacy "
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast "
+        "--tokenizer-hf-no-include-special-tokens --trust-remote-code --null-tokenizer-eod-id 3 "
+        "--null-tokenizer-pad-id 4 --chat-template {{x}}"
+    ).split()
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.workers_to_check, cfg.max_documents, cfg.partitions) == ([2, 4], 50, 2)
+    assert cfg.tokenizer_special_tokens == ["<a>", "<b>"]
+    assert (cfg.null_tokenizer_eod_id, cfg.null_tokenizer_pad_id) == (3, 4)
+    assert cfg.keep_sequential_samples and cfg.find_optimal_num_workers
+    assert not cfg.pad_vocab_size and not cfg.tokenizer_sentencepiece_ignore_extra_whitespaces
+    assert cfg.tokenizer_hf_no_include_special_tokens and cfg.tiktoken_pattern == "v1"
+    # Flags that change nothing in the data, in Megatron-LM either, are named in one note each.
+    notes = "\n".join(cfg.notes())
+    for flag in ("--padded-vocab-size", "--no-pad-vocab-size", "--chat-template", "--vocab-file", "--tokenizer-model"):
+        assert flag in notes
+
+
+REFUSED = ["BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer"]
+REFUSED += ["SFTTokenizer"]
+
+
+@pytest.mark.parametrize("kind", REFUSED)
+def test_megatron_lm_tokenizer_types_we_cannot_run_are_refused_with_the_reason(kind, corpus, tmp_path, capsys):
+    from megatron_jreg.data.preprocess import main
+
+    path, _ = corpus
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", kind]
+    assert main(argv + ["--vocab-file", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--tokenizer-type {kind}: " in err
+    assert "megatron-jreg does not" in err or "Megatron-LM's tools/preprocess_data.py does not" in err
+    assert not list(tmp_path.iterdir())
+
+
+def _preprocess(path: Path, prefix: Path, **kw) -> tuple[dict, bytes, bytes]:
+    summary = preprocess(PreprocessConfig(input=[str(path)], output_prefix=str(prefix), **kw))
+    return (
+        summary,
+        Path(f"{prefix}_text_document.bin").read_bytes(),
+        Path(f"{prefix}_text_document.idx").read_bytes(),
+    )
+
+
+def _bos_tokenizer(bpe: str, folder: Path) -> str:
+    """The BPE with a Llama-3-style post-processor that puts a BOS before every text."""
+    from tokenizers import Tokenizer, processors
+
+    hf = Tokenizer.from_file(f"{bpe}/tokenizer.json")
+    hf.add_special_tokens(["<|begin_of_text|>"])
+    bos = hf.token_to_id("<|begin_of_text|>")
+    hf.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    folder.mkdir()
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return str(folder)
+
+
+SPECIALS = ["<|im_start|>", "<tag>", "</s>", "<unk>", "the"]  # new ones, ones the model has, a plain word
+OPTION_CASES = {
+    # name: (tokenizer kind, our PreprocessConfig options, megatron-core tokenizer options, append eod)
+    "hf-special-tokens": ("hf", {"tokenizer_special_tokens": SPECIALS}, {"additional_special_tokens": SPECIALS}, True),
+    "hf-no-include-special-tokens": (
+        "hf-bos",
+        {"tokenizer_hf_no_include_special_tokens": True},
+        {"include_special_tokens": False},
+        True,
+    ),
+    "hf-bos-included": ("hf-bos", {}, {}, True),
+    "sp-keep-extra-whitespaces": (
+        "sp",
+        {"tokenizer_sentencepiece_ignore_extra_whitespaces": False},
+        {"ignore_extra_whitespaces": False},
+        True,
+    ),
+    "sp-legacy-special-tokens": (  # Megatron-LM's legacy wrapper has no eod: no --append-eod
+        "sp",
+        {"tokenizer_sentencepiece_legacy": True, "tokenizer_special_tokens": SPECIALS},
+        {"legacy": True, "special_tokens": SPECIALS},
+        False,
+    ),
+    "tiktoken-special-tokens-v1": (
+        "tiktoken",
+        {"tokenizer_special_tokens": ["<sep>", "<cls>", "<pad>", "<mask>", "</s>", "<s>", "<unk>", "<|im_start|>"]},
+        {"special_tokens": ["<sep>", "<cls>", "<pad>", "<mask>", "</s>", "<s>", "<unk>", "<|im_start|>"]},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+def test_tokenizer_options_are_byte_identical_to_megatron_lm(case, corpus, tmp_path):
+    kind, ours, theirs, eod = OPTION_CASES[case]
+    path, texts = corpus
+    extra = {"tokenizer_type": "HuggingFaceTokenizer"}
+    if kind == "sp":
+        model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "sp"), 800, max_chars=300_000)
+        ref = _megatron_tokenizer("sentencepiece", model, **theirs)
+        extra = {"tokenizer_type": "SentencePieceTokenizer"}
+    else:
+        model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 1200, "hf-bpe", max_chars=300_000)
+        if kind == "hf-bos":
+            model = _bos_tokenizer(model, tmp_path / "bos")
+        if kind != "tiktoken":
+            ref = _megatron_tokenizer("huggingface", model, **theirs)
+        else:
+            size = _tiktoken_json(model, tmp_path / "tiktoken.json")
+            model = str(tmp_path / "tiktoken.json")
+            ref = _megatron_tokenizer(
+                "tiktoken", model, vocab_size=20 + size, num_special_tokens=20, pattern="v1", **theirs
+            )
+            extra = {
+                "tokenizer_type": "TikTokenizer",
+                "vocab_size": 20 + size,
+                "tiktoken_num_special_tokens": 20,
+                "tiktoken_pattern": "v1",
+            }
+    summary, got_bin, got_idx = _preprocess(
+        path, tmp_path / "out", tokenizer_model=model, append_eod=eod, **extra, **ours
+    )
+    expected_docs = [ids + [ref.eod] if eod else ids for ids in map(ref.tokenize, texts) if ids]
+    expected_bin, expected_idx = _expected_files(expected_docs, ref.vocab_size)
+    assert summary["documents"] == len(expected_docs) and summary["tokenizer"]["vocab_size"] == ref.vocab_size
+    assert (got_bin, got_idx) == (expected_bin, expected_idx)
+    if kind.startswith("hf"):  # and on the fast engine: the options are converted, not a fallback
+        assert summary["tokenizer_backend"] == "tiktoken"
+    if case == "hf-no-include-special-tokens":  # the option really changed the ids: no BOS
+        assert all(d[0] != ref.bos for d in expected_docs)
+    if "special_tokens" in str(ours):
+        assert summary["tokenizer"]["options"]  # the manifest says how the ids were made
+
+
+def test_null_tokenizer_is_byte_identical_and_skips_text_that_is_not_ids(tmp_path):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    good = ["1 2 3", "69999 0", "7", "12 12 12 12"]
+    bad = ["1  2", "70000", "one two", "3.5"]  # Megatron-LM would crash on three, and write 70000
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in good[:2] + bad + good[2:]))
+    summary, got_bin, got_idx = _preprocess(
+        path,
+        tmp_path / "out",
+        tokenizer_type="NullTokenizer",
+        vocab_size=70_000,
+        null_tokenizer_eod_id=5,
+        append_eod=True,
+    )
+    ref = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=70_000, eod_id=5)
+    expected = _expected_files([ref.tokenize(t) + [ref.eod] for t in good], ref.vocab_size)
+    assert (got_bin, got_idx) == expected and got_idx[9 + 8] == 4  # int32 ids: the vocabulary is > 65500
+    assert summary["skipped"] == {"not_token_ids": len(bad)}
+    assert "70000 outside 0..69999" in " ".join(summary["skipped_examples"]["not_token_ids"])
+
+
+def _megatron_partition_order(n_lines: int, partitions: int, sequential: bool) -> list[int]:
+    """Line numbers in the order Megatron-LM's --partitions writes them (its dealing loop, re-run here)."""
+    import math
+
+    parts: list[list[int]] = [[] for _ in range(partitions)]
+    index, size = 0, math.ceil(n_lines / partitions)
+    for line in range(n_lines):
+        parts[index].append(line)
+        if sequential:
+            index += (line + 1) % size == 0
+        else:
+            index = (index + 1) % partitions
+    return [line for part in parts for line in part]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_partitions_give_megatron_lms_document_order(sequential, corpus, tmp_path):
+    _, texts = corpus
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, part in (("a.jsonl", texts[:10]), ("b.jsonl", texts[10:])):  # the dealing runs across files
+        (folder / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 700, "hf-bpe", max_chars=200_000)
+    ref = _megatron_tokenizer("huggingface", model)
+    order = _megatron_partition_order(len(texts), 3, sequential)
+    assert (order == list(range(len(texts)))) == sequential
+    summary, got_bin, got_idx = _preprocess(
+        folder / "*.jsonl",
+        tmp_path / "out",
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=model,
+        append_eod=True,
+        partitions=3,
+        keep_sequential_samples=sequential,
+        workers=2,
+        block_mb=0.01,
+    )
+    expected = _expected_files([ref.tokenize(texts[i]) + [ref.eod] for i in order], ref.vocab_size)
+    assert (got_bin, got_idx) == expected and summary["documents"] == len(texts)
+    assert not list(tmp_path.glob("out*.partial"))  # the partition datasets are gone
+
+
+def test_find_optimal_num_workers_ranks_worker_counts_and_writes_nothing(corpus, tmp_path, capsys):
+    from megatron_jreg.data.preprocess import main
+
+    path, _ = corpus
+    model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 700, "hf-bpe", max_chars=200_000)
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out" / "x"), "--tokenizer-type"]
+    argv += ["HuggingFaceTokenizer", "--tokenizer-model", model, "--find-optimal-num-workers"]
+    assert main(argv + ["--workers-to-check", "1", "2", "--max-documents", "6"]) == 0
+    out = capsys.readouterr().out
+    ranking = [line for line in out.splitlines() if "workers -> avg. docs/s" in line]
+    assert len(ranking) == 2 and all("(6 documents)" in line for line in ranking)
+    assert "The most optimal num of workers is" in out
+    assert list((tmp_path / "out").iterdir()) == []  # measured only; the trials' folder is gone

@@ -16,7 +16,7 @@ from megatron_jreg.data import merge
 from megatron_jreg.data import preprocess as pp
 from megatron_jreg.data.indexed import dataset_exists, read_documents, read_index
 from megatron_jreg.data.manifest import read_manifest
-from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess, worker
 from megatron_jreg.data.sentences import SentenceSplitter, load_punkt_tab
 from megatron_jreg.data.text import wikitext_articles
 from megatron_jreg.data.tokenizers import build_tokenizer
@@ -108,7 +108,7 @@ def test_round_trip_any_compression_any_worker_count(bpe, tok, articles, tmp_pat
         assert _bytes(tmp_path / suffix[-3:]) == expected
     _run(bpe, plain, tmp_path / "two", workers=2, block_mb=0.03)
     assert _bytes(tmp_path / "two") == expected
-    monkeypatch.setattr(pp, "BATCH_BYTES", 5_000)  # many tokenizer batches inside one unit
+    monkeypatch.setattr(worker, "BATCH_BYTES", 5_000)  # many tokenizer batches inside one unit
     _run(bpe, plain, tmp_path / "batches", block_mb=4)
     assert _bytes(tmp_path / "batches") == expected
 
@@ -199,7 +199,7 @@ def test_bad_input_is_counted_by_reason(bpe, tok, articles, tmp_path, capsys):
         "missing_key": 2,
         "not_a_string": 1,
         "not_utf8": 2,
-        "unreadable_file": 2,
+        "unreadable_file": 2,  # b.parquet, and c.jsonl.gz: cut before any text could be decompressed
     }
     assert _docs(tmp_path / "out") == [tok.tokenize(t) + [tok.eod] for t in [good[0], good[1], " ", good[2]]]
     assert summary["skipped_examples"]["malformed_json"][0].startswith(f"{folder / 'a.jsonl'}:2 ")
@@ -348,7 +348,7 @@ def test_configuration_errors_name_the_flag(bpe, articles, tmp_path):
         _run(str(tmp_path), src, tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="--input .*nothing_here"):
         _run(bpe, tmp_path / "nothing_here*.jsonl", tmp_path / "x")
-    with pytest.raises(ValueError, match="--workers must be >= 1"):
+    with pytest.raises(ValueError, match="--workers must be a finite number >= 1"):
         _run(bpe, src, tmp_path / "x", workers=0)
     with pytest.raises(ValueError, match="--keep-newlines only applies with --split-sentences"):
         _run(bpe, src, tmp_path / "x", keep_newlines=True)

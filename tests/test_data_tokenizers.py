@@ -156,7 +156,8 @@ def test_sentencepiece_conventions(tmp_path):
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        (("BertWordPieceCase",), ValueError, "--tokenizer-type 'BertWordPieceCase' is not supported"),
+        (("BertWordPieceCase",), ValueError, "--tokenizer-type BertWordPieceCase: .*use --tokenizer-type Hugging"),
+        (("Unigram",), ValueError, "--tokenizer-type 'Unigram' is not supported"),
         (("SentencePieceTokenizer", "/nonexistent.model"), FileNotFoundError, "--tokenizer-model"),
         (("HuggingFaceTokenizer", "/nonexistent"), FileNotFoundError, "no tokenizer.json"),
         (("GPT2BPETokenizer",), FileNotFoundError, "--vocab-file"),

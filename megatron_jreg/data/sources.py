@@ -14,13 +14,14 @@ FineWeb-Edu `int_score`, and where the record came from (file:line or file:row),
 from __future__ import annotations
 
 import glob
-import gzip
-import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_jreg.data.compressed import StreamDamaged, compression_of, iter_decompressed
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
 TEXT_SUFFIXES = (".txt",)  # plain text: only for tokenizer training (one sample per line)
@@ -33,7 +34,9 @@ ERROR_REASONS = (
     "not_a_string",
     "not_utf8",
     "missing_int_score",
-    "unreadable_file",
+    "not_token_ids",  # NullTokenizer: text that is not space-separated ids below --vocab-size
+    "unreadable_file",  # nothing of the file could be read
+    "corrupt_stream",  # a .gz/.zst that ends early or is corrupt: complete lines before it are kept
 )
 # ... and reasons that are filters or empty input (never an error).
 FILTER_REASONS = ("empty", "blank_line", "below_min_int_score", "too_short")
@@ -61,10 +64,17 @@ def _kind(path: str, allow_text: bool) -> str | None:
     return None
 
 
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--input {path}: unreadable {what} ({e}); re-save the dataset folder") from None
+
+
 def _hf_folder_files(folder: Path, split: str | None) -> list[Path] | None:
     """The .arrow files of a `datasets` save_to_disk folder (DatasetDict: the `split`), or None."""
     if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        splits = _read_json(folder / "dataset_dict.json", "DatasetDict index").get("splits", [])
         split = split or ("train" if "train" in splits else None)
         if split not in splits:
             raise ValueError(
@@ -73,8 +83,29 @@ def _hf_folder_files(folder: Path, split: str | None) -> list[Path] | None:
         folder = folder / split
     if not (folder / "state.json").is_file():
         return None
-    state = json.loads((folder / "state.json").read_text())
-    return [folder / f["filename"] for f in state["_data_files"]]
+    state = _read_json(folder / "state.json", "dataset state")
+    try:
+        return [folder / f["filename"] for f in state["_data_files"]]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"--input {folder / 'state.json'}: no '_data_files' list; re-save the dataset folder"
+        ) from None
+
+
+def _walk(folder: Path, allow_text: bool) -> list[Path]:
+    """Input files under `folder`, hidden ones skipped; an unreadable subfolder is an error, not a gap."""
+
+    def fail(error: OSError) -> None:
+        raise ValueError(
+            f"--input {error.filename}: cannot list this folder ({error.strerror}); fix its permissions "
+            "or leave it out of --input"
+        )
+
+    found = []
+    for root, dirs, names in os.walk(folder, onerror=fail):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(root, n) for n in names if not n.startswith(".") and _kind(n, allow_text)]
+    return sorted(p for p in found if p.is_file())
 
 
 def resolve_inputs(
@@ -98,13 +129,7 @@ def resolve_inputs(
             if hf is not None:
                 files.extend(hf)
                 continue
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file()
-                and _kind(str(p), allow_text)
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
+            found = _walk(path, allow_text)
             if not found:
                 raise ValueError(
                     f"--input {path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory"
@@ -118,20 +143,13 @@ def resolve_inputs(
                 )
             files.extend(found)
     unique = list(dict.fromkeys(p.resolve() for p in files))
+    for p in unique:
+        if not os.access(p, os.R_OK):
+            raise ValueError(
+                f"--input {p}: permission denied (not readable by this user); fix its permissions "
+                "or leave it out of --input"
+            )
     return [InputFile(str(p), _kind(str(p), allow_text) or "", p.stat().st_size) for p in unique]
-
-
-def open_binary(path: str, raw: io.BufferedIOBase | None = None) -> io.BufferedIOBase:
-    """Open a file (or wrap its open `raw` handle), decompressing .gz and .zst transparently."""
-    name = path.lower()
-    raw = raw or open(path, "rb")
-    if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if name.endswith((".zst", ".zstd")):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
-    return raw
 
 
 @dataclass
@@ -146,34 +164,55 @@ class Unit:
     data: bytes | None = None  # jsonl: whole lines
     table: Any = None  # arrow: a pyarrow Table slice
     first_row: int = 0  # arrow/parquet: row number of the first row
-    error: str | None = None  # unreadable file: why
+    error: str | None = None  # the file (or its rest, from first_line on) could not be read: why
+    error_reason: str = "unreadable_file"  # or corrupt_stream: a damaged tail after readable lines
 
 
 def _jsonl_units(file: InputFile, block_bytes: int) -> Iterator[Unit]:
-    raw = open(file.path, "rb")
-    stream = open_binary(file.path, raw)  # raw.tell() is the compressed position: progress and ETA
-    line, index, consumed, rest = 1, 0, 0, b""
+    """Blocks of whole lines; damage in a compressed file ends the file with one error unit.
+
+    Every complete line before the damage is kept; the incomplete line at the damage is dropped and counted
+    (`corrupt_stream`, or `unreadable_file` when nothing at all could be read).
+    """
+    line, index, consumed, parts, size = 1, 0, 0, [], 0
+    damage = None
     try:
-        while True:
-            chunk = stream.read(block_bytes)
-            data = rest + chunk
-            if not chunk:
-                if data:
-                    yield Unit(file.path, "jsonl", index, file.size - consumed, line, data)
-                return
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                rest = data
-                continue
-            data, rest = data[:cut], data[cut:]
-            position = raw.tell() if stream is not raw else consumed + len(data)
-            yield Unit(file.path, "jsonl", index, max(position - consumed, 0), line, data)
-            consumed, index, line = max(position, consumed), index + 1, line + data.count(b"\n")
-    except Exception as e:  # truncated or corrupt compressed stream (EOFError, zstd errors, ...)
-        yield Unit(file.path, "jsonl", index, file.size - consumed, line, error=f"{type(e).__name__}: {e}")
-    finally:
-        stream.close()
-        raw.close()
+        with open(file.path, "rb") as raw:  # raw.tell() is the on-disk position: progress and ETA
+            for piece in iter_decompressed(raw, compression_of(file.path)):
+                parts.append(piece)
+                size += len(piece)
+                if size < block_bytes:
+                    continue
+                data = b"".join(parts)
+                cut = data.rfind(b"\n") + 1
+                parts, size = [data[cut:]], len(data) - cut
+                if cut:
+                    position = raw.tell()
+                    yield Unit(file.path, "jsonl", index, max(position - consumed, 0), line, data[:cut])
+                    consumed, index = max(position, consumed), index + 1
+                    line += data.count(b"\n", 0, cut)
+    except (StreamDamaged, OSError) as e:
+        damage = str(e)
+    data = b"".join(parts)
+    if damage is None:
+        if data:
+            yield Unit(file.path, "jsonl", index, file.size - consumed, line, data)
+        return
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        yield Unit(file.path, "jsonl", index, 0, line, data[:cut])
+        index, line = index + 1, line + data.count(b"\n", 0, cut)
+    read_nothing = index == 0 and not data
+    tail = f"; {len(data) - cut} bytes of an incomplete line dropped" if len(data) > cut else ""
+    yield Unit(
+        file.path,
+        "jsonl",
+        index,
+        file.size - consumed,
+        line,
+        error=f"{damage}{tail}",
+        error_reason="unreadable_file" if read_nothing else "corrupt_stream",
+    )
 
 
 def _parquet_units(file: InputFile) -> Iterator[Unit]:
@@ -344,8 +383,9 @@ def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool) ->
 def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
     """Parse a unit into records (runs in a worker). An unreadable file yields one `unreadable_file` entry."""
     if unit.error is not None:
+        where = f"{unit.path}:{unit.first_line}" if unit.kind == "jsonl" else unit.path
         return Records(
-            texts={k: [] for k in keys}, bad=[(0, "unreadable_file", f"{unit.path} ({unit.error})")], count=1
+            texts={k: [] for k in keys}, bad=[(0, unit.error_reason, f"{where} ({unit.error})")], count=1
         )
     if unit.kind == "jsonl":
         return _jsonl_records(unit, keys, want_score)

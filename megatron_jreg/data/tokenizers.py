@@ -10,6 +10,12 @@ Conventions (what `megatron.core.tokenizers` does, so datasets are interchangeab
     TikTokenizer (.json)     Megatron's tiktoken vocab, ids shifted by  </s> = 2               --vocab-size
                              --tiktoken-num-special-tokens
     TikTokenizer (.tiktoken) an OpenAI encoding file on disk            <|endoftext|>          n_vocab
+    NullTokenizer            the text itself: "17 4 99" -> [17, 4, 99]   vocab_size - 1         --vocab-size
+
+Megatron-LM's tokenizer options that change ids are honoured the same way: `special_tokens`
+(--tokenizer-special-tokens: added special tokens for HF/GPT-2, the special list of TikTokenizer, legacy
+special tokens of SentencePiece), `include_special_tokens=False` (--tokenizer-hf-no-include-special-tokens:
+no post-processor ids such as a BOS), `sentencepiece_legacy` and `sentencepiece_ignore_extra_whitespaces`.
 
 Special-token text inside a document (e.g. a literal "<|endoftext|>") becomes the special id, as it does
 in Megatron-LM. Byte-level BPE tokenizers (GPT-2 style, also Llama-3 style `Split`+`ByteLevel`) run on
@@ -25,12 +31,29 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = (*SP_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
+TOKENIZER_TYPES = (*SP_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
+# Megatron-LM's other --tokenizer-type names, and why megatron-jreg refuses them.
+REFUSED_TYPES = {
+    "BertWordPieceLowerCase": "a BERT WordPiece tokenizer for BERT/T5 models, which megatron-jreg does not train "
+    "(Megatron-LM also fetches bert-large-uncased's config from the Hub for it); for a BERT tokenizer saved "
+    "with save_pretrained use --tokenizer-type HuggingFaceTokenizer",
+    "BertWordPieceCase": "a BERT WordPiece tokenizer for BERT/T5 models, which megatron-jreg does not train "
+    "(Megatron-LM also fetches bert-large-cased's config from the Hub for it); for a BERT tokenizer saved "
+    "with save_pretrained use --tokenizer-type HuggingFaceTokenizer",
+    "MultimodalTokenizer": "needs --tokenizer-prompt-format and image options that Megatron-LM's "
+    "tools/preprocess_data.py does not have either (it fails there); text data needs a text tokenizer",
+    "NullMultimodalTokenizer": "serves multimodal (LLaVA) training, which megatron-jreg does not run; for "
+    "pre-tokenized text use --tokenizer-type NullTokenizer",
+    "SFTTokenizer": "needs --sft-tokenizer-prompt-format, which Megatron-LM's tools/preprocess_data.py does "
+    "not have either (it fails there); pretraining text needs a text tokenizer",
+}
+MEGATRON_TOKENIZER_TYPES = (*TOKENIZER_TYPES, *REFUSED_TYPES)
 
 # GPT-2's pre-tokenizer regex, as the `tokenizers` ByteLevel pre-tokenizer applies it with use_regex=True.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -42,6 +65,7 @@ TIKTOKEN_PATTERNS = {
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 MEGATRON_TIKTOKEN_SPECIALS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+SP_EXTRA_SPACE = "☯"  # Megatron-LM's marker for runs of spaces a SentencePiece model would collapse
 ENDOFTEXT = "<|endoftext|>"
 PROBE_TEXT = (
     "Hello world! It's 3.14159 o'clock; they'll  say \"naïve café\" — 東京 😀\n\n\tTabs   and"
@@ -224,7 +248,14 @@ class HuggingFaceTokenizer:
 
     type_name = "HuggingFaceTokenizer"
 
-    def __init__(self, model: str | Path, threads: int = 1) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        threads: int = 1,
+        *,
+        special_tokens: list[str] | None = None,
+        include_special_tokens: bool = True,
+    ) -> None:
         path = Path(model)
         json_path = path / "tokenizer.json" if path.is_dir() else path
         if not json_path.is_file():
@@ -232,26 +263,49 @@ class HuggingFaceTokenizer:
                 f"--tokenizer-model {model}: no tokenizer.json there. HuggingFaceTokenizer needs a local "
                 "folder saved by a fast tokenizer: AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
             )
-        config: dict[str, Any] = {}
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):
-            if (json_path.parent / name).is_file():
-                config.update(json.loads((json_path.parent / name).read_text(encoding="utf-8")))
+        config = tokenizer_config(json_path.parent)
         eos = _special_token(config.get("eos_token")) or _special_token(config.get("sep_token"))
-        self._setup(
-            json_path.read_text(encoding="utf-8"), eos, _special_token(config.get("pad_token")), threads
-        )
+        try:
+            text = json_path.read_text(encoding="utf-8")
+            self._setup(
+                text, eos, _special_token(config.get("pad_token")), threads, special_tokens, include_special_tokens
+            )
+        except Exception as e:  # not UTF-8, not JSON, or rejected by the `tokenizers` library
+            raise ValueError(
+                f"--tokenizer-model {json_path}: not a Hugging Face tokenizer.json ({type(e).__name__}: "
+                f"{str(e)[:200]}); for a SentencePiece .model use --tokenizer-type SentencePieceTokenizer"
+            ) from None
         self.identity = {
             "type": self.type_name,
             "model": str(path.resolve()),
             "sha256": file_sha256(json_path),
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            **_options_identity(special_tokens=special_tokens, include_special_tokens=include_special_tokens),
         }
 
-    def _setup(self, tokenizer_json: str, eos: str | None, pad: str | None, threads: int) -> None:
+    def _setup(
+        self,
+        tokenizer_json: str,
+        eos: str | None,
+        pad: str | None,
+        threads: int,
+        special_tokens: list[str] | None = None,
+        include_special_tokens: bool = True,
+    ) -> None:
+        """The `tokenizers` object and, when it converts exactly, the tiktoken engine.
+
+        `special_tokens` are added as transformers' `add_special_tokens` adds them (new ones get the next
+        ids); without `include_special_tokens` the post-processor's ids (e.g. a BOS) are left out.
+        """
+        from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
 
         self._hf = HFTokenizer.from_str(tokenizer_json)
+        if special_tokens:
+            self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+            tokenizer_json = self._hf.to_str()
+        self._with_specials = include_special_tokens
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self.eod = self._hf.token_to_id(eos) if eos else None
         self.pad = self._hf.token_to_id(pad) if pad else None
@@ -261,19 +315,23 @@ class HuggingFaceTokenizer:
             f"tokenizers (no exact tiktoken conversion: {plan})" if isinstance(plan, str) else "tiktoken"
         )
         if not isinstance(plan, str):
+            if not include_special_tokens:
+                plan.prefix, plan.suffix = [], []
             engine = _TiktokenEngine(self.type_name, plan, threads)
-            if engine.encode(PROBE_TEXT) == self._hf.encode(PROBE_TEXT).ids:
+            if engine.encode(PROBE_TEXT) == self._hf.encode(PROBE_TEXT, add_special_tokens=include_special_tokens).ids:
                 self.engine = engine
             else:
                 self.backend = "tokenizers (tiktoken conversion disagreed on the probe text)"
 
     def tokenize(self, text: str) -> list[int]:
-        return self.engine.encode(text) if self.engine else self._hf.encode(text).ids
+        if self.engine:
+            return self.engine.encode(text)
+        return self._hf.encode(text, add_special_tokens=self._with_specials).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         if self.engine:
             return self.engine.encode_batch(texts)
-        return [e.ids for e in self._hf.encode_batch(texts)]
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=self._with_specials)]
 
     def detokenize(self, ids: list[int]) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=False)
@@ -284,7 +342,15 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
     type_name = "GPT2BPETokenizer"
 
-    def __init__(self, vocab_file: str | Path, merge_file: str | Path, threads: int = 1) -> None:
+    def __init__(
+        self,
+        vocab_file: str | Path,
+        merge_file: str | Path,
+        threads: int = 1,
+        *,
+        special_tokens: list[str] | None = None,
+        include_special_tokens: bool = True,
+    ) -> None:
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -293,7 +359,13 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
                 raise FileNotFoundError(
                     f"GPT2BPETokenizer needs {flag} (GPT-2 vocab.json / merges.txt); got {value!r}"
                 )
-        hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        try:
+            hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as e:  # the `tokenizers` library raises its own exception type
+            raise ValueError(
+                f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 vocab.json and merges.txt "
+                f"({str(e)[:200]})"
+            ) from None
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         if hf.token_to_id(ENDOFTEXT) is None:
@@ -301,21 +373,36 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
                 f"--vocab-file {vocab_file}: no {ENDOFTEXT} token, which GPT2BPETokenizer uses as eod"
             )
         hf.add_special_tokens([AddedToken(ENDOFTEXT, special=True, normalized=False)])
-        self._setup(hf.to_str(), ENDOFTEXT, None, threads)
+        self._setup(hf.to_str(), ENDOFTEXT, None, threads, special_tokens, include_special_tokens)
         self.identity = {
             "type": self.type_name,
             "model": [str(Path(vocab_file).resolve()), str(Path(merge_file).resolve())],
             "sha256": file_sha256(vocab_file, merge_file),
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            **_options_identity(special_tokens=special_tokens, include_special_tokens=include_special_tokens),
         }
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece `.model`; ids without BOS/EOS, eod = the model's eos id (Megatron-LM convention)."""
+    """A SentencePiece `.model`; ids without BOS/EOS, eod = the model's eos id (Megatron-LM convention).
+
+    Megatron-LM's two encoding options are mirrored exactly: legacy special tokens (`special_tokens` with
+    `legacy`: the text is cut at each special token, the pieces encoded apart, a "▁" right after a special
+    dropped; tokens unknown to the model get ids from the piece count up) and
+    `ignore_extra_whitespaces=False` (runs of spaces that the model would collapse are kept by encoding a
+    marker between them and dropping the marker's last id).
+    """
 
     def __init__(
-        self, model: str | Path, type_name: str = "SentencePieceTokenizer", threads: int = 1
+        self,
+        model: str | Path,
+        type_name: str = "SentencePieceTokenizer",
+        threads: int = 1,
+        *,
+        special_tokens: list[str] | None = None,
+        legacy: bool = False,
+        ignore_extra_whitespaces: bool = True,
     ) -> None:
         import sentencepiece
 
@@ -323,9 +410,32 @@ class SentencePieceTokenizer:
             raise FileNotFoundError(
                 f"{type_name} needs --tokenizer-model pointing to a .model file; got {model!r}"
             )
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(
+                f"--tokenizer-model {model}: not a SentencePiece model ({str(e)[:200]}); for a tokenizer.json "
+                "folder use --tokenizer-type HuggingFaceTokenizer"
+            ) from None
+        if special_tokens and not legacy:
+            raise ValueError(
+                f"--tokenizer-special-tokens with {type_name} needs --tokenizer-sentencepiece-legacy: "
+                "Megatron-LM adds special tokens to a SentencePiece model only in its legacy mode"
+            )
         self.threads = threads
         self.vocab_size = self._sp.get_piece_size()
+        self._specials: dict[str, int] = {}
+        for token in special_tokens or []:
+            piece = self._sp.piece_to_id(token)
+            if piece == self._sp.unk_id() and token not in self._specials:
+                self._specials[token] = self.vocab_size
+                self.vocab_size += 1
+            elif piece != self._sp.unk_id():
+                self._specials[token] = piece
+        self._special_ids = {i: t for t, i in self._specials.items()}
+        self._separator = self._sp.piece_to_id("▁")
+        collapses = self._sp.encode_as_pieces("x  y") == self._sp.encode_as_pieces("x y")
+        self._keep_spaces = collapses and not ignore_extra_whitespaces
         self.eod = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.backend = "sentencepiece"
@@ -335,24 +445,116 @@ class SentencePieceTokenizer:
             "sha256": file_sha256(model),
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            **_options_identity(
+                special_tokens=special_tokens,
+                sentencepiece_legacy=legacy,
+                sentencepiece_ignore_extra_whitespaces=ignore_extra_whitespaces,
+            ),
         }
 
+    def _encode(self, text: str) -> list[int]:
+        if not self._keep_spaces:
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for part in text.split(SP_EXTRA_SPACE):
+            if part:
+                ids += self._sp.encode(part + SP_EXTRA_SPACE)[:-1]
+        return ids
+
     def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        if self._keep_spaces:
+            text = re.sub(r"(?<= )(?= )|^ | $", f" {SP_EXTRA_SPACE} ", text).rstrip()
+        ids: list[int] = []
+        at = 0
+        while self._specials:
+            found = {t: i for t in self._specials if (i := text.find(t, at)) >= 0}
+            if not found:
+                break
+            token = min(found, key=found.get)
+            piece_ids = self._sp.encode(text[at : found[token]])  # no marker handling here, as in Megatron-LM
+            if ids and ids[-1] in self._special_ids and piece_ids and piece_ids[0] == self._separator:
+                piece_ids.pop(0)
+            ids += piece_ids
+            ids.append(self._specials[token])
+            at = found[token] + len(token)
+        return ids + self._encode(text[at:])
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._specials or self._keep_spaces:
+            return [self.tokenize(t) for t in texts]
         return self._sp.encode(texts, num_threads=self.threads)
 
     def detokenize(self, ids: list[int]) -> str:
-        return self._sp.decode(list(ids))
+        out, run = [], []
+        for i in ids:
+            if i in self._special_ids:
+                out += [self._sp.decode(run), self._special_ids[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*out, self._sp.decode(run)])
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: the text already holds the ids, space separated ("17 4 99").
+
+    `reject` says why a text is not such a list (Megatron-LM would crash on it, or write ids past the
+    vocabulary); the pipeline skips and counts those documents.
+    """
+
+    def __init__(self, vocab_size: int | None, eod_id: int | None = None, pad_id: int = -1) -> None:
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(
+                f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (the ids in the text are 0..N-1); "
+                f"got {vocab_size}"
+            )
+        eod = vocab_size - 1 if eod_id is None else eod_id
+        if not 0 <= eod < vocab_size:
+            raise ValueError(
+                f"--null-tokenizer-eod-id {eod_id}: must lie in 0..{vocab_size - 1} (--vocab-size {vocab_size})"
+            )
+        self.vocab_size, self.eod = vocab_size, eod
+        self.pad = pad_id if pad_id >= 0 else None
+        self.backend = "null (the text holds the ids)"
+        self.identity = {
+            "type": "NullTokenizer",
+            "model": None,
+            "sha256": None,
+            "vocab_size": vocab_size,
+            "eod": eod,
+            **({"pad": pad_id} if pad_id != -1 else {}),
+        }
+
+    def reject(self, text: str) -> str | None:
+        """Why `text` is not space-separated ids in 0..vocab_size-1, or None when it is."""
+        try:
+            ids = self.tokenize(text)
+        except ValueError:
+            return "NullTokenizer needs space-separated integers"
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        return None if bad is None else f"id {bad} outside 0..{self.vocab_size - 1} (--vocab-size)"
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split(" ")]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
 
 
 def _megatron_tiktoken_ranks(path: Path, inner_vocab: int, shift: int) -> dict[bytes, int]:
     """Megatron-LM's tiktoken vocabulary: a JSON list of {rank, token_bytes (base64), token_str}."""
-    entries = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(entries, list) or not entries or "token_bytes" not in entries[0]:
-        raise ValueError(f"--tokenizer-model {path}: not Megatron-LM's tiktoken JSON (a list of token_bytes)")
-    ranks = {base64.b64decode(e["token_bytes"]): e["rank"] + shift for e in entries[:inner_vocab]}
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(entries, list) or not entries or "token_bytes" not in entries[0]:
+            raise ValueError("not a list of {rank, token_bytes, token_str}")
+        ranks = {base64.b64decode(e["token_bytes"]): e["rank"] + shift for e in entries[:inner_vocab]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"--tokenizer-model {path}: not Megatron-LM's tiktoken JSON ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if sorted(ranks.values()) != list(range(shift, shift + len(ranks))):
         raise ValueError(f"--tokenizer-model {path}: ranks are not 0..N-1 in order")
     return ranks
@@ -382,6 +584,7 @@ class TikTokenizer:
         num_special_tokens: int = 1000,
         vocab_size: int | None = None,
         threads: int = 1,
+        special_tokens: list[str] | None = None,
     ) -> None:
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
@@ -398,9 +601,19 @@ class TikTokenizer:
                     f"--tiktoken-pattern must be one of {sorted(TIKTOKEN_PATTERNS)}, got {pattern!r}"
                 )
             vocab_size = vocab_size or 2**17
-            specials = MEGATRON_TIKTOKEN_SPECIALS + [
-                f"<SPECIAL_{i}>" for i in range(len(MEGATRON_TIKTOKEN_SPECIALS), num_special_tokens)
-            ]
+            specials = list(special_tokens or MEGATRON_TIKTOKEN_SPECIALS)
+            missing = [t for t in MEGATRON_TIKTOKEN_SPECIALS if t not in specials]
+            if missing or len(set(specials)) != len(specials):
+                raise ValueError(
+                    f"--tokenizer-special-tokens for TikTokenizer must be distinct and include "
+                    f"{' '.join(MEGATRON_TIKTOKEN_SPECIALS)} (as in Megatron-LM); missing {missing}"
+                )
+            if not len(specials) <= num_special_tokens < vocab_size:
+                raise ValueError(
+                    f"--tiktoken-num-special-tokens {num_special_tokens}: needs {len(specials)} <= N < "
+                    f"--vocab-size {vocab_size}"
+                )
+            specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special_tokens)]
             ranks = _megatron_tiktoken_ranks(path, vocab_size - num_special_tokens, num_special_tokens)
             encoding = tiktoken.Encoding(
                 path.parent.name,
@@ -410,6 +623,11 @@ class TikTokenizer:
             )
             self.vocab_size, self.eod, self.pad = vocab_size, specials.index("</s>"), specials.index("<pad>")
         else:
+            if special_tokens:
+                raise ValueError(
+                    f"--tokenizer-special-tokens: {path} is an OpenAI encoding with its own special tokens; "
+                    "the option applies to Megatron-LM's tiktoken .json vocabularies"
+                )
             ranks = load_tiktoken_bpe(str(path))
             with _local_openai_ranks(ranks) as constructors:
                 if path.stem not in constructors:
@@ -428,6 +646,7 @@ class TikTokenizer:
             "sha256": file_sha256(path),
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            **_options_identity(special_tokens=special_tokens),
         }
 
     def tokenize(self, text: str) -> list[int]:
@@ -444,35 +663,86 @@ class TikTokenizer:
         return self.encoding.decode(list(ids))
 
 
+def _options_identity(**options: Any) -> dict:
+    """Tokenizer options that differ from Megatron-LM's defaults, for manifests (defaults add nothing)."""
+    defaults = {
+        "special_tokens": None,
+        "include_special_tokens": True,
+        "sentencepiece_legacy": False,
+        "sentencepiece_ignore_extra_whitespaces": True,
+    }
+    changed = {k: v for k, v in options.items() if v != defaults[k] and not (k == "special_tokens" and not v)}
+    return {"options": changed} if changed else {}
+
+
+def tokenizer_config(folder: str | Path) -> dict[str, Any]:
+    """special_tokens_map.json updated by tokenizer_config.json of a Hugging Face tokenizer folder."""
+    config: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--tokenizer-model {path}: unreadable JSON ({e}); fix or remove the file") from None
+            if isinstance(loaded, dict):
+                config.update(loaded)
+    return config
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
     *,
-    tiktoken_pattern: str = "v2",
+    tiktoken_pattern: str | None = "v2",
     tiktoken_num_special_tokens: int = 1000,
     vocab_size: int | None = None,
+    special_tokens: list[str] | None = None,
+    include_special_tokens: bool = True,
+    sentencepiece_legacy: bool = False,
+    sentencepiece_ignore_extra_whitespaces: bool = True,
+    null_eod_id: int | None = None,
+    null_pad_id: int = -1,
     threads: int | None = None,
 ) -> Tokenizer:
     """A tokenizer by Megatron-LM `--tokenizer-type` name; unknown types and missing files raise clearly.
 
-    `threads` is the batch-tokenization parallelism (default: TOKENIZER_THREADS or 1; worker processes
-    use 1 each and parallelise across processes instead).
+    The keyword options are Megatron-LM's tokenizer flags (`--tokenizer-special-tokens`, ...), applied to
+    the types they apply to there. `threads` is the batch-tokenization parallelism (default:
+    TOKENIZER_THREADS or 1; worker processes use 1 each and parallelise across processes instead).
     """
     threads = threads or int(os.environ.get("TOKENIZER_THREADS", "1"))
     if tokenizer_type in SP_TYPES:
-        return SentencePieceTokenizer(tokenizer_model, tokenizer_type, threads=threads)
+        return SentencePieceTokenizer(
+            tokenizer_model,
+            tokenizer_type,
+            threads=threads,
+            special_tokens=special_tokens,
+            legacy=sentencepiece_legacy,
+            ignore_extra_whitespaces=sentencepiece_ignore_extra_whitespaces,
+        )
+    hf_options = {"special_tokens": special_tokens, "include_special_tokens": include_special_tokens}
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model FOLDER (with tokenizer.json)")
-        return HuggingFaceTokenizer(tokenizer_model, threads=threads)
+        return HuggingFaceTokenizer(tokenizer_model, threads=threads, **hf_options)
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(vocab_file, merge_file, threads=threads)
+        return GPT2BPETokenizer(vocab_file, merge_file, threads=threads, **hf_options)
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(
-            tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, vocab_size, threads
+            tokenizer_model,
+            tiktoken_pattern or "v2",
+            tiktoken_num_special_tokens,
+            vocab_size,
+            threads,
+            special_tokens=special_tokens,
         )
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size, null_eod_id, null_pad_id)
+    if tokenizer_type in REFUSED_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: {REFUSED_TYPES[tokenizer_type]}")
     raise ValueError(
         f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
     )
