@@ -10,9 +10,9 @@ Same model, same LAMBADA samples, same batch size, one run each:
 - naive_base (shown for reference): the same loop on the base model, i.e. without the LM head logits.
 
 Each variant runs in a fresh subprocess, so allocator caches of one cannot help another. Memory is
-the peak above the level after loading the model and tokenizing: on CPU the kernel's peak resident set
-(VmHWM) reset through /proc/self/clear_refs right before the loop; on CUDA the caching allocator's
-`max_memory_allocated`. Without --model, a random 8-layer Llama (hidden 256, vocab 8192) is built
+the peak above the level after loading the model and tokenizing (`megatron_jreg.analysis.memory.PeakMemory`:
+on CPU the kernel's peak resident set, VmHWM, reset right before the loop; on CUDA the caching allocator's
+`max_memory_allocated`). Without --model, a random 8-layer Llama (hidden 256, vocab 8192) is built
 with a tokenizer trained on LAMBADA passages that are not among the measured samples.
 
 The last line is `speed_ratio=<analyze tok/s ÷ naive tok/s> memory_ratio=<analyze peak ÷ naive peak>`.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch
 from megatron_jreg import jreg
 from megatron_jreg.analysis.hf_source import load_hf_source
 from megatron_jreg.analysis.measure import encode_samples, measure, padded_batches
+from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.source import ModelSpec
 from megatron_jreg.data.text import lambada_passages
 
@@ -58,35 +58,6 @@ def build_default_model(folder: Path) -> Path:
         eos_token_id=0,
     )
     return save_random_model(config, folder, tokenizer)
-
-
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
-
-
-class PeakMemory:
-    """Peak bytes above the current level during a `with` block (see the module docstring)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak = 0
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            self._base = _status_kib("VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self._base
-        else:
-            self.peak = _status_kib("VmHWM") * 1024 - self._base
 
 
 @torch.no_grad()
@@ -124,7 +95,7 @@ def worker(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    return {"variant": args.worker, "tokens": tokens, "seconds": seconds, "peak_bytes": memory.peak}
+    return {"variant": args.worker, "tokens": tokens, "seconds": seconds, "peak_bytes": memory.above}
 
 
 def main(argv: list[str] | None = None) -> int:

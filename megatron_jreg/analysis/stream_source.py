@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg.analysis.hf_source import HEAD, context_length, encode_texts, find_decoder_layers, padding_id
+from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
@@ -138,6 +139,7 @@ class StreamingSource:
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        return_large_blocks_to_the_os()  # a dropped layer leaves the resident set (see memory.py)
         self.folder = Path(folder)
         reason = not_streamable(self.folder)
         if reason is not None:
