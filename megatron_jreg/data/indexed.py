@@ -184,14 +184,25 @@ class Index:
 
 
 def read_index(prefix: str | Path) -> Index:
-    """Parse `PREFIX.idx`; a wrong magic or version raises with the path."""
+    """Parse `PREFIX.idx`; a wrong magic, version or size raises with the path (and the fix)."""
     path = idx_path(prefix)
+    size = path.stat().st_size
+    fix = "re-create this dataset (rerun the command that wrote it)"
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated index ({size} bytes, less than its {HEADER_BYTES}-byte header); {fix}")
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    if bytes(data[: len(INDEX_MAGIC)]) != INDEX_MAGIC or len(data) < HEADER_BYTES:
-        raise ValueError(f"{path}: not a megatron indexed dataset index (bad header)")
+    if bytes(data[: len(INDEX_MAGIC)]) != INDEX_MAGIC:
+        raise ValueError(f"{path}: not a megatron indexed dataset index (bad header); {fix}")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(data[len(INDEX_MAGIC) : HEADER_BYTES]))
     if version != INDEX_VERSION or code not in CODE_DTYPES:
-        raise ValueError(f"{path}: unsupported index version {version} or dtype code {code}")
+        raise ValueError(f"{path}: unsupported index version {version} or dtype code {code}; {fix}")
+    expected = HEADER_BYTES + 12 * n_seq + 8 * n_doc
+    if size != expected:
+        state = "truncated" if size < expected else "longer than its header says"
+        raise ValueError(
+            f"{path}: {state} ({size:,} bytes; {n_seq:,} sequences and {max(n_doc - 1, 0):,} documents need "
+            f"{expected:,}); {fix}"
+        )
     off = HEADER_BYTES
     lengths = np.frombuffer(data, dtype="<i4", count=n_seq, offset=off)
     off += 4 * n_seq
@@ -199,6 +210,31 @@ def read_index(prefix: str | Path) -> Index:
     off += 8 * n_seq
     docs = np.frombuffer(data, dtype="<i8", count=n_doc, offset=off)
     return Index(CODE_DTYPES[code], lengths, pointers, docs)
+
+
+def verify_dataset(prefix: str | Path) -> Index:
+    """`read_index` plus the checks a reader relies on: consistent pointers and documents, and a .bin of
+    exactly the indexed size. Raises ValueError naming the damaged file."""
+    index = read_index(prefix)
+    path, fix = idx_path(prefix), "re-create this dataset (rerun the command that wrote it)"
+    lengths = index.sequence_lengths.astype(np.int64)
+    itemsize = np.dtype(index.dtype).itemsize
+    expected_pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * itemsize]) if len(lengths) else lengths
+    docs = index.document_indices
+    if (
+        (lengths < 0).any()
+        or not np.array_equal(index.sequence_pointers, expected_pointers)
+        or len(docs) == 0
+        or docs[0] != 0
+        or docs[-1] != len(lengths)
+        or (np.diff(docs) < 0).any()
+    ):
+        raise ValueError(f"{path}: inconsistent index (sequence lengths, pointers or document boundaries); {fix}")
+    bin_bytes, needed = bin_path(prefix).stat().st_size, int(lengths.sum()) * itemsize
+    if bin_bytes != needed:
+        state = "truncated" if bin_bytes < needed else "longer than its index says"
+        raise ValueError(f"{bin_path(prefix)}: {state} ({bin_bytes:,} bytes, the index needs {needed:,}); {fix}")
+    return index
 
 
 def read_documents(prefix: str | Path) -> list[np.ndarray]:

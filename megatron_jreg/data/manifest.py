@@ -54,13 +54,23 @@ def new_manifest(prefix: str | Path, **fields: Any) -> dict:
     }
 
 
-def read_manifest(prefix: str | Path) -> dict | None:
+def read_manifest(prefix: str | Path, strict: bool = False) -> dict | None:
+    """The manifest of `prefix`, None when there is none; a corrupt one is None too (resume redoes the
+    shard), or with `strict` an error naming it (merging must not drop its checks silently)."""
     path = manifest_path(prefix)
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
+        return manifest
+    except (OSError, ValueError) as e:
+        if strict:
+            raise ValueError(
+                f"{path}: unreadable manifest ({e}); re-create the dataset, or delete the manifest to use the "
+                "dataset without its checks"
+            ) from None
         return None
 
 

@@ -3,6 +3,8 @@
 Inputs are prefixes, directories (every finished pair inside, sorted by name, as Megatron-LM's
 tools/merge_datasets.py does) or globs. Shards must share the token dtype and, where they have manifests,
 the tokenizer. The merged manifest lists each input with its sizes and sha256 and sums the counts.
+Every input is checked before anything is written (index size and consistency, .bin size, manifest), so a
+damaged shard is named instead of being copied into the merge.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_jreg.data.checks import DataError, OneLineParser, check_output_prefix, run_command
 from megatron_jreg.data.indexed import (
     IndexedWriter,
     bin_path,
     dataset_exists,
     idx_path,
-    read_index,
     remove_dataset,
+    verify_dataset,
 )
 from megatron_jreg.data.manifest import (
     fingerprint,
@@ -33,6 +36,8 @@ from megatron_jreg.data.manifest import (
     write_json_atomic,
 )
 from megatron_jreg.data.tokenizers import file_sha256
+
+PROG = "megatron-jreg merge-datasets"
 
 
 def _strip_suffix(path: str) -> str:
@@ -69,10 +74,18 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
 
     An identical earlier merge (same inputs, sizes and mtimes) is kept and not redone.
     """
+    check_output_prefix(output_prefix)
     prefixes = resolve_prefixes(inputs, exclude=output_prefix)
     if not prefixes:
-        raise ValueError("--input: nothing to merge")
-    manifests = [read_manifest(p) for p in prefixes]
+        raise DataError("--input: nothing to merge (only the output itself matched); name the shards to merge")
+    indexes = [verify_dataset(p) for p in prefixes]
+    for p, index in zip(prefixes, indexes):
+        if index.dtype != indexes[0].dtype:
+            raise DataError(
+                f"{p}: tokens are {np.dtype(index.dtype).name} but {prefixes[0]} holds "
+                f"{np.dtype(indexes[0].dtype).name}; only datasets made with the same tokenizer can be merged"
+            )
+    manifests = [read_manifest(p, strict=True) for p in prefixes]
     tokenizers = {str(m["tokenizer"]) for m in manifests if m is not None}
     if len(tokenizers) > 1:
         raise ValueError(
@@ -85,7 +98,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     if done is not None:
         print(f"{output_prefix}: already merged from the same inputs, skipped", file=sys.stderr)
         return done
-    dtype = read_index(prefixes[0]).dtype
+    dtype = indexes[0].dtype
     manifest_path(output_prefix).unlink(missing_ok=True)
     remove_dataset(output_prefix)
     writer = IndexedWriter(output_prefix, dtype)
@@ -120,10 +133,10 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
                 "idx_bytes": idx_path(p).stat().st_size,
                 "bin_sha256": file_sha256(bin_path(p)),
                 "idx_sha256": file_sha256(idx_path(p)),
-                "documents": read_index(p).num_documents,
+                "documents": index.num_documents,
                 "manifest": m is not None,
             }
-            for p, m in zip(prefixes, manifests)
+            for p, m, index in zip(prefixes, manifests, indexes)
         ],
     )
     write_json_atomic(manifest_path(output_prefix), manifest)
@@ -131,7 +144,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-jreg merge-datasets", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument(
         "--input", nargs="+", required=True, help="dataset prefixes, directories or globs, in order"
     )
@@ -139,18 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        manifest = merge_datasets(args.input, args.output_prefix)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megatron-jreg merge-datasets: error: {e}", file=sys.stderr)
-        return 1
+def _run(args: argparse.Namespace) -> int:
+    manifest = merge_datasets(args.input, args.output_prefix)
     print(
         f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
         f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})"
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: _run(args))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,12 +408,16 @@ def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
     return _table_records(unit, table, keys, want_score)
 
 
-def iter_texts(files: list[InputFile], key: str = "text") -> Iterator[str]:
-    """Every readable text of `files` in order (tokenizer and Punkt training); bad records are skipped."""
+def iter_texts(files: list[InputFile], key: str = "text", skipped: Counter | None = None) -> Iterator[str]:
+    """Every readable text of `files` in order (tokenizer and Punkt training); bad records are skipped and,
+    with `skipped`, counted there by reason (blank lines are not counted)."""
     for file in files:
         if file.kind == "text":
             with open(file.path, encoding="utf-8", errors="replace") as f:
                 yield from (line for line in f if line.strip())
             continue
         for unit in iter_units([file], [key]):
-            yield from read_records(unit, [key], want_score=False).texts[key]
+            records = read_records(unit, [key], want_score=False)
+            if skipped is not None:
+                skipped.update(reason for _, reason, _ in records.bad if reason != "blank_line")
+            yield from records.texts[key]

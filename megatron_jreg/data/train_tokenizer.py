@@ -10,31 +10,69 @@ files (one sample per line). The result plugs straight into `build_tokenizer` / 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_jreg.data.checks import DataError, OneLineParser, check_output_folder, check_positive, run_command
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
+
+PROG = "megatron-jreg train-tokenizer"
 
 KINDS = ("sentencepiece", "hf-bpe")
 # SentencePiece skips training "sentences" longer than this; documents are fed paragraph by paragraph.
 _SP_MAX_SENTENCE = 1 << 16
 
 
-def _samples(inputs: list[str], json_key: str, max_chars: int | None, hf_split: str | None) -> Iterator[str]:
-    """Non-empty paragraphs of the inputs, up to `max_chars` characters in total."""
-    used = 0
-    for text in iter_texts(resolve_inputs(inputs, hf_split, allow_text=True), json_key):
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
-            yield line[:_SP_MAX_SENTENCE]
-            used += len(line)
-            if max_chars is not None and used >= max_chars:
-                return
+class _Samples:
+    """Non-empty paragraphs of the inputs, up to `max_chars` characters in total; counts what it yields
+    and the records it skipped by reason, so that an input without usable text is named, not trained on."""
+
+    def __init__(self, inputs: list[str], json_key: str, max_chars: int | None, hf_split: str | None) -> None:
+        self.files = resolve_inputs(inputs, hf_split, allow_text=True)
+        self.json_key, self.max_chars = json_key, max_chars
+        self.count, self.skipped = 0, collections.Counter()
+
+    def __iter__(self) -> Iterator[str]:
+        used = 0
+        for text in iter_texts(self.files, self.json_key, self.skipped):
+            for line in text.split("\n"):
+                if not line.strip():
+                    continue
+                self.count += 1
+                yield line[:_SP_MAX_SENTENCE]
+                used += len(line)
+                if self.max_chars is not None and used >= self.max_chars:
+                    return
+
+    def check(self) -> None:
+        """After training: no text at all is an error naming the input and the key."""
+        if self.count == 0:
+            skipped = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items())) or "no records"
+            raise DataError(
+                f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
+                f"{self.json_key!r} ({skipped}); check the files and --json-key"
+            )
+
+    def report(self) -> None:
+        """Bad records are skipped, never silently: one line on stderr with their counts by reason."""
+        if self.skipped:
+            counts = ", ".join(f"{r} {n:,}" for r, n in sorted(self.skipped.items()))
+            print(f"train-tokenizer: skipped records of the input: {counts}", file=sys.stderr)
+
+
+def _check_output(output: str, kind: str) -> None:
+    """A .model prefix or a folder, writable, checked before training."""
+    path = Path(output)
+    if kind == "sentencepiece" and (output.endswith(("/", os.sep)) or path.is_dir()):
+        raise DataError(f"--output {output}: is a folder; give a file prefix such as {path / 'tokenizer'}.model")
+    if kind == "hf-bpe" and path.exists() and not path.is_dir():
+        raise DataError(f"--output {output}: is a file; hf-bpe writes a folder, so give a new folder path")
+    check_output_folder(path.parent, f"--output {output}")
 
 
 def train_tokenizer(
@@ -54,26 +92,33 @@ def train_tokenizer(
     short on a large corpus; None uses everything.
     """
     if kind not in KINDS:
-        raise ValueError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
-    if vocab_size < 300:
-        raise ValueError(f"--vocab-size {vocab_size}: too small for a byte-level vocabulary (use >= 300)")
-    samples = _samples(inputs, json_key, max_chars, hf_split)
+        raise DataError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
+    check_positive("--vocab-size", vocab_size, 300, allow_none=False)  # a byte-level vocabulary needs >= 259
+    check_positive("--max-chars", max_chars, 1)
+    _check_output(output, kind)
+    samples = _Samples(inputs, json_key, max_chars, hf_split)
     if kind == "sentencepiece":
         import sentencepiece
 
         prefix = output[: -len(".model")] if output.endswith(".model") else output
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=samples,
-            model_prefix=prefix,
-            vocab_size=vocab_size,
-            model_type="bpe",
-            byte_fallback=True,
-            character_coverage=character_coverage,
-            max_sentence_length=_SP_MAX_SENTENCE,
-            num_threads=os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        try:
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(samples),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                model_type="bpe",
+                byte_fallback=True,
+                character_coverage=character_coverage,
+                max_sentence_length=_SP_MAX_SENTENCE,
+                num_threads=os.cpu_count() or 1,
+                minloglevel=2,
+            )
+        except RuntimeError as e:  # sentencepiece's C++ errors, e.g. "Vocabulary size too high (..)"
+            samples.check()
+            flag = "--vocab-size" if "vocab" in str(e).lower() else "--input"
+            raise DataError(f"{flag}: SentencePiece cannot train on this input: {str(e).strip()[:300]}") from None
+        samples.check()
+        samples.report()
         return f"{prefix}.model"
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -87,21 +132,28 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(samples, trainer)
+    tokenizer.train_from_iterator(iter(samples), trainer)
+    samples.check()
+    samples.report()
+    if tokenizer.get_vocab_size() < vocab_size:
+        raise DataError(
+            f"--vocab-size {vocab_size}: this input yields only {tokenizer.get_vocab_size()} tokens (no more "
+            "merges); give more text or --vocab-size <= that"
+        )
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": ENDOFTEXT,
         "model_max_length": 1 << 30,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save(str(folder / "tokenizer.json"))  # last: a folder without it is not a tokenizer yet
     return str(folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-jreg train-tokenizer", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="files, directories or globs (.txt too)")
     p.add_argument("--output", required=True, help="sentencepiece: PATH(.model); hf-bpe: a folder")
     p.add_argument("--vocab-size", type=int, required=True)
@@ -112,24 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        path = train_tokenizer(
-            args.input,
-            args.output,
-            args.vocab_size,
-            args.kind,
-            json_key=args.json_key,
-            max_chars=args.max_chars,
-            hf_split=args.hf_split,
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megatron-jreg train-tokenizer: error: {e}", file=sys.stderr)
-        return 1
+def _run(args: argparse.Namespace) -> int:
+    path = train_tokenizer(
+        args.input,
+        args.output,
+        args.vocab_size,
+        args.kind,
+        json_key=args.json_key,
+        max_chars=args.max_chars,
+        hf_split=args.hf_split,
+    )
     tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
     print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: _run(args))
 
 
 if __name__ == "__main__":
