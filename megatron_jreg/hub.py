@@ -227,8 +227,12 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
 
 def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)`, refusing a model
-    whose weights do not all load (IncompleteWeightsError); transformers' own load report is silenced,
-    since this error replaces it. `where` starts the message (e.g. "--model DIR")."""
+    whose weights do not all load: missing, unused or of the wrong shape (IncompleteWeightsError; shapes
+    are loaded with ignore_mismatched_sizes so that they are reported here rather than raised as a
+    RuntimeError pointing at a report). Transformers' own load report is silenced, since this error
+    replaces it; a truncated safetensors file is named (ModelFileError). `where` starts the message
+    (e.g. "--model DIR")."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -236,8 +240,13 @@ def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), **kw
     hf_logging.set_verbosity_error()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, output_loading_info=True, **kwargs
+            str(folder), local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )
+    except SafetensorError as e:
+        from megatron_jreg.analysis.weights import SafetensorsFolder
+
+        SafetensorsFolder(folder)  # raises naming the truncated or corrupt file
+        raise ModelFileError(f"{where}: a safetensors file cannot be read ({e}); download the model again") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     check_loading_info(info, type(model).__name__, where, ignore)

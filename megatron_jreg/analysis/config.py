@@ -127,7 +127,7 @@ def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:
         raise AnalysisError(f"--data {spec!r}: give a file, e.g. --data {fmt}:FILE")
     path = Path(rest)
     if not path.is_file():
-        raise AnalysisError(f"--data {spec!r}: no such file {path}")
+        raise AnalysisError(f"--data {spec!r}: no such file {path}; pass an existing file")
     return fmt, path, key
 
 
@@ -144,12 +144,14 @@ def load_texts(spec: str, num_samples: int | None) -> list[str]:
         else:
             texts = text.text_paragraphs(path)
     except UnicodeDecodeError as e:
-        raise AnalysisError(f"--data {spec!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise AnalysisError(
+            f"--data {spec!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"
+        ) from None
     except ValueError as e:  # iter_jsonl: "<file>:<line>: cannot read key ..."
         raise AnalysisError(f"--data {spec!r}: {e}; fix or drop that line") from None
     texts = [t for t in texts if t.strip()][:num_samples]
     if not texts:
-        raise AnalysisError(f"--data {spec!r}: no non-empty samples in {path}")
+        raise AnalysisError(f"--data {spec!r}: no non-empty samples in {path}; pass a file that holds text")
     return texts
 
 

@@ -221,6 +221,9 @@ def load_hf_source(
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
-        raise AnalysisError(f"--model {path}: transformers cannot load it as a causal LM: {one_line(e)}") from e
+        raise AnalysisError(
+            f"--model {path}: transformers cannot load it as a causal LM ({one_line(e)}); the folder needs the "
+            "model's config.json and weight files"
+        ) from e
     model.to(device)
     return HFSource(model, load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)

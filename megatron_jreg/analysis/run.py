@@ -80,7 +80,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
         bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
         if bad:
             raise AnalysisError(
-                f"{spec.path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
+                f"--model {spec.path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
                 "overflow; check the model's weights, or measure with --dtype float32"
             )
         if result.truncated_samples:

@@ -109,15 +109,19 @@ def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, ki
 
     Gathers the real rows before `jreg.displacement_sum` instead of multiplying by the mask, so a
     padded position whose hidden state is not finite (a fully masked attention row can give NaN in
-    some attention kernels) cannot turn the sum into NaN, and no work is spent on padding.
+    some attention kernels) cannot turn the sum into NaN, and no work is spent on padding. A real
+    token whose hidden state is not finite makes the sum NaN (`jreg.token_displacement` would count it
+    as orthogonal, 0.5), so broken weights show as a NaN Ψ, which `run_analysis` refuses; without a
+    host sync.
     """
-    if rows is None:
-        return jreg.displacement_sum(h_in, h_out, None, kind)
-    width = h_in.shape[-1]
-    rows = rows.to(h_in.device)
-    return jreg.displacement_sum(
-        h_in.reshape(-1, width).index_select(0, rows), h_out.reshape(-1, width).index_select(0, rows), None, kind
-    )
+    if rows is not None:
+        width = h_in.shape[-1]
+        rows = rows.to(h_in.device)
+        h_in = h_in.reshape(-1, width).index_select(0, rows)
+        h_out = h_out.reshape(-1, width).index_select(0, rows)
+    total, count = jreg.displacement_sum(h_in, h_out, None, kind)
+    finite = torch.isfinite(h_in).all() & torch.isfinite(h_out).all()
+    return torch.where(finite, total, torch.full_like(total, float("nan"))), count
 
 
 def first_tensor(value: Any) -> Tensor | None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.hub import ModelFileError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES: dict[str, torch.dtype] = {
@@ -35,7 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
 _MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
 
 
-class WeightsError(ValueError):
+class WeightsError(ModelFileError):
     """A safetensors file or index that cannot be read as described; the message names the file."""
 
 

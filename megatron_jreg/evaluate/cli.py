@@ -11,9 +11,11 @@ from pathlib import Path
 
 from megatron_jreg.data.text import DEFAULT_LAMBADA
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
+from megatron_jreg.evaluate.lambada import LambadaFileError
 from megatron_jreg.evaluate.models import DTYPES
 from megatron_jreg.evaluate.offline import force_offline
 from megatron_jreg.evaluate.tasks import PAPER_TASKS, TaskError
+from megatron_jreg.hub import ModelFileError
 
 
 def _task_data(values: list[str]) -> dict[str, Path]:
@@ -29,7 +31,9 @@ def _task_data(values: list[str]) -> dict[str, Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-jreg evaluate", description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--hf", type=Path, metavar="DIR", help="a local Hugging Face model folder")
+    model.add_argument(
+        "--hf", type=Path, metavar="DIR|ID", help="a Hugging Face model folder, or a hub id in the local cache"
+    )
     model.add_argument(
         "--load", type=Path, metavar="CKPT", help="a megatron-jreg checkpoint (any TP/PP layout)"
     )
@@ -79,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=100000,
         help="lm-eval bootstrap draws for stderrs without a closed form (perplexity)",
     )
+    p.add_argument(
+        "--num-fewshot",
+        type=int,
+        metavar="N",
+        help="examples in each lm-eval task's prompt (default: each task's own; the built-in lambada is zero-shot)",
+    )
     p.add_argument("--output", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -101,6 +111,7 @@ def parse_config(argv: list[str] | None) -> EvaluateConfig:
         include_path=tuple(args.include_path),
         seed=args.seed,
         bootstrap_iters=args.bootstrap_iters,
+        num_fewshot=args.num_fewshot,
     )
 
 
@@ -111,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         results = evaluate(cfg)
-    except (ConfigError, TaskError, FileNotFoundError, NotImplementedError) as e:
+    except (ConfigError, TaskError, LambadaFileError, ModelFileError, FileNotFoundError, NotImplementedError) as e:
         print(f"megatron-jreg evaluate: error: {e}", file=sys.stderr)
         return 2
+    for task, counts in results.skipped.items():
+        reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
+        print(f"megatron-jreg evaluate: {task}: skipped {sum(counts.values())} example(s): {reasons}", file=sys.stderr)
     print(results.table())
     if cfg.output is not None:
         results.write(cfg.output)

@@ -207,13 +207,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_scores(runs: dict[Path, EvalResults], metric_for: dict[str, str], default_metric: str) -> None:
+    """Refuse a file whose compared score is NaN, infinite or a boolean: a t-test on it gives nonsense
+    (a NaN difference makes p = 0 and "JREG better: yes"). Scores that are absent or not numbers at all
+    are left to `compare_runs`, which lists those tasks as left out."""
+    for path, run in runs.items():
+        for task, metrics in run.results.items():
+            metric = metric_for.get(task, default_metric)
+            value = metrics.get(metric) if isinstance(metrics, dict) else None
+            if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(
+                    f"{path}: {task} {metric} is {value!r}, not a finite score; re-run `megatron-jreg evaluate` "
+                    "for that model, or leave the file out"
+                )
+
+
+def check_settings(runs: dict[Path, EvalResults]) -> None:
+    """Refuse files evaluated with different few-shot settings: their scores are not comparable."""
+    shots = {path: run.config.get("num_fewshot") for path, run in runs.items()}
+    if len(set(shots.values())) > 1:
+        listed = ", ".join(f"{p.name}: {n}" for p, n in shots.items())
+        raise ValueError(f"the files were evaluated with different --num-fewshot ({listed}); evaluate them alike")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        baseline = [EvalResults.read(p) for p in args.baseline]
-        jreg = [EvalResults.read(p) for p in args.jreg]
+        if not 0.0 < args.confidence < 1.0:  # also refuses NaN
+            raise ValueError(f"--confidence {args.confidence}: must be between 0 and 1, e.g. 0.95")
+        if args.output is not None and args.output.is_dir():
+            raise ValueError(f"--output {args.output}: is a folder; pass a file name, e.g. {args.output}/compare.json")
+        overrides = _metric_overrides(args.task_metric)
+        runs = {p: EvalResults.read(p) for p in [*args.baseline, *args.jreg]}
+        if len(runs) < len(args.baseline) + len(args.jreg):
+            raise ValueError("a result file is given twice; each seed's file belongs to one arm, once")
+        check_scores(runs, overrides, args.metric)
+        check_settings(runs)
+        baseline = [runs[p] for p in args.baseline]
+        jreg = [runs[p] for p in args.jreg]
         pairs, pairing = pair_runs(baseline, jreg)
-        rows, skipped = compare_runs(pairs, _metric_overrides(args.task_metric), args.metric, args.confidence)
+        rows, skipped = compare_runs(pairs, overrides, args.metric, args.confidence)
     except ValueError as e:
         print(f"megatron-jreg compare: error: {e}", file=sys.stderr)
         return 2

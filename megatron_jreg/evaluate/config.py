@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from megatron_jreg import hub
 from megatron_jreg.data.text import DEFAULT_LAMBADA
 from megatron_jreg.evaluate.models import DTYPES
 
@@ -19,8 +23,9 @@ class ConfigError(ValueError):
 class EvaluateConfig:
     """What to evaluate and how.
 
-    Exactly one model source: `hf` (a Hugging Face folder) or `load` (a megatron-jreg checkpoint,
-    optionally at `iteration`). `tasks` mixes the built-in "lambada" with lm-eval task names.
+    Exactly one model source: `hf` (a Hugging Face folder, or a hub id resolved from the local cache to
+    its snapshot folder) or `load` (a megatron-jreg checkpoint, optionally at `iteration`). `tasks` mixes
+    the built-in "lambada" with lm-eval task names.
     """
 
     hf: Path | None = None
@@ -38,6 +43,7 @@ class EvaluateConfig:
     include_path: tuple[Path, ...] = ()  # folders with extra lm-eval task YAMLs
     seed: int | None = None  # training seed of the model, recorded so `compare` can pair runs
     bootstrap_iters: int = 100000  # lm-eval's default; only bootstrapped metrics (perplexity) use it
+    num_fewshot: int | None = None  # lm-eval tasks: examples in each prompt (None: each task's default)
 
     def __post_init__(self) -> None:
         if (self.hf is None) == (self.load is None):
@@ -45,8 +51,17 @@ class EvaluateConfig:
                 "give exactly one model: --hf DIR (a Hugging Face folder) "
                 "or --load CKPT (a megatron-jreg checkpoint)"
             )
-        if self.hf is not None and not (Path(self.hf) / "config.json").is_file():
-            raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
+        if self.hf is not None:
+            try:
+                object.__setattr__(self, "hf", hub.resolve(self.hf, "--hf"))  # a hub id: its cached snapshot
+            except hub.HubError as e:
+                raise ConfigError(str(e)) from None
+            if not (Path(self.hf) / "config.json").is_file():
+                raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
+            try:
+                hub.read_config(Path(self.hf), "--hf")
+            except hub.BadConfigError as e:
+                raise ConfigError(str(e)) from None
         if self.load is not None and not Path(self.load).exists():
             raise ConfigError(f"--load {self.load}: no such checkpoint directory")
         if self.iteration is not None and self.load is None:
@@ -65,6 +80,28 @@ class EvaluateConfig:
         ):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if self.num_fewshot is not None:
+            if self.num_fewshot < 0:
+                raise ConfigError(f"--num-fewshot {self.num_fewshot}: must be at least 0")
+            if self.num_fewshot > 0 and "lambada" in self.tasks:
+                raise ConfigError(
+                    f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it in a "
+                    "separate run, or use lm-eval's lambada_openai task instead"
+                )
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError(f"--device {self.device}: not a torch device; use cpu, cuda or cuda:N") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: no CUDA device here; use --device cpu")
+        if self.output is not None:
+            out = Path(self.output)
+            if out.is_dir():
+                raise ConfigError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")
+            parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--output {out}: cannot write into {parent}; pass a path you can write to")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         for task, path in self.task_data.items():

@@ -87,8 +87,10 @@ def run_harness(
     limit: int | None = None,
     batch_size: int = 8,
     bootstrap_iters: int = 100000,
+    num_fewshot: int | None = None,
 ) -> dict[str, Any]:
-    """lm-eval's `simple_evaluate` on `model` (its seeds, few-shot defaults and metrics); raw output."""
+    """lm-eval's `simple_evaluate` on `model` (its seeds and metrics; each task's few-shot default
+    unless `num_fewshot` is given); raw output."""
     import lm_eval
 
     return lm_eval.simple_evaluate(
@@ -96,6 +98,7 @@ def run_harness(
         tasks=list(specs),
         task_manager=manager,
         limit=limit,
+        num_fewshot=num_fewshot,
         bootstrap_iters=bootstrap_iters,
         log_samples=False,
     )

@@ -12,11 +12,21 @@ method, perplexity * (sample std of the per-passage NLL) / sqrt(n), where lm-eva
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
+
+# Why a passage cannot be scored: nothing to predict from, or nothing to predict.
+SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
+
+
+class LambadaFileError(ValueError):
+    """A --lambada-file that is not LAMBADA JSONL, or holds no passage that can be scored."""
 
 
 def split_passage(text: str) -> tuple[str, str]:
@@ -25,6 +35,60 @@ def split_passage(text: str) -> tuple[str, str]:
     (7 of the 5,153 vendored passages); that keeps our numbers equal to lm-eval's on the same file."""
     words = text.split(" ")
     return " ".join(words[:-1]), " " + words[-1]
+
+
+def skip_reason(value: object) -> str | None:
+    """Why a passage's "text" cannot be scored (one of SKIP_REASONS), or None when it can: the target is
+    the last word, so a passage needs a word before it (context) and a last word that is not empty."""
+    if not isinstance(value, str):
+        return "not_a_string"
+    if not value.strip():
+        return "empty"
+    context, target = split_passage(value)
+    if not context.strip():
+        return "one_word"
+    if not target.strip():
+        return "no_last_word"  # ends in a space: split(" ") gives an empty last word
+    return None
+
+
+def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
+    """(scoreable passages in file order, skipped passages counted by reason) of a LAMBADA JSONL file,
+    one {"text": passage} a line (blank lines ignored).
+
+    A line that is not such an object makes the file unusable (LambadaFileError naming file and line):
+    skipping it would change which passages are scored without saying so. A file with no scoreable
+    passage is refused too, rather than scored as accuracy 0.
+    """
+    path = Path(path)
+    passages: list[str] = []
+    skipped: Counter[str] = Counter()
+    fix = 'fix the line, or pass a LAMBADA JSONL file (one {"text": passage} a line)'
+    expected = 'pass a LAMBADA JSONL file (one {"text": passage} a line)'
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise LambadaFileError(f"--lambada-file {path}:{lineno}: not JSON ({e.msg}); {fix}") from None
+                if not isinstance(record, dict) or "text" not in record:
+                    raise LambadaFileError(f'--lambada-file {path}:{lineno}: no "text" field; {fix}')
+                reason = skip_reason(record["text"])
+                if reason is None:
+                    passages.append(record["text"])
+                else:
+                    skipped[reason] += 1
+    except UnicodeDecodeError as e:
+        raise LambadaFileError(f"--lambada-file {path}: not UTF-8 ({e.reason} at byte {e.start}); {expected}") from None
+    except OSError as e:
+        raise LambadaFileError(f"--lambada-file {path}: cannot read it ({e.strerror}); pass a readable file") from None
+    if not passages:
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "no passages"
+        raise LambadaFileError(f"--lambada-file {path}: no passage can be scored ({counts}); {expected}")
+    return passages, skipped
 
 
 def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:

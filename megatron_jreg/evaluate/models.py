@@ -8,11 +8,13 @@ LAMBADA target split and lm-eval's context/continuation split depend on the mode
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from megatron_jreg import hub
+from megatron_jreg.hub import ModelFileError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_LENGTH = 2048
@@ -62,7 +64,7 @@ class HFCausalLM:
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_length: int) -> None:
         if tokenizer.eos_token_id is None:
-            raise ValueError("--hf: the tokenizer has no eos_token; set one in tokenizer_config.json")
+            raise ModelFileError("--hf: the tokenizer has no eos_token; set one in tokenizer_config.json")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eod = int(tokenizer.eos_token_id)
@@ -97,6 +99,11 @@ def context_length(config: dict, tokenizer_max: int | None) -> int:
     return DEFAULT_MAX_LENGTH
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -104,27 +111,43 @@ def default_device() -> str:
 def load_hf_lm(
     path: str | Path, device: str | None = None, dtype: str = "auto", max_length: int | None = None
 ) -> HFCausalLM:
-    """Load a Hugging Face folder for evaluation, never touching the network.
+    """Load a Hugging Face folder (or a hub id in the local cache) for evaluation, never touching the network.
 
     dtype "auto" keeps the checkpoint's dtype on GPU and uses float32 on CPU (CPU half precision is
-    slow and lossy); max_length None takes the model's own context window.
+    slow and lossy); max_length None takes the model's own context window. A folder whose weights do
+    not all load (missing or unused tensors) is refused with hub.IncompleteWeightsError, and every
+    other problem with the files is a one-line hub.ModelFileError.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = hub.resolve(path, "--hf")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise hub.ModelFileError(
             f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
             "`hf download REPO --local-dir DIR` on a machine with internet"
         )
+    config = hub.read_config(path, "--hf")
     device = device or default_device()
     if dtype == "auto":
         torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise hub.ModelFileError(
+            f"--hf {path}: cannot load its tokenizer ({_first_line(e)}); the folder needs tokenizer.json or the "
+            "tokenizer files save_pretrained writes"
+        ) from None
+    try:
+        model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=torch_dtype)
+    except hub.ModelFileError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise hub.ModelFileError(
+            f"--hf {path}: transformers cannot load it as a causal LM ({_first_line(e)}); the folder needs the "
+            "model's config.json and weight files"
+        ) from None
     window = max_length or context_length(config.get("text_config", config), tokenizer.model_max_length)
     return HFCausalLM(model.to(device), tokenizer, window)
 

@@ -1,7 +1,8 @@
 """The results format every evaluation writes, so any two runs can be compared.
 
     {"results": {task: {metric: value, metric_stderr: value | null}},
-     "samples": {task: n}, "model": {...}, "seed": int | null, "config": {...}}
+     "samples": {task: n}, "model": {...}, "seed": int | null, "config": {...},
+     "skipped": {task: {reason: n}}}   (examples of the input not scored, and why)
 
 Built-in tasks and lm-eval tasks land in the same shape: lm-eval's "acc,none" / "acc_stderr,none" keys
 become "acc" / "acc_stderr" (a filter other than "none" stays as "acc,filter"), and its "N/A" stderr
@@ -27,6 +28,7 @@ class EvalResults:
     model: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # task -> {reason: examples not scored}
 
     def add(self, task: str, metrics: Metrics, n: int) -> None:
         self.results[task] = metrics
@@ -51,6 +53,7 @@ class EvalResults:
                 model=dict(data.get("model", {})),
                 seed=data.get("seed"),
                 config=dict(data.get("config", {})),
+                skipped={task: dict(counts) for task, counts in data.get("skipped", {}).items()},
             )
         except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"{path}: not a result file of `megatron-jreg evaluate --output` ({e})") from e

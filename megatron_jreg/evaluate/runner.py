@@ -5,9 +5,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from megatron_jreg.data.text import lambada_passages
+from megatron_jreg import hub
 from megatron_jreg.evaluate.config import EvaluateConfig
-from megatron_jreg.evaluate.lambada import evaluate_lambada
+from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
 from megatron_jreg.evaluate.models import CausalLM, load_hf_lm, load_megatron_lm
 from megatron_jreg.evaluate.offline import force_offline
 from megatron_jreg.evaluate.results import EvalResults, add_harness
@@ -44,6 +44,10 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
                 "these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
                 + "\n  ".join(problems)
             )
+    passages, skipped = [], None
+    if "lambada" in cfg.tasks:  # read before the model: a broken file stops the run before any compute
+        passages, skipped = read_lambada(cfg.lambada_file)
+        passages = passages[: cfg.limit]
     model = load_model(cfg)
     source = cfg.hf if cfg.hf is not None else cfg.load
     results = EvalResults(
@@ -51,6 +55,7 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
             "kind": "hf" if cfg.hf is not None else "megatron",
             "path": str(Path(source).resolve()),
             "iteration": cfg.iteration,
+            **({"hub_id": hub_id} if cfg.hf is not None and (hub_id := hub.describe(cfg.hf)) else {}),
         },
         seed=cfg.seed,
         config={
@@ -59,18 +64,20 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
             "batch_size": cfg.batch_size,
             "max_length": model.max_length,
             "lambada_file": str(cfg.lambada_file) if "lambada" in cfg.tasks else None,
+            "num_fewshot": cfg.num_fewshot,
             "megatron_jreg": _package_version("megatron-jreg"),
             "lm_eval": _package_version("lm-eval") if plans else None,
         },
     )
     if "lambada" in cfg.tasks:
-        passages = lambada_passages(cfg.lambada_file)[: cfg.limit]
         results.add("lambada", evaluate_lambada(model, passages, cfg.batch_size), len(passages))
+        if skipped:
+            results.skipped["lambada"] = dict(sorted(skipped.items()))
     if plans:
         from megatron_jreg.evaluate.harness import run_harness
 
         raw = run_harness(
-            model, [p.spec for p in plans], manager, cfg.limit, cfg.batch_size, cfg.bootstrap_iters
+            model, [p.spec for p in plans], manager, cfg.limit, cfg.batch_size, cfg.bootstrap_iters, cfg.num_fewshot
         )
         if raw is not None:  # None on the ranks of a multi-process run that do not report
             add_harness(results, raw)

@@ -1,0 +1,132 @@
+"""`megatron-jreg` as an lm-eval model: `--model megatron-jreg --model_args load=CKPT` in lm-eval's own CLI.
+
+How lm-eval 0.4.13 finds a model named by `--model`: `lm_eval.api.registry.get_model(name)` looks it up
+in `model_registry`, which holds the classes decorated with `@register_model(name)` in modules that have
+been imported, plus the lazy "module:Class" entries of `lm_eval.models.MODEL_MAPPING` (lm-eval's own
+models). It does not scan installed packages' entry points, and its `--include_path` is for task
+YAMLs only. So the registration below takes effect in any process that imports this module; the ways
+to use it are
+
+    python -m megatron_jreg.evaluate.lm_eval_model --model megatron-jreg --model_args load=CKPT --tasks arc_easy
+    # lm-eval's complete CLI (every flag: --num_fewshot, --limit, --output_path, ...), offline
+
+    import megatron_jreg.evaluate.lm_eval_model  # registers "megatron-jreg"
+    lm_eval.simple_evaluate(model="megatron-jreg", model_args="load=CKPT", tasks=[...])
+
+model_args: `load=CKPT[,iteration=N]` (a megatron-jreg checkpoint, any TP/PP layout, via
+`models.load_megatron_lm`) or `hf=DIR_OR_HUB_ID[,dtype=auto|float32|bfloat16|float16][,max_length=N]`
+(a Hugging Face folder, via `models.load_hf_lm`). Requests are answered by `harness.HarnessLM`, the
+adapter `megatron-jreg evaluate` uses, so both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+
+from megatron_jreg.evaluate.harness import HarnessLM
+from megatron_jreg.evaluate.models import DTYPES, load_hf_lm, load_megatron_lm
+from megatron_jreg.hub import ModelFileError
+
+NAME = "megatron-jreg"
+USAGE = "load=CKPT[,iteration=N] or hf=DIR[,dtype=auto|float32|bfloat16|float16][,max_length=N]"
+logger = logging.getLogger(__name__)
+
+
+class ModelArgsError(ValueError):
+    """`--model_args` that cannot work; the message names the argument and the fix."""
+
+
+def _batch_size(value: Any) -> int:
+    """lm-eval's --batch_size (an int, or a string from its CLI) as a positive int; 'auto' is refused
+    because the adapter batches by length itself and never measures memory."""
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"--batch_size {value}: {NAME} takes a number, not auto; e.g. --batch_size 8") from None
+    if size < 1:
+        raise ModelArgsError(f"--batch_size {value}: must be at least 1")
+    return size
+
+
+def _device(value: str | None) -> str | None:
+    """lm-eval's --device, which its CLI sets to cuda:0 by default: CPU when there is no GPU, as lm-eval's
+    own `hf` model does (logged)."""
+    if value is None:
+        return None
+    if value.startswith("cuda") and not torch.cuda.is_available():
+        logger.warning("%s: --device %s, but no CUDA device here; running on the CPU", NAME, value)
+        return "cpu"
+    return value
+
+
+@register_model(NAME)
+class MegatronJregLM(HarnessLM):
+    """The lm-eval model `megatron-jreg` (see the module docstring for its model_args)."""
+
+    def __init__(
+        self,
+        load: str | None = None,
+        iteration: int | None = None,
+        hf: str | None = None,
+        dtype: str = "auto",
+        max_length: int | None = None,
+        batch_size: int | str = 8,
+        device: str | None = None,
+        max_batch_size: int | None = None,  # lm-eval passes it; used only with batch_size auto
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ModelArgsError(f"--model_args {', '.join(sorted(unknown))}: unknown to {NAME}; give {USAGE}")
+        if (load is None) == (hf is None):
+            raise ModelArgsError(f"--model_args: give exactly one of load= and hf=; {USAGE}")
+        if load is not None and (dtype != "auto" or max_length is not None):
+            raise ModelArgsError("--model_args dtype=/max_length= apply to hf=; a checkpoint keeps its run's settings")
+        if hf is not None and iteration is not None:
+            raise ModelArgsError("--model_args iteration= selects a checkpoint of load=; drop it for hf=")
+        if dtype not in DTYPES:
+            raise ModelArgsError(f"--model_args dtype={dtype}: choose one of {', '.join(DTYPES)}")
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+            raise ModelArgsError(f"--model_args max_length={max_length}: give a whole number of at least 2")
+        if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
+            raise ModelArgsError(f"--model_args iteration={iteration}: give a checkpoint's iteration number")
+        size = _batch_size(batch_size)
+        if hf is not None:
+            model = load_hf_lm(str(hf), _device(device), dtype, max_length)
+            self.source = {"hf": str(hf)}
+        else:
+            path = Path(str(load))
+            if not path.exists():
+                raise ModelArgsError(f"--model_args load={load}: no such checkpoint directory")
+            model = load_megatron_lm(path, iteration)
+            self.source = {"load": str(load), "iteration": iteration}
+        super().__init__(model, size)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Recorded by lm-eval in its results' config."""
+        return {"megatron_jreg_model": self.source}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm-eval's own command line, offline, with `--model megatron-jreg` registered."""
+    from megatron_jreg.evaluate.offline import force_offline
+
+    force_offline()
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        cli_evaluate()
+    except (ModelArgsError, ModelFileError, FileNotFoundError) as e:
+        print(f"megatron-jreg lm-eval: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Bad input for `analyze`, `evaluate` and `compare`: every case exits non-zero with one error line that names
+the file or flag and says what to do; no traceback, no result written, nothing passes silently.
+
+Each case builds its bad input from the tiny models and files of the module fixtures (`Inputs`), runs the
+command's `main` in this process and checks exit code, the error line and that no output appeared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_jreg.analysis import cli as analyze_cli
+from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+from megatron_jreg.data.text import lambada_passages
+from megatron_jreg.evaluate import cli as evaluate_cli
+from megatron_jreg.evaluate import compare
+from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
+from tests.test_analysis_gguf import write_llama_gguf
+
+transformers = pytest.importorskip("transformers")
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "analyze": analyze_cli.main,
+    "evaluate": evaluate_cli.main,
+    "compare": compare.main,
+}
+
+
+@dataclass
+class Inputs:
+    """The good inputs that bad ones are made from, and a scratch folder per case."""
+
+    llama: Path
+    gguf: Path
+    tokenizer: object
+    root: Path
+    tmp: Path = Path()
+
+    def copy(self, name: str) -> Path:
+        """A private copy of the Llama folder to break."""
+        return Path(shutil.copytree(self.llama, self.tmp / name))
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    def lambada(self, *records: object) -> Path:
+        return self.file("lambada.jsonl", "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+    def result(self, name: str, seed: int, acc: object = 0.5, shots: int | None = None) -> Path:
+        record = {"results": {"lambada": {"acc": acc}}, "seed": seed, "config": {"num_fewshot": shots}}
+        return self.file(name, json.dumps(record))  # json writes NaN/Infinity as Python reads them back
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Inputs:
+    root = tmp_path_factory.mktemp("good")
+    tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
+    llama = save_random_model(family_config("llama", hidden=64), root / "llama", tokenizer)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    gguf = write_llama_gguf(model, tokenizer, root / "llama.gguf")
+    return Inputs(llama, gguf, tokenizer, root)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The bad inputs. Each builder returns the argv; `expect` are fragments of the one error line.
+
+
+def truncated_gguf(size: int):
+    def build(i: Inputs) -> list[str]:
+        return ["--model", str(i.file("cut.gguf", i.gguf.read_bytes()[:size]))]
+
+    return build
+
+
+def mixtral_without_experts(i: Inputs) -> Path:
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    folder = save_random_model(config, i.tmp / "mixtral", i.tokenizer)
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items() if ".experts." not in k}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def edited_weights(edit: Callable[[dict], None]):
+    def build(i: Inputs) -> Path:
+        folder = i.copy("edited")
+        tensors = load_file(folder / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    return build
+
+
+def with_config(text: str):
+    def build(i: Inputs) -> Path:
+        folder = i.copy("config")
+        (folder / "config.json").write_text(text)
+        return folder
+
+    return build
+
+
+def with_config_value(key: str, value: object):
+    def build(i: Inputs) -> Path:
+        folder = i.copy("config")
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    return build
+
+
+def truncated_safetensors(i: Inputs) -> Path:
+    folder = i.copy("cut")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return folder
+
+
+def without(*names: str):
+    def build(i: Inputs) -> Path:
+        folder = i.copy("partial")
+        for pattern in names:
+            for path in folder.glob(pattern):
+                path.unlink()
+        return folder
+
+    return build
+
+
+def bin_weights(i: Inputs) -> Path:
+    """The Llama folder with its weights as a pickled pytorch_model.bin instead of safetensors."""
+    folder = i.copy("bin")
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def model(build: Callable[[Inputs], Path], *extra: str):
+    return lambda i: ["--model", str(build(i)), *extra]
+
+
+def hf(build: Callable[[Inputs], Path], *extra: str):
+    return lambda i: ["--hf", str(build(i)), "--tasks", "lambada", *extra]
+
+
+def good_llama(i: Inputs) -> Path:
+    return i.llama
+
+
+def lambada_file(*records: object):
+    return lambda i: ["--hf", str(i.llama), "--lambada-file", str(i.lambada(*records))]
+
+
+def arms(baseline: list[tuple], jreg: list[tuple], *extra: str):
+    """compare --baseline/--jreg over result files given as (seed, acc[, num_fewshot])."""
+
+    def build(i: Inputs) -> list[str]:
+        b = [str(i.result(f"b{n}.json", *r)) for n, r in enumerate(baseline)]
+        j = [str(i.result(f"j{n}.json", *r)) for n, r in enumerate(jreg)]
+        return ["--baseline", *b, "--jreg", *j, *extra]
+
+    return build
+
+
+def raw_arms(baseline_text: str):
+    def build(i: Inputs) -> list[str]:
+        return ["--baseline", str(i.file("bad.json", baseline_text)), str(i.result("b1.json", 2)),
+                "--jreg", str(i.result("j0.json", 1)), str(i.result("j1.json", 2))]  # fmt: skip
+
+    return build
+
+
+NAN_WEIGHT = edited_weights(lambda t: t["model.layers.1.mlp.down_proj.weight"].fill_(math.nan))
+EXTRA_TENSOR = edited_weights(lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(3)))
+GOOD = [(1, 0.5), (2, 0.6)]
+
+CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
+    # analyze: model files
+    "analyze/gguf-truncated-20KB": ("analyze", truncated_gguf(20_000), ("cut.gguf", "truncated or corrupt")),
+    "analyze/gguf-truncated-100B": ("analyze", truncated_gguf(100), ("cut.gguf", "truncated or corrupt")),
+    "analyze/gguf-magic-only": ("analyze", truncated_gguf(4), ("cut.gguf", "truncated or corrupt")),
+    "analyze/mixtral-missing-experts": (
+        "analyze", model(mixtral_without_experts), ("mixtral", "missing from the files", "experts", "download")
+    ),
+    "analyze/unexpected-tensor": ("analyze", model(EXTRA_TENSOR), ("not in the model", "mlp.extra.weight")),
+    "analyze/shape-mismatch": (
+        "analyze", model(with_config_value("intermediate_size", 96)), ("of the wrong shape", "mlp.down_proj")
+    ),
+    "analyze/shape-mismatch-stream": (
+        "analyze", model(with_config_value("intermediate_size", 96), "--stream"), ("of the wrong shape",)
+    ),
+    "analyze/config-bad-json": ("analyze", model(with_config("{not json")), ("config.json", "restore")),
+    "analyze/config-a-list": ("analyze", model(with_config("[1, 2]")), ("config.json", "not a Hugging Face")),
+    "analyze/config-empty": ("analyze", model(with_config("")), ("config.json", "restore")),
+    "analyze/no-weights": ("analyze", model(without("*.safetensors")), ("partial", "no file named")),
+    "analyze/safetensors-truncated": (
+        "analyze", model(truncated_safetensors, "--no-stream"), ("model.safetensors", "truncated or corrupt")
+    ),
+    "analyze/safetensors-truncated-stream": (
+        "analyze", model(truncated_safetensors, "--stream"), ("model.safetensors", "truncated or corrupt")
+    ),
+    "analyze/safetensors-truncated-auto": (
+        "analyze", model(truncated_safetensors), ("model.safetensors", "truncated or corrupt")
+    ),
+    "analyze/nan-weights": ("analyze", model(NAN_WEIGHT), ("edited", "not finite at layer(s) [2, 3]", "weights")),
+    "analyze/nan-weights-stream": ("analyze", model(NAN_WEIGHT, "--stream"), ("not finite at layer(s) [2, 3]",)),
+    "analyze/no-tokenizer": ("analyze", model(without("tokenizer*")), ("partial", "--tokenizer DIR")),
+    "analyze/tokenizer-missing": (
+        "analyze", model(good_llama, "--tokenizer", "/nonexistent/tok"), ("--tokenizer /nonexistent/tok",)
+    ),
+    "analyze/hub-id-not-cached": ("analyze", lambda i: ["--model", "org/absent"], ("org/absent", "hf download")),
+    # analyze: --stream on what cannot stream
+    "analyze/stream-gguf": ("analyze", lambda i: ["--model", str(i.gguf), "--stream"], ("--stream", "gguf")),
+    "analyze/stream-gpt2": (
+        "analyze",
+        lambda i: ["--model", str(save_random_model(family_config("gpt2"), i.tmp / "g", i.tokenizer)), "--stream"],
+        ("--stream", "model_type 'gpt2'"),
+    ),
+    "analyze/stream-bin-weights": ("analyze", model(bin_weights, "--stream"), ("--stream", "no *.safetensors")),
+    # analyze: flags
+    "analyze/num-samples-0": ("analyze", model(good_llama, "--num-samples", "0"), ("--num-samples",)),
+    "analyze/num-samples-negative": ("analyze", model(good_llama, "--num-samples", "-3"), ("--num-samples",)),
+    "analyze/num-samples-nan": ("analyze", model(good_llama, "--num-samples", "nan"), ("--num-samples",)),
+    "analyze/batch-size-0": ("analyze", model(good_llama, "--batch-size", "0"), ("--batch-size",)),
+    "analyze/batch-size-inf": ("analyze", model(good_llama, "--batch-size", "inf"), ("--batch-size",)),
+    "analyze/max-length-0": ("analyze", model(good_llama, "--max-length", "0"), ("--max-length",)),
+    "analyze/max-length-negative": ("analyze", model(good_llama, "--max-length", "-5"), ("--max-length",)),
+    "analyze/dtype-unknown": ("analyze", model(good_llama, "--dtype", "float64"), ("--dtype",)),
+    "analyze/distance-unknown": ("analyze", model(good_llama, "--distance", "euclid"), ("--distance",)),
+    "analyze/device-garbage": ("analyze", model(good_llama, "--device", "gpu7"), ("--device", "not a torch device")),
+    "analyze/output-is-a-file": (
+        "analyze", lambda i: ["--model", str(i.llama), "--output", str(i.file("f", "x"))], ("--output", "is a file")
+    ),
+    "analyze/no-model": ("analyze", lambda i: [], ("--model",)),
+    # analyze: data
+    "analyze/data-malformed-jsonl": (
+        "analyze",
+        lambda i: ["--model", str(i.llama), "--data", f"jsonl:{i.file('d.jsonl', '{\"text\": \"a b\"}\n{oops')}:text"],
+        ("--data", "d.jsonl:2"),
+    ),
+    "analyze/data-not-utf8": (
+        "analyze", lambda i: ["--model", str(i.llama), "--data", f"text:{i.file('d.txt', b'ok\xff\xfe')}"],
+        ("--data", "not UTF-8"),
+    ),
+    "analyze/data-empty": (
+        "analyze", lambda i: ["--model", str(i.llama), "--data", f"text:{i.file('d.txt', '')}"], ("no non-empty",)
+    ),
+    "analyze/data-missing-file": ("analyze", model(good_llama, "--data", "lambada:/nonexistent"), ("--data",)),
+    # evaluate: LAMBADA files
+    "evaluate/lambada-only-empty": (
+        "evaluate", lambada_file({"text": ""}, {"text": "   "}), ("--lambada-file", "2 empty", "no passage can be")
+    ),
+    "evaluate/lambada-only-one-word": (
+        "evaluate", lambada_file({"text": "word"}, {"text": " lone"}), ("--lambada-file", "2 one_word")
+    ),
+    "evaluate/lambada-not-strings": (
+        "evaluate", lambada_file({"text": 5}, {"text": None}, {"text": ["a", "b"]}), ("3 not_a_string",)
+    ),
+    "evaluate/lambada-no-last-word": ("evaluate", lambada_file({"text": "ends with a space "}), ("1 no_last_word",)),
+    "evaluate/lambada-malformed": (
+        "evaluate", lambada_file({"text": "a good passage"}, "{broken"), ("lambada.jsonl:2", "not JSON")
+    ),
+    "evaluate/lambada-no-text-field": ("evaluate", lambada_file({"body": "a b c"}), ('lambada.jsonl:1', '"text"')),
+    "evaluate/lambada-a-list": ("evaluate", lambada_file('["a b c"]'), ('lambada.jsonl:1', '"text"')),
+    "evaluate/lambada-empty-file": ("evaluate", lambada_file(), ("--lambada-file", "no passages")),
+    "evaluate/lambada-not-utf8": (
+        "evaluate",
+        lambda i: ["--hf", str(i.llama), "--lambada-file", str(i.file("l.jsonl", b'{"text": "a \xff b"}\n'))],
+        ("--lambada-file", "not UTF-8"),
+    ),
+    "evaluate/lambada-is-a-folder": ("evaluate", hf(good_llama, "--lambada-file", "/tmp"), ("--lambada-file /tmp",)),
+    # evaluate: model files
+    "evaluate/config-bad-json": ("evaluate", hf(with_config("{not json")), ("--hf", "config.json", "restore")),
+    "evaluate/mixtral-missing-experts": (
+        "evaluate", hf(mixtral_without_experts), ("--hf", "missing from the files", "experts")
+    ),
+    "evaluate/unexpected-tensor": ("evaluate", hf(EXTRA_TENSOR), ("--hf", "mlp.extra.weight")),
+    "evaluate/no-tokenizer": ("evaluate", hf(without("tokenizer*")), ("--hf", "cannot load its tokenizer")),
+    "evaluate/no-weights": ("evaluate", hf(without("*.safetensors")), ("--hf", "no file named")),
+    "evaluate/safetensors-truncated": ("evaluate", hf(truncated_safetensors), ("model.safetensors", "truncated")),
+    "evaluate/hub-id-not-cached": ("evaluate", lambda i: ["--hf", "org/absent"], ("--hf org/absent", "hf download")),
+    # evaluate: flags
+    "evaluate/limit-0": ("evaluate", hf(good_llama, "--limit", "0"), ("--limit 0",)),
+    "evaluate/limit-negative": ("evaluate", hf(good_llama, "--limit", "-2"), ("--limit -2",)),
+    "evaluate/batch-size-0": ("evaluate", hf(good_llama, "--batch-size", "0"), ("--batch-size 0",)),
+    "evaluate/batch-size-nan": ("evaluate", hf(good_llama, "--batch-size", "nan"), ("--batch-size",)),
+    "evaluate/max-length-1": ("evaluate", hf(good_llama, "--max-length", "1"), ("--max-length 1",)),
+    "evaluate/bootstrap-negative": ("evaluate", hf(good_llama, "--bootstrap-iters", "-1"), ("--bootstrap-iters",)),
+    "evaluate/num-fewshot-negative": ("evaluate", hf(good_llama, "--num-fewshot", "-1"), ("--num-fewshot -1",)),
+    "evaluate/num-fewshot-with-lambada": (
+        "evaluate", hf(good_llama, "--num-fewshot", "2"), ("--num-fewshot 2", "zero-shot")
+    ),
+    "evaluate/device-garbage": ("evaluate", hf(good_llama, "--device", "gpu7"), ("--device gpu7",)),
+    "evaluate/output-is-a-folder": ("evaluate", lambda i: hf(good_llama, "--output", str(i.tmp))(i), ("is a folder",)),
+    "evaluate/dtype-unknown": ("evaluate", hf(good_llama, "--dtype", "int8"), ("--dtype",)),
+    # compare
+    "compare/accuracy-nan": ("compare", arms([(1, math.nan), (2, 0.6)], GOOD), ("b0.json", "lambada acc is nan")),
+    "compare/accuracy-inf": ("compare", arms(GOOD, [(1, 0.5), (2, math.inf)]), ("j1.json", "inf")),
+    "compare/accuracy-boolean": ("compare", arms([(1, True), (2, 0.6)], GOOD), ("b0.json", "True")),
+    "compare/confidence-nan": ("compare", arms(GOOD, GOOD, "--confidence", "nan"), ("--confidence nan",)),
+    "compare/confidence-above-1": ("compare", arms(GOOD, GOOD, "--confidence", "1.5"), ("--confidence 1.5",)),
+    "compare/bad-json": ("compare", raw_arms("{not json"), ("bad.json", "not a result file")),
+    "compare/empty-file": ("compare", raw_arms(""), ("bad.json", "not a result file")),
+    "compare/results-a-list": ("compare", raw_arms('{"results": [1, 2]}'), ("bad.json", "not a result file")),
+    "compare/same-file-twice": (
+        "compare",
+        lambda i: ["--baseline", str(i.result("a.json", 1)), str(i.result("b.json", 2)), "--jreg",
+                   str(i.tmp / "a.json"), str(i.result("c.json", 3))],  # fmt: skip
+        ("given twice",),
+    ),
+    "compare/fewshot-mismatch": (
+        "compare", arms([(1, 0.5, 0), (2, 0.6, 0)], [(1, 0.5, 5), (2, 0.6, 5)]), ("--num-fewshot", "b0.json: 0")
+    ),
+    "compare/one-seed": ("compare", arms([(1, 0.5)], [(1, 0.6)]), ("at least 2 seeds",)),
+    "compare/unequal-arms": ("compare", arms(GOOD, [*GOOD, (3, 0.1)]), ("--baseline has 2 files and --jreg 3",)),
+    "compare/output-is-a-folder": ("compare", lambda i: arms(GOOD, GOOD, "--output", str(i.tmp))(i), ("is a folder",)),
+    "compare/missing-file": (
+        "compare", lambda i: ["--baseline", "/nonexistent.json", str(i.result("b.json", 2)),
+                              "--jreg", str(i.result("j.json", 1)), str(i.result("k.json", 2))],  # fmt: skip
+        ("/nonexistent.json",),
+    ),
+}
+
+
+def run(command: str, argv: list[str]) -> tuple[int, str]:
+    """(exit code, stderr) of one command run in this process; argparse's exit counts as a return."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = COMMANDS[command](argv)
+        except SystemExit as e:
+            rc = int(e.code or 0)
+    return rc, err.getvalue()
+
+
+@pytest.fixture
+def case_inputs(inputs, tmp_path, monkeypatch) -> Inputs:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    work = tmp_path / "case"
+    work.mkdir()
+    return Inputs(inputs.llama, inputs.gguf, inputs.tokenizer, inputs.root, work)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_clear_line(name, case_inputs, tmp_path):
+    command, build, expect = CASES[name]
+    if "--device" in name and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    argv = build(case_inputs)
+    out = tmp_path / "out"
+    if command == "analyze":  # small defaults first, so that a case's own flag wins
+        argv = ["--num-samples", "2", "--max-length", "24", "--no-progress", *argv]
+        if "--output" not in argv:
+            argv += ["--output", str(out)]
+    elif command == "evaluate":
+        argv = ["--limit", "2", *argv]
+        if "--output" not in argv:
+            argv += ["--output", str(out / "r.json")]
+    rc, err = run(command, argv)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert rc == 2, (name, rc, err[-2000:])
+    assert "Traceback" not in err, err
+    assert len(errors) == 1, errors
+    for fragment in expect:
+        assert fragment in errors[0], (fragment, errors[0])
+    assert not out.exists(), "a failed run wrote output"
+
+
+def test_partly_bad_lambada_file_is_scored_and_reported(case_inputs, tmp_path):
+    """Unscoreable passages among good ones are skipped and counted by reason, on stderr and in the results."""
+    good = [" ".join(p.split(" ")[-12:]) for p in lambada_passages()[:3]]
+    records = [{"text": good[0]}, {"text": ""}, {"text": 7}, {"text": good[1]}, {"text": "alone"}, {"text": good[2]}]
+    out = tmp_path / "r.json"
+    argv = ["--hf", str(case_inputs.llama), "--lambada-file", str(case_inputs.lambada(*records)), "--output", str(out)]
+    rc, err = run("evaluate", argv)
+    assert rc == 0, err
+    assert "lambada: skipped 3 example(s): 1 empty, 1 not_a_string, 1 one_word" in err
+    saved = json.loads(out.read_text())
+    assert saved["samples"] == {"lambada": 3}
+    assert saved["skipped"] == {"lambada": {"empty": 1, "not_a_string": 1, "one_word": 1}}

@@ -1,0 +1,144 @@
+"""Hub ids resolved from a local Hugging Face cache (offline), for `analyze --model` and `evaluate --hf`.
+
+The cache is built here in huggingface_hub's layout: blobs/ named by content hash, snapshots/<commit>/
+holding relative symlinks into blobs/, refs/<branch> holding the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_jreg import hub
+from megatron_jreg.analysis.cli import main as analyze
+from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+from megatron_jreg.data.text import lambada_passages
+from megatron_jreg.evaluate import cli as evaluate_cli
+from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
+
+COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+
+
+def cache_repo(cache: Path, repo_id: str, files: Path, commit: str, ref: str | None = "main") -> Path:
+    """Put the files of folder `files` into `cache` as snapshot `commit` of `repo_id`; returns the snapshot."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for path in sorted(files.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
+    return save_random_model(family_config("llama"), tmp_path_factory.mktemp("m") / "tiny", tokenizer)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    root = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    return root
+
+
+def test_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hub.hub_cache() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub.hub_cache() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert hub.hub_cache() == tmp_path / "hf-home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "explicit"))
+    assert hub.hub_cache() == tmp_path / "explicit"
+
+
+def test_resolve_snapshots_revisions_and_files(model_folder, cache, tmp_path, monkeypatch):
+    main = cache_repo(cache, "org/tiny", model_folder, COMMIT_A)
+    other = cache_repo(cache, "org/tiny", model_folder, COMMIT_B, ref="dev")
+    assert hub.resolve("org/tiny") == main
+    assert hub.resolve("org/tiny@dev") == other
+    assert hub.resolve("org/tiny@bbbbbbb") == other  # a commit prefix
+    assert hub.resolve(f"org/tiny@{COMMIT_A}/config.json") == main / "config.json"
+    assert json.loads(hub.resolve("org/tiny/config.json").read_text())["model_type"] == "llama"
+    assert hub.describe(hub.resolve("org/tiny")) == f"org/tiny@{COMMIT_A}"
+    assert hub.describe(model_folder) is None
+    legacy = cache_repo(cache, "tiny2", model_folder, COMMIT_A)  # one-part ids (gpt2-style)
+    assert hub.resolve("tiny2") == legacy
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "tiny").mkdir(parents=True)  # a local folder wins over the cache
+    assert hub.resolve("org/tiny") == Path("org/tiny")
+    assert hub.resolve("/no/such/absolute/path") == Path("/no/such/absolute/path")  # not an id: left to the caller
+
+
+def test_resolve_errors_name_the_cache(model_folder, cache):
+    cache_repo(cache, "org/tiny", model_folder, COMMIT_A)
+    cases = {
+        "org/absent": f"no models--org--absent in the Hugging Face cache {cache}",
+        "org/tiny@v9": "org/tiny@v9: no such branch, tag or commit",
+        "org/tiny/model.gguf": "has no model.gguf",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(hub.HubError) as info:
+            hub.resolve(spec, "--model")
+        text = str(info.value)
+        assert message in text and text.startswith(f"--model {spec}") and "\n" not in text
+    assert "hf download org/absent" in str(pytest.raises(hub.HubError, hub.resolve, "org/absent").value)
+
+    cache_repo(cache, "org/two", model_folder, COMMIT_A, ref=None)
+    cache_repo(cache, "org/two", model_folder, COMMIT_B, ref=None)
+    with pytest.raises(hub.HubError, match="no refs/main and 2 snapshots; choose one with org/two@COMMIT"):
+        hub.resolve("org/two")
+    assert hub.resolve("org/two@aaaa").name == COMMIT_A
+
+    stale = cache / "models--org--stale"
+    (stale / "snapshots" / COMMIT_A).mkdir(parents=True)
+    (stale / "refs").mkdir()
+    (stale / "refs" / "main").write_text(COMMIT_B)
+    with pytest.raises(hub.HubError, match="points to commit bbbbbbbbbbbb, which is not in"):
+        hub.resolve("org/stale")
+
+    broken = cache_repo(cache, "org/broken", model_folder, COMMIT_A)
+    blob = (broken / "model.safetensors").resolve()
+    blob.unlink()  # the download of this file never finished
+    with pytest.raises(hub.HubError, match="model.safetensors in .* points to a blob that is not there"):
+        hub.resolve("org/broken")
+
+
+def test_analyze_and_evaluate_take_hub_ids(model_folder, cache, tmp_path, capsys):
+    cache_repo(cache, "org/tiny", model_folder, COMMIT_A)
+    common = ["--num-samples", "3", "--max-length", "40", "--no-progress"]
+    assert analyze(["--model", "org/tiny", "--output", str(tmp_path / "hub"), *common]) == 0
+    assert analyze(["--model", str(model_folder), "--output", str(tmp_path / "local"), *common]) == 0
+    by_id = json.loads((tmp_path / "hub" / "results.json").read_text())["models"][0]
+    local = json.loads((tmp_path / "local" / "results.json").read_text())["models"][0]
+    assert by_id["model"] == "tiny" and by_id["psi"] == local["psi"]
+    assert by_id["path"].endswith(f"snapshots/{COMMIT_A}")
+
+    out = tmp_path / "eval.json"
+    argv = ["--hf", "org/tiny", "--tasks", "lambada", "--limit", "3", "--output", str(out)]
+    assert evaluate_cli.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["model"]["hub_id"] == f"org/tiny@{COMMIT_A}" and record["samples"] == {"lambada": 3}
+
+    capsys.readouterr()
+    assert analyze(["--model", "org/missing", "--output", str(tmp_path / "x"), *common]) == 2
+    assert evaluate_cli.main(["--hf", "org/missing", "--tasks", "lambada"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all(f"no models--org--missing in the Hugging Face cache {cache}" in e for e in errors)
