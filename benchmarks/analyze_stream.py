@@ -38,24 +38,12 @@ VARIANTS = ("in_memory", "streamed")
 
 
 def build_default_model(folder: Path) -> Path:
-    from transformers import LlamaConfig
+    from megatron_jreg.analysis.toy import save_random_llama
 
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
-
-    tokenizer = train_tokenizer(lambada_passages()[1000:3000], vocab_size=8192)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
+    texts = lambada_passages()[1000:3000]  # not among the measured samples
+    return save_random_llama(
+        folder, texts, layers=12, hidden=1024, ffn=2816, heads=16, kv_heads=4, vocab=8192, tied=False
     )
-    return save_random_model(config, folder, tokenizer)
 
 
 def worker(args: argparse.Namespace) -> dict:

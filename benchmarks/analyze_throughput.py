@@ -41,23 +41,10 @@ VARIANTS = ("analyze", "naive", "naive_base")
 
 
 def build_default_model(folder: Path) -> Path:
-    from transformers import LlamaConfig
+    from megatron_jreg.analysis.toy import save_random_llama
 
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
-
-    tokenizer = train_tokenizer(lambada_passages()[1000:3000], vocab_size=8192)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return save_random_model(config, folder, tokenizer)
+    texts = lambada_passages()[1000:3000]  # not among the measured samples
+    return save_random_llama(folder, texts, layers=8, hidden=256, ffn=704, heads=8, kv_heads=4, vocab=8192)
 
 
 @torch.no_grad()

@@ -35,14 +35,19 @@ HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent
 KNOWN_LAYOUTS = "Llama/Mistral/Qwen/Gemma/OLMo/Phi/GPT-NeoX: `<base>.layers`, GPT-2: `transformer.h`"
 
 
-def _expected_layers(config: Any) -> int | None:
-    """The number of decoder layers the config declares, if it declares one."""
+def _declared(config: Any, names: tuple[str, ...]) -> int | None:
+    """The first of `names` that the (text) config sets to a positive int, else None."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+    for name in names:
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _expected_layers(config: Any) -> int | None:
+    """The number of decoder layers the config declares, if it declares one."""
+    return _declared(config, ("num_hidden_layers", "n_layer", "num_layers"))
 
 
 def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:
@@ -74,12 +79,7 @@ def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[
 
 def context_length(config: Any) -> int | None:
     """The longest sequence the config declares, or None (no truncation then)."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(text_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return _declared(config, ("max_position_embeddings", "n_positions", "max_sequence_length"))
 
 
 def padding_id(tokenizer: Any) -> int:

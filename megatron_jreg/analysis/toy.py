@@ -62,3 +62,35 @@ def save_random_model(config: Any, folder: str | Path, tokenizer: Any, seed: int
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_random_llama(
+    folder: str | Path,
+    texts: list[str],
+    *,
+    layers: int,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    tied: bool = True,
+) -> Path:
+    """A random Llama (`save_random_model`) with a `vocab`-token tokenizer trained on `texts`: the
+    benchmarks' models, built here so that nothing is downloaded."""
+    from transformers import LlamaConfig
+
+    tokenizer = train_tokenizer(texts, vocab_size=vocab)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return save_random_model(config, folder, tokenizer)
