@@ -347,6 +347,13 @@ CASES: dict[str, Case] = {
         ("--output-prefix", "is a folder"),
         lambda t, e, o: no_output(t),
     ),
+    "pre-manifest-cannot-be-written": Case(  # the dataset must not stay without its manifest
+        "preprocess",
+        lambda e, t: pre(e, t) if _mkdir(t / "out" / "x_text_document.manifest.json.partial") else [],
+        1,
+        ("x_text_document.manifest.json.partial",),
+        lambda t, e, o: no_output(t),
+    ),
     "pre-output-in-a-missing-folder": Case(  # created, as a user would want
         "preprocess", lambda e, t: pre(e, t), 0, ("out/x_text_document.bin",), kept()
     ),

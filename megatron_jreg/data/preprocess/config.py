@@ -24,10 +24,11 @@ METADATA_LIBRARY = {
     "GPT2BPETokenizer": "megatron",
     "TikTokenizer": "tiktoken",
 }
-METADATA_MODEL_TYPES = (None, "gpt", "bert", "t5", "mamba", "default", "default-text")
+METADATA_MODEL_TYPES = (None, "default-text", "gpt", "mamba", "bert", "t5")  # thin wrappers: same ids
 # Tokenizer flags and the types Megatron-LM uses them for: elsewhere they do nothing (a note says so).
 TYPE_SPECIFIC = {
     "tokenizer_model": ("--tokenizer-model", (*SP_TYPES, "HuggingFaceTokenizer", "TikTokenizer")),
+    # HuggingFaceTokenizer passes these to transformers, which uses the folder's tokenizer.json instead
     "vocab_file": ("--vocab-file", ("GPT2BPETokenizer",)),
     "merge_file": ("--merge-file", ("GPT2BPETokenizer",)),
     "vocab_size": ("--vocab-size", ("TikTokenizer", "NullTokenizer")),
@@ -235,12 +236,6 @@ class PreprocessConfig:
                 notes.append(f"note: {flag} {why}: no effect on the data (as in Megatron-LM)")
         if self.trust_remote_code:
             notes.append("note: --trust-remote-code: the tokenizer has no code of its own here: no effect")
-        if (self.vocab_file or self.merge_file) and self.tokenizer_type == "HuggingFaceTokenizer":
-            notes[:] = [n for n in notes if "--vocab-file" not in n and "--merge-file" not in n]
-            notes.append(
-                "note: --vocab-file/--merge-file with HuggingFaceTokenizer: the folder's tokenizer.json is used "
-                "(transformers 5 does the same): no effect"
-            )
         if not self.find_optimal_num_workers and (
             self.max_documents != defaults.max_documents or self.workers_to_check != defaults.workers_to_check
         ):

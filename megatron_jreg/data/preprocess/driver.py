@@ -138,6 +138,40 @@ def _write_shard(
     return writers, skips, dict(examples)
 
 
+def _manifest(
+    cfg: PreprocessConfig,
+    prefix: str,
+    key: str,
+    writer: IndexedWriter | RoundRobinWriter,
+    fp: str,
+    shard: list[int],
+    dtype: str,
+    tokenizer: dict,
+) -> dict:
+    """The manifest of one finished dataset: how it was made and what it holds."""
+    return new_manifest(
+        prefix,
+        fingerprint=fp,
+        shard=shard,
+        json_key=key,
+        level=cfg.level,
+        dtype=dtype,
+        documents=writer.documents,
+        sequences=writer.sequences,
+        tokens=writer.tokens,
+        max_token_id=writer.max_token_id,
+        tokenizer=tokenizer,
+        append_eod=cfg.append_eod,
+        filters={
+            "min_int_score": cfg.min_int_score,
+            "min_chars": cfg.min_chars,
+            "max_docs": cfg.max_docs,
+            "on_error": cfg.on_error,
+        },
+        **({"partitions": cfg.reorders()} if cfg.reorders() else {}),
+    )
+
+
 def preprocess(cfg: PreprocessConfig) -> dict:
     """Run the whole pipeline; returns the summary (outputs, counts, skips by reason, throughput).
 
@@ -232,39 +266,26 @@ def preprocess(cfg: PreprocessConfig) -> dict:
                 cfg, shard_files, prefixes, dtype, pool, progress, kept
             )
             kept += writers[cfg.json_keys[0]].documents
-            inputs = [
-                {"path": f.path, "bytes": f.size, "sha256": hashes[f.path].result()} for f in shard_files
-            ]
-            for k, p in prefixes.items():
-                w = writers[k]
-                write_json_atomic(
-                    manifest_path(p),
-                    new_manifest(
-                        p,
-                        fingerprint=fp,
-                        shard=[i, n_shards],
-                        json_key=k,
-                        level=cfg.level,
-                        dtype=np.dtype(dtype).name,
-                        documents=w.documents,
-                        sequences=w.sequences,
-                        tokens=w.tokens,
-                        max_token_id=w.max_token_id,
-                        tokenizer=tokenizer.identity,
-                        append_eod=cfg.append_eod,
-                        filters={
-                            "min_int_score": cfg.min_int_score,
-                            "min_chars": cfg.min_chars,
-                            "max_docs": cfg.max_docs,
-                            "on_error": cfg.on_error,
+            try:
+                inputs = [
+                    {"path": f.path, "bytes": f.size, "sha256": hashes[f.path].result()} for f in shard_files
+                ]
+                for k, p in prefixes.items():
+                    write_json_atomic(
+                        manifest_path(p),
+                        _manifest(cfg, p, k, writers[k], fp, [i, n_shards], np.dtype(dtype).name, tokenizer.identity)
+                        | {
+                            "sentence_splitter": splitter_info,
+                            "skipped": dict(sorted(shard_skips.items())),
+                            "skipped_examples": dict(shard_examples),
+                            "inputs": inputs,
                         },
-                        sentence_splitter=splitter_info,
-                        skipped=dict(sorted(shard_skips.items())),
-                        skipped_examples=dict(shard_examples),
-                        inputs=inputs,
-                        **({"partitions": cfg.reorders()} if cfg.reorders() else {}),
-                    ),
-                )
+                    )
+            except BaseException:  # e.g. a full disk: no dataset may stay without its manifest
+                for p in prefixes.values():
+                    manifest_path(p).unlink(missing_ok=True)
+                    remove_dataset(p)
+                raise
             first_writer = writers[cfg.json_keys[0]]
             summary["shards"]["written"].append(i)
             summary["outputs"] += list(prefixes.values())
