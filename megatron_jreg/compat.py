@@ -15,6 +15,17 @@ What is redirected and why:
   type name that the (distributed) optimizer's dtype checks expect.
 - A mode is not active inside autograd's backward (a mode's handler runs with the mode popped), so the
   one factory that runs there, the default causal mask rebuilt by activation recomputation, is replaced.
+
+Megatron-LM's training package (`megatron.training`) needs a few more, applied by the train entry only
+(`apply_cpu_training_compat()`), because they tell the process a device exists:
+- `torch.cuda.device_count()` answers 1: megatron builds its model-parallel groups and seeds its RNG
+  tracker only when it sees a device; `torch.cuda.set_device` becomes a no-op.
+- `initialize_megatron` is called with `allow_no_cuda=True` (pretrain() does not pass it).
+- `arguments.get_device_arch_version()` answers 9 (Hopper's rules: TP/CP need
+  CUDA_DEVICE_MAX_CONNECTIONS=1), as validate_args asks the GPU for it.
+- the distributed backend is gloo (NCCL needs GPUs), and the fused kernels Megatron-LM turns on by
+  default (gradient-accumulation fusion, masked softmax, bias-activation, bias-dropout-add, RoPE fusion,
+  persistent layer norm) are off: they exist only as CUDA/apex/TE kernels.
 """
 
 from __future__ import annotations
@@ -139,6 +150,40 @@ def apply_cpu_compat() -> bool:
     _applied = True
     log.info("CUDA not available: megatron-core runs on CPU (gloo) through megatron_jreg.compat")
     return True
+
+
+def apply_cpu_training_compat(args: Any | None = None) -> bool:
+    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (see the module docstring).
+
+    With `args` (a parsed Megatron-LM namespace) the distributed backend is switched to gloo.
+    Returns True when active (no CUDA)."""
+    if not apply_cpu_compat():
+        return False
+    from megatron.training import arguments, training
+
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    arguments.get_device_arch_version = lambda: 9
+    if not getattr(training.initialize_megatron, "_cpu_compat", False):
+        initialize = training.initialize_megatron
+
+        def initialize_megatron(*a: Any, **k: Any) -> Any:
+            k["allow_no_cuda"] = True
+            return initialize(*a, **k)
+
+        initialize_megatron._cpu_compat = True  # type: ignore[attr-defined]
+        training.initialize_megatron = initialize_megatron
+    if args is not None:
+        args.distributed_backend = "gloo"
+        for name in _CUDA_KERNELS:
+            setattr(args, name, False)
+        args.no_persist_layer_norm = True
+    return True
+
+
+# Megatron-LM flags whose default is a CUDA/apex/TE kernel (each has a --no-… flag on GPUs).
+_CUDA_KERNELS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+                 "bias_dropout_fusion", "apply_rope_fusion")
 
 
 def device() -> torch.device:

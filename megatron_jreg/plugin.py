@@ -40,7 +40,7 @@ class JregConfig:
     """JREG settings; `lam` = λ (0 disables the penalty), `alpha` = α of w_ℓ = softmax(α·ℓ)."""
 
     lam: float = 0.0
-    alpha: float = 0.0
+    alpha: float = 1.0  # the paper's best
     distance: str = "angular"
     layers: list[int] | None = None  # penalized global layers (1-based); None = all
 

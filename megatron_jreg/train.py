@@ -1,32 +1,50 @@
-"""`megatron-jreg train` / `python -m megatron_jreg.train`: parse flags, train, exit.
+"""`megatron-jreg train` / `python -m megatron_jreg.train`: Megatron-LM's `pretrain_gpt.py` with JREG.
 
-Launch with torchrun for several ranks (`torchrun --nproc-per-node 8 -m megatron_jreg.train ...`) or run
-as a plain single process. See README "Training" for the flags.
+Megatron-LM's own parser, validation, model builder, datasets, training loop, checkpoints and logs
+(`megatron.training.pretrain`); megatron-jreg hands it four providers — model config (training/model.py),
+datasets (training/data.py), forward step and loss (training/step.py) — and adds its flags, JREG's
+telemetry (training/loop.py) and checkpoint safety (training/checkpointing.py). Launch with torchrun or
+Slurm exactly like pretrain_gpt.py; a plain single process also works.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from megatron_jreg.config import ConfigError
-from megatron_jreg.training.args import config_from_args
+
+def _single_process_env() -> None:
+    """A plain `python -m megatron_jreg.train` is a world of one (torchrun sets these itself)."""
+    if "MASTER_ADDR" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_jreg.training.distributed import shutdown
-    from megatron_jreg.training.trainer import TrainingDiverged, run
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-h"], ["--help"]):
+        from megatron_jreg.training.arguments import parse_args
+
+        parse_args(argv)  # argparse prints Megatron-LM's help with our group, then exits
+        return 0
+    _single_process_env()
+    # TP/CP overlap their communication with compute only when CUDA serializes kernel launches
+    # (Megatron-LM asserts it on pre-Blackwell GPUs); set it before CUDA starts.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.training.run import run
 
     try:
-        cfg = config_from_args(argv)
-        return run(cfg)
-    except ConfigError as e:
+        return run(argv)
+    except UsageError as e:
         print(f"megatron-jreg train: error: {e}", file=sys.stderr)
         return 2
-    except TrainingDiverged as e:
-        print(f"megatron-jreg train: {e}", file=sys.stderr)
-        return 3
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import __main__

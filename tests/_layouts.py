@@ -32,11 +32,40 @@ class Layout:
     distance: str = "angular"
 
 
-def model_config():
-    from megatron_jreg.config import ModelConfig
+def transformer_config(layout: Layout | None = None, **overrides):
+    """megatron-core's TransformerConfig of the tiny Llama (RoPE, RMSNorm, SwiGLU, GQA, no biases)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
 
-    return ModelConfig(num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                       num_query_groups=2, seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=64)
+    layout = layout or Layout("one")
+    vpp = LAYERS // (layout.pp * layout.vpp_layers) if layout.vpp_layers else None
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, use_cpu_initialization=True, transformer_impl="local", pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=layout.sp,
+        num_layers_in_first_pipeline_stage=layout.first, num_layers_in_last_pipeline_stage=layout.last,
+        **overrides,
+    )
+
+
+def build_chunks(config) -> list:
+    """GPTModel chunks of this rank (one per virtual stage) through Megatron-LM's model builder, with
+    megatron-jreg's layer spec (training/model.py), as `megatron-jreg train` builds them."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from megatron_jreg.training.model import layer_spec
+
+    cfg = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, vocab_size=VOCAB,
+                         make_vocab_size_divisible_by=64, should_pad_vocab=True, seq_length=SEQ,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=True)
+    builder, pg = GPTModelBuilder(cfg), ProcessGroupCollection.use_mpu_process_groups()
+    vpp = config.virtual_pipeline_model_parallel_size
+    return [builder.build_model(pg, vp_stage=v) for v in (range(vpp) if vpp else [None])]
 
 
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,32 +80,23 @@ def setup(layout: Layout):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_jreg.config import ParallelConfig
     from megatron_jreg.plugin import JregConfig, JregPlugin
-    from megatron_jreg.training.model import build_model_chunks, transformer_config, virtual_pipeline_size
     from megatron_jreg.training.sharding import init_layout_independent
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    model = model_config()
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        num_layers_per_virtual_pipeline_stage=layout.vpp_layers, sequence_parallel=layout.sp,
-        decoder_first_pipeline_num_layers=layout.first, decoder_last_pipeline_num_layers=layout.last,
-    )
-    parallel.validate(model, dist.get_world_size())
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_size(model, parallel),
-    )
-    model_parallel_cuda_manual_seed(SEED)
     overrides: dict = {"calculate_per_token_loss": layout.per_token}
     if layout.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif layout.recompute == "selective":
         overrides.update(recompute_granularity="selective")
-    config = transformer_config(model, parallel, **overrides)
-    chunks = build_model_chunks(config, model, model.padded_vocab_size(layout.tp))
+    config = transformer_config(layout, **overrides)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(SEED)
+    chunks = build_chunks(config)
     init_layout_independent(chunks, config, SEED)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
@@ -159,17 +179,14 @@ def explicit_reference(rank: int, world: int, layout: Layout) -> dict:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_jreg import jreg
-    from megatron_jreg.config import ParallelConfig
-    from megatron_jreg.training.model import build_model_chunks, transformer_config
     from megatron_jreg.training.sharding import gather_full, init_layout_independent
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(SEED)
-    model = model_config()
-    config = transformer_config(model, ParallelConfig())
-    (gpt,) = build_model_chunks(config, model, model.padded_vocab_size(1))
+    config = transformer_config()
+    (gpt,) = build_chunks(config)
     init_layout_independent([gpt], config, SEED)
     pairs: dict[int, tuple] = {}
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
         )
         results, files = run_analysis(cfg)
-    except (AnalysisError, ModelFileError, NotImplementedError) as e:  # NotImplementedError: megatron source TODO
+    except (AnalysisError, ModelFileError) as e:
         print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
         return 2
     print_report(results, files)

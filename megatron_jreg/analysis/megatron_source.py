@@ -1,7 +1,7 @@
-"""megatron-jreg checkpoints as hidden-state sources (read directly, no conversion step for the user).
+"""Megatron-LM / megatron-jreg checkpoints as hidden-state sources (read directly, no conversion step).
 
-The checkpoint is loaded by `training.inference.load_megatron_model` (TP=1/PP=1 in this process, any
-saved layout) and Ψ is recorded by `JregPlugin`, the code that logs Ψ during training: the analysis
+The checkpoint is loaded by `checkpoints.load_megatron_model` from its saved args (TP=1/PP=1 in this
+process, any saved layout) and Ψ is recorded by `JregPlugin`, the code that logs Ψ during training: the analysis
 and the training logs share one definition and one implementation.
 """
 
@@ -88,10 +88,10 @@ def load_megatron_source(
     tokenizer: str | None = None,
 ) -> MegatronSource:
     """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source."""
-    from megatron_jreg.training.inference import load_megatron_model
+    from megatron_jreg.checkpoints import CheckpointError, load_megatron_model
 
     try:
         loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer)
-    except FileNotFoundError as e:
+    except (CheckpointError, FileNotFoundError) as e:
         raise AnalysisError(str(e)) from None
     return MegatronSource(loaded, label, include_final_norm)

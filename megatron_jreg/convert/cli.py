@@ -1,4 +1,4 @@
-"""`megatron-jreg convert` / `tools/convert_checkpoint.py`: megatron-jreg checkpoints <-> Hugging Face Llama.
+"""`megatron-jreg convert` / `tools/convert_checkpoint.py`: Megatron-LM checkpoints <-> Hugging Face Llama.
 
     mcore-to-hf --load CKPT_DIR [--iteration N] --output HF_DIR [--dtype bfloat16|float32] [--tokenizer-model PATH]
     hf-to-mcore --hf HF_DIR --output CKPT_DIR [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: when both models fit in memory); --no-verify skips it")
     threshold_help = "largest allowed |logit difference| in float32 (default 1e-4)"
 
-    out = sub.add_parser("mcore-to-hf", help="megatron-jreg checkpoint (any TP/PP) → Hugging Face LlamaForCausalLM")
+    out = sub.add_parser("mcore-to-hf", help="Megatron-LM/megatron-jreg checkpoint (any TP/PP) → Hugging Face "
+                         "LlamaForCausalLM")
     out.add_argument("--load", required=True, help="checkpoint folder (the --save folder, or one iter_* folder)")
     out.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
     out.add_argument("--output", required=True, help="new Hugging Face folder (must not exist or be empty)")
@@ -41,10 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help=verify_help)
     out.add_argument("--verify-threshold", type=float, help=threshold_help)
 
-    inp = sub.add_parser("hf-to-mcore", help="Hugging Face Llama folder → megatron-jreg checkpoint (weights only)")
-    inp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors or .bin)")
-    inp.add_argument("--output", required=True, help="new checkpoint folder, for `megatron-jreg train --load OUT "
-                     "--finetune` (must not exist or be empty)")
+    inp = sub.add_parser("hf-to-mcore", help="Hugging Face Llama folder → Megatron-LM release checkpoint")
+    inp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors or .bin), "
+                     "or a hub id in the local Hugging Face cache (org/name[@revision])")
+    inp.add_argument("--output", required=True, help="new checkpoint folder, for `megatron-jreg train --load OUT` "
+                     "(must not exist or be empty)")
     layout = ("checked against the model and recorded (Megatron-LM's flag). The checkpoint is written once at "
               "TP=1/PP=1: dist_checkpointing reshards on load, so it loads at any layout")
     inp.add_argument("--tensor-model-parallel-size", type=int, default=1, help=f"intended TP size, {layout}")
@@ -76,11 +78,12 @@ def _report(verification, notes: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports: --help and usage errors stay instant
 
-    from megatron_jreg.config import ConfigError
+    from megatron_jreg import hub
+    from megatron_jreg.checkpoints import CheckpointError
     from megatron_jreg.convert.hf_io import ConversionError
     from megatron_jreg.convert.llama import UnsupportedModel
     from megatron_jreg.convert.verify import VerificationFailed
-    from megatron_jreg.training.distributed import shutdown
+    from megatron_jreg.training.arguments import UsageError
 
     try:
         if args.direction == "mcore-to-hf":
@@ -92,22 +95,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"{str(result.dtype).removeprefix('torch.')}")
             _report(result.verification, [result.note])
         else:
-            from megatron_jreg.convert.from_hf import hf_to_mcore, train_flags
+            from megatron_jreg.convert.from_hf import hf_to_mcore
 
-            result = hf_to_mcore(args.hf, args.output, args.tensor_model_parallel_size,
+            folder = hub.resolve(args.hf, "--hf")
+            hub.read_config(folder, "--hf")
+            result = hf_to_mcore(folder, args.output, args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seq_length, args.make_vocab_size_divisible_by,
                                  args.verify, args.verify_threshold)
-            print(f"wrote {result.output} (weights only). Continue training with:\n  megatron-jreg train "
-                  + " ".join(train_flags(result.config, result.output)) + " [data and optimizer flags]")
+            print(f"wrote {result.output} (Megatron-LM release checkpoint: weights and args). Continue training "
+                  "with (or the same flags to Megatron-LM's pretrain_gpt.py):\n  megatron-jreg train "
+                  + " ".join(result.flags) + " [data, optimizer and --jreg-* flags]")
             _report(result.verification, result.notes)
     except VerificationFailed as e:
         print(f"megatron-jreg convert: {e}", file=sys.stderr)
         return 1
-    except (UnsupportedModel, ConversionError, ConfigError, FileNotFoundError) as e:
+    except (UnsupportedModel, ConversionError, CheckpointError, UsageError, hub.ModelFileError,
+            FileNotFoundError) as e:
         print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        shutdown()
     return 0
 
 

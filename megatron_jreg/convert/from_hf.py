@@ -1,22 +1,24 @@
-"""Hugging Face Llama folder → megatron-jreg checkpoint (weights only) for `megatron-jreg train --load
-OUT --finetune` (continued pretraining with JREG), `megatron-jreg analyze` and `load_megatron_model`.
+"""Hugging Face Llama folder → Megatron-LM checkpoint, for `megatron-jreg train --load OUT ...` (continued
+pretraining with JREG), Megatron-LM's own `pretrain_gpt.py --load OUT`, `analyze` and `evaluate`.
 
-A dist_checkpointing checkpoint is layout-free: every tensor is stored by global key and shape and is
-resharded on load. So the checkpoint is written once, by this one process, from a TP=1/PP=1 GPTModel,
-and loads at any TP/PP; the requested TP/PP are validated against the model and recorded in
-megatron_jreg.json. That file describes the model (ModelConfig from config.json) and its tokenizer (the
-folder's own), which is how every tool rebuilds it.
+The checkpoint is Megatron-LM's release format (`OUT/release/` with the tracker saying `release`): model
+weights and the `args` Megatron-LM would have for this model — built from the architecture's Megatron-LM
+flags by Megatron-LM's own parser and validation — and no optimizer, RNG or iteration, so training
+starts from these weights at iteration 0. dist_checkpointing stores every tensor by global key and
+shape, so the checkpoint is written once, by this process, from a TP=1/PP=1 GPTModel and loads at the
+requested TP/PP (the vocabulary is padded for it, as Megatron-LM pads it at training time).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
+import json
 from pathlib import Path
 
 import torch
 
-from megatron_jreg.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from megatron_jreg.convert import hf_io, llama
 from megatron_jreg.convert.verify import (
     Verification,
@@ -28,61 +30,24 @@ from megatron_jreg.convert.verify import (
     staged_output,
 )
 
-ITERATION = 0  # an import is a starting point, not a training iteration
-
 
 @dataclasses.dataclass
 class ImportResult:
     output: Path
-    config: TrainConfig
+    flags: list[str]  # Megatron-LM flags that rebuild this model (architecture, tokenizer, layout)
     verification: Verification | None
     notes: list[str]
 
 
-def run_config_for(folder: Path, model: ModelConfig, parallel: ParallelConfig,
-                   dtype: torch.dtype) -> tuple[TrainConfig, list[str]]:
-    """The TrainConfig stored with the checkpoint: model, requested layout, precision, the folder's tokenizer."""
-    cfg = TrainConfig(model=model, parallel=parallel,
-                      precision=PrecisionConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16))
-    notes = []
-    tokenizer = hf_io.hf_tokenizer_flags(folder)
-    if tokenizer is None:
-        cfg.data.vocab_size = model.vocab_size
-        notes.append(f"{folder} has no tokenizer: train with --tokenizer-type/--tokenizer-model of your own")
-        return cfg, notes
-    cfg.data.tokenizer_type, cfg.data.tokenizer_model = tokenizer
+def _tokenizer(folder: Path) -> tuple[list[str], int | None, list[str]]:
+    """(--tokenizer-* flags of the folder's own tokenizer, its vocabulary size, notes)."""
+    found = hf_io.hf_tokenizer_flags(folder)
+    if found is None:
+        return ["--tokenizer-type", "NullTokenizer"], None, [
+            f"{folder} has no tokenizer: train with --tokenizer-type/--tokenizer-model of your own"]
     from megatron_jreg.data.tokenizers import build_tokenizer
 
-    size = build_tokenizer(*tokenizer).vocab_size
-    if size != model.vocab_size:
-        notes.append(
-            f"the tokenizer has {size} tokens and the embedding {model.vocab_size} rows: `megatron-jreg train` "
-            f"sizes the vocabulary from the tokenizer, so it loads the first {size} rows only"
-        )
-    return cfg, notes
-
-
-def train_flags(cfg: TrainConfig, output: Path) -> list[str]:
-    """`megatron-jreg train` flags that rebuild this model from the checkpoint (architecture flags are not
-    read from checkpoints, as in Megatron-LM without --use-checkpoint-args)."""
-    m, p = cfg.model, cfg.parallel
-    flags = [
-        "--load", str(output), "--finetune",
-        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
-        "--num-attention-heads", m.num_attention_heads, "--num-query-groups", m.num_query_groups,
-        "--seq-length", m.seq_length, "--max-position-embeddings", m.max_position_embeddings,
-        "--rotary-base", m.rotary_base, "--norm-epsilon", m.norm_epsilon,
-        "--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
-        "--tensor-model-parallel-size", p.tensor_model_parallel_size,
-        "--pipeline-model-parallel-size", p.pipeline_model_parallel_size,
-    ]
-    if m.untie_embeddings_and_output_weights:
-        flags.append("--untie-embeddings-and-output-weights")
-    if cfg.data.tokenizer_type:
-        flags += ["--tokenizer-type", cfg.data.tokenizer_type, "--tokenizer-model", cfg.data.tokenizer_model]
-    if cfg.precision.bf16 or cfg.precision.fp16:
-        flags.append("--bf16" if cfg.precision.bf16 else "--fp16")
-    return [str(f) for f in flags]
+    return ["--tokenizer-type", found[0], "--tokenizer-model", found[1]], build_tokenizer(*found).vocab_size, []
 
 
 @torch.no_grad()
@@ -99,6 +64,19 @@ def _load_parameters(gpt: torch.nn.Module, mapped: dict[str, torch.Tensor]) -> N
     mapped.clear()
 
 
+def save_release_checkpoint(output: Path, model: torch.nn.Module, args: argparse.Namespace, provenance: dict) -> Path:
+    """Write `model`'s weights and `args` as a Megatron-LM release checkpoint under `output`."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = output / "release"
+    ckpt.mkdir(parents=True)
+    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 0}
+    dist_checkpointing.save(state, str(ckpt))
+    (ckpt / "megatron_jreg.json").write_text(json.dumps(provenance, indent=2))
+    (output / "latest_checkpointed_iteration.txt").write_text("release")
+    return ckpt
+
+
 def hf_to_mcore(
     hf: str | Path,
     output: str | Path,
@@ -109,54 +87,49 @@ def hf_to_mcore(
     verify: bool | None = None,
     threshold: float | None = None,
 ) -> ImportResult:
-    """Import a Hugging Face Llama folder as a weights-only megatron-jreg checkpoint (module docstring).
+    """Import a Hugging Face Llama folder as a Megatron-LM release checkpoint (module docstring).
 
     Everything that can refuse (architecture, layout, unknown tensors) runs before anything is written;
     the checkpoint appears at `output` only after its logits matched the Hugging Face model's.
     """
-    from megatron_jreg.training.checkpoint import save_checkpoint
-    from megatron_jreg.training.distributed import init_model_parallel, init_process_group
-    from megatron_jreg.training.inference import load_megatron_model
-    from megatron_jreg.training.model import build_model_chunks, transformer_config
+    from megatron_jreg.checkpoints.model import build_model, load_megatron_model
+    from megatron_jreg.training.arguments import model_args
 
     single_process()
     folder = Path(hf)
     hf_cfg = hf_io.read_config(folder)
-    model = llama.model_config_from_hf(hf_cfg, seq_length)
-    model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
-    parallel = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
-                              pipeline_model_parallel_size=pipeline_model_parallel_size)
-    model.validate()
-    parallel.validate(model, tensor_model_parallel_size * pipeline_model_parallel_size)
+    arch = llama.LlamaArch.from_hf(hf_cfg, seq_length)
+    tokenizer, tokens_in_tokenizer, notes = _tokenizer(folder)
+    layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",
+              str(pipeline_model_parallel_size), "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
+    flags = arch.megatron_flags() + tokenizer + layout
+    args = model_args(flags, arch.vocab_size, tensor_model_parallel_size * pipeline_model_parallel_size)
     state = hf_io.load_weights(folder)
     dtype = hf_io.checkpoint_dtype(hf_cfg, state)
-    padded = model.padded_vocab_size(1)
-    mapped = llama.hf_to_megatron(state, model, padded)
+    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    mapped = llama.hf_to_megatron(state, arch, args.padded_vocab_size)
     del state
-    cfg, notes = run_config_for(folder, model, parallel, dtype)
-    if not model.untie_embeddings_and_output_weights:
-        notes.append("tied embeddings: `megatron-jreg train` has no flag that builds a tied model yet, so its "
-                     "--load would build an untied one (load_megatron_model and analyze read the checkpoint's "
-                     "own config and are fine)")
-
+    if not arch.untie_embeddings_and_output_weights:
+        notes.append("tied embeddings (Megatron-LM's default): train without --untie-embeddings-and-output-weights")
     with staged_output(Path(output)) as tmp:
-        init_process_group()
-        one = ParallelConfig()
-        init_model_parallel(model, one, cfg.seed)
-        precision = PrecisionConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-        tconfig = transformer_config(model, one, precision, perform_initialization=False)
-        (gpt,) = build_model_chunks(tconfig, model, padded, "local")
+        gpt = build_model(args, dtype)
         _load_parameters(gpt, mapped)
-        save_checkpoint(tmp, ITERATION, [gpt], None, None, 0, dataclasses.asdict(cfg))
+        save_release_checkpoint(tmp, gpt, args, {"source": "hf-to-mcore", "hf": str(folder.resolve())})
         del gpt
         gc.collect()
         verification = None
-        run, why = should_verify(verify, llama.num_parameters(model))
+        run, why = should_verify(verify, arch.num_parameters())
         if run:
-            loaded = load_megatron_model(tmp, ITERATION, torch.float32)
+            loaded = load_megatron_model(tmp, dtype=torch.float32)
             device = next(loaded.model.parameters()).device
-            tokens = probe_tokens(int(model.vocab_size), model.seq_length)
+            tokens = probe_tokens(arch.vocab_size, arch.seq_length)
             verification = compare_logits(hf_logits_fn(folder, device), loaded.logits, tokens, threshold)
         else:
             notes.append(why)
-    return ImportResult(Path(output), cfg, verification, notes)
+    extra = ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
+    if tokens_in_tokenizer is not None and tokens_in_tokenizer != arch.vocab_size:
+        # Megatron-LM sizes the embedding from the tokenizer; this model's has another number of rows.
+        notes.append(f"the tokenizer has {tokens_in_tokenizer} tokens and the embedding {arch.vocab_size} rows: "
+                     "train with the printed --padded-vocab-size")
+        extra += ["--padded-vocab-size", str(args.padded_vocab_size)]
+    return ImportResult(Path(output), ["--load", str(output), *flags, *extra], verification, notes)

@@ -1,8 +1,12 @@
 """The Llama architecture on both sides: megatron-core's GPTModel (local spec, TP=1/PP=1 state dict) and
 Hugging Face's `LlamaForCausalLM`. Torch only: no megatron-core or transformers import.
 
-Parameter correspondence (L layers; h hidden; n heads and g query groups of d = h/n; f FFN width;
-V true vocabulary, Vp = V padded for TP):
+`LlamaArch` holds what both sides must agree on. It is read from a Hugging Face config.json
+(`from_hf`), written as Megatron-LM flags (`megatron_flags`, parsed by Megatron-LM's own parser: one way
+from flags to a model) and read back from the `args` a Megatron-LM checkpoint stores (`from_args`).
+
+Parameter correspondence (L layers; h hidden; n heads and g query groups of d (--kv-channels); f FFN
+width; V true vocabulary, Vp = V padded for TP):
 
     megatron                                          Hugging Face
     embedding.word_embeddings.weight [Vp, h]          model.embed_tokens.weight [V, h]
@@ -17,15 +21,18 @@ V true vocabulary, Vp = V padded for TP):
     output_layer.weight [Vp, h] (absent when tied)    lm_head.weight [V, h] (absent when tied)
 
 RoPE needs no permutation: megatron's non-interleaved rotary embedding rotates halves (`rotate_half`),
-as Hugging Face's Llama does on its (already permuted) q/k weights. Both scale attention by 1/sqrt(d) and
+as Hugging Face's Llama does on its (already permuted) q/k weights. Llama-3.1-style RoPE scaling is
+megatron-core's `--use-rope-scaling --rope-scaling-factor F`, whose other constants are Llama-3.1's
+(low/high frequency factors 1 and 4, original context 8192). Both scale attention by 1/sqrt(d) and
 compute the RMSNorm as x / sqrt(mean(x²) + eps) · weight.
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+from dataclasses import dataclass
 
-from megatron_jreg.config import ModelConfig
+import torch
 
 
 class UnsupportedModel(ValueError):
@@ -55,13 +62,126 @@ _OTHER_ARCHITECTURES = {
 _SUPPORTED_TYPES = ("llama", "mistral")
 
 
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass
+class LlamaArch:
+    """What a megatron-core GPTModel and a LlamaForCausalLM must share to compute the same logits."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int  # the true vocabulary (rows of the HF embedding)
+    max_position_embeddings: int
+    seq_length: int
+    rotary_base: float
+    norm_epsilon: float
+    untie_embeddings_and_output_weights: bool
+    init_method_std: float = 0.02
+    rope_scaling_factor: float | None = None  # Llama-3.1-style scaling when set
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(query groups g, query heads per group r, head dim d, hidden h)."""
+        g = self.num_query_groups
+        return g, self.num_attention_heads // g, self.head_dim, self.hidden_size
+
+    @classmethod
+    def from_hf(cls, hf: dict, seq_length: int | None = None) -> LlamaArch:
+        """The architecture of a (checked) Llama config.json; seq_length defaults to max_position_embeddings."""
+        check_hf_config(hf)
+        theta, _, scaling = rope_settings(hf)
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
+            ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
+            num_query_groups=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim_of(hf),
+            vocab_size=int(hf["vocab_size"]), max_position_embeddings=max_pos, seq_length=int(seq_length or max_pos),
+            rotary_base=theta, norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            init_method_std=float(hf.get("initializer_range", 0.02)),
+            rope_scaling_factor=float(scaling["factor"]) if scaling else None,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, vocab_size: int) -> LlamaArch:
+        """The architecture of a Megatron-LM checkpoint's saved args; refuses what Llama cannot represent."""
+        check_megatron_args(args)
+        heads = int(args.num_attention_heads)
+        groups = int(args.num_query_groups) if args.group_query_attention and args.num_query_groups else heads
+        return cls(
+            num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
+            ffn_hidden_size=int(args.ffn_hidden_size), num_attention_heads=heads, num_query_groups=groups,
+            head_dim=int(args.kv_channels or args.hidden_size // heads), vocab_size=int(vocab_size),
+            max_position_embeddings=int(args.max_position_embeddings), seq_length=int(args.seq_length),
+            rotary_base=float(args.rotary_base), norm_epsilon=float(args.norm_epsilon),
+            untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+            init_method_std=float(args.init_method_std),
+            rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None,
+        )
+
+    def megatron_flags(self) -> list[str]:
+        """Megatron-LM's flags for this model (the `pretrain_gpt.py` / `megatron-jreg train` spelling)."""
+        base = int(self.rotary_base) if float(self.rotary_base).is_integer() else self.rotary_base
+        flags = [
+            "--num-layers", self.num_layers, "--hidden-size", self.hidden_size, "--ffn-hidden-size",
+            self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads, "--group-query-attention",
+            "--num-query-groups", self.num_query_groups, "--kv-channels", self.head_dim,
+            "--seq-length", self.seq_length, "--max-position-embeddings", self.max_position_embeddings,
+            "--position-embedding-type", "rope", "--rotary-base", base, "--normalization", "RMSNorm",
+            "--norm-epsilon", self.norm_epsilon, "--swiglu", "--disable-bias-linear", "--init-method-std",
+            self.init_method_std, "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        ]
+        if self.untie_embeddings_and_output_weights:
+            flags.append("--untie-embeddings-and-output-weights")
+        if self.rope_scaling_factor is not None:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", self.rope_scaling_factor]
+        return [str(f) for f in flags]
+
+    def hf_config_kwargs(self, bos: int | None, eos: int | None, pad: int | None) -> dict:
+        """`LlamaConfig(**kwargs)`. RoPE is written both ways readers look for it: `rope_theta` (+
+        `rope_scaling`), read by transformers 4.x and most tools, and `rope_parameters` (transformers 5)."""
+        rope: dict = {"rope_type": "default", "rope_theta": float(self.rotary_base)}
+        scaling = None
+        if self.rope_scaling_factor is not None:
+            scaling = {"rope_type": "llama3", "factor": self.rope_scaling_factor, **_LLAMA3_ROPE}
+            rope = {**scaling, "rope_theta": float(self.rotary_base)}
+        return dict(
+            architectures=["LlamaForCausalLM"], vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+            head_dim=self.head_dim, hidden_act="silu", max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.init_method_std, rms_norm_eps=self.norm_epsilon,
+            rope_theta=float(self.rotary_base), rope_scaling=scaling, rope_parameters=rope,
+            tie_word_embeddings=not self.untie_embeddings_and_output_weights, attention_bias=False, mlp_bias=False,
+            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        )
+
+    def num_parameters(self) -> int:
+        """Parameter count (true vocabulary), to size the verification's memory."""
+        h, f, n, g, d = self.hidden_size, self.ffn_hidden_size, self.num_attention_heads, self.num_query_groups, \
+            self.head_dim
+        per_layer = h * (n * d + 2 * g * d) + n * d * h + 3 * h * f + 2 * h
+        embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
+        return embeddings + self.num_layers * per_layer + h
+
+
 def rope_settings(hf: dict) -> tuple[float, str, dict | None]:
-    """(rope θ, rope type, scaling dict) from either config.json format: transformers >= 5 writes
-    `rope_parameters`, older versions `rope_theta` (+ `rope_scaling`)."""
+    """(rope θ, rope type, llama3 scaling dict or None) from either config.json format: transformers >= 5
+    writes `rope_parameters`, older versions `rope_theta` (+ `rope_scaling`)."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
+    scaling = hf.get("rope_scaling") or None
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if rope_type == "llama3":
+        scaling = {**(scaling or {}), **{k: v for k, v in params.items() if k != "rope_theta"}}
+    elif rope_type == "default":
+        scaling = None
     return float(theta), rope_type, scaling
 
 
@@ -85,44 +205,58 @@ def check_hf_config(hf: dict) -> None:
     biased = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
     if biased:
         raise UnsupportedModel(
-            f"{where}: {' and '.join(biased)} = true (linear layers with biases); megatron-jreg models have "
-            "no biases (--disable-bias-linear)"
+            f"{where}: {' and '.join(biased)} = true (linear layers with biases); the Llama mapping has none "
+            "(--disable-bias-linear)"
         )
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         raise UnsupportedModel(
-            f"{where}: sliding_window = {hf['sliding_window']} (sliding-window attention); megatron-jreg "
-            "attends over the whole sequence"
+            f"{where}: sliding_window = {hf['sliding_window']} (sliding-window attention); the model would attend "
+            "over the whole sequence"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"{where}: hidden_act {hf['hidden_act']!r}; the SwiGLU MLP needs silu")
     _, rope_type, scaling = rope_settings(hf)
-    if rope_type != "default" or scaling:
+    if rope_type not in ("default", "llama3"):
         raise UnsupportedModel(
-            f"{where}: RoPE scaling {rope_type!r}; megatron-jreg's ModelConfig has plain RoPE (--rotary-base) only"
+            f"{where}: RoPE scaling {rope_type!r}; megatron-core implements plain RoPE and Llama-3.1's 'llama3' "
+            "scaling (--use-rope-scaling) only"
         )
-    head_dim = head_dim_of(hf)
-    if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-        raise UnsupportedModel(
-            f"{where}: head_dim {head_dim} != hidden_size / num_attention_heads = "
-            f"{hf['hidden_size']} / {hf['num_attention_heads']}; megatron would need --kv-channels, which "
-            "megatron-jreg's ModelConfig does not have"
-        )
+    if rope_type == "llama3":
+        odd = {k: scaling.get(k) for k, v in _LLAMA3_ROPE.items() if float(scaling.get(k, v)) != v}
+        if odd or "factor" not in scaling:
+            raise UnsupportedModel(
+                f"{where}: llama3 RoPE scaling with {odd or 'no factor'}; megatron-core's --use-rope-scaling fixes "
+                "low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 (Llama-3.1/3.2's)"
+            )
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % groups:
         raise UnsupportedModel(f"{where}: num_attention_heads {heads} not divisible by num_key_value_heads {groups}")
 
 
-def check_megatron_config(model: ModelConfig) -> None:
-    """Refuse, naming the mismatch, a megatron-jreg model that LlamaForCausalLM cannot represent."""
+def check_megatron_args(args: argparse.Namespace) -> None:
+    """Refuse, naming the mismatch, a Megatron-LM model that LlamaForCausalLM cannot represent."""
     problems = []
-    if model.normalization != "RMSNorm":
-        problems.append(f"--normalization {model.normalization} (LlamaForCausalLM has RMSNorm)")
-    if not model.disable_bias_linear:
+    if args.normalization != "RMSNorm":
+        problems.append(f"--normalization {args.normalization} (LlamaForCausalLM has RMSNorm)")
+    if getattr(args, "apply_layernorm_1p", False):
+        problems.append("--apply-layernorm-1p (zero-centered norm weights)")
+    if args.add_bias_linear or getattr(args, "add_qkv_bias", False):
         problems.append("linear layers with biases (trained without --disable-bias-linear)")
-    if not model.swiglu:
+    if not args.swiglu:
         problems.append("a GELU MLP (trained without --swiglu)")
-    if model.position_embedding_type != "rope":
-        problems.append(f"--position-embedding-type {model.position_embedding_type} (Llama uses RoPE)")
+    if args.position_embedding_type != "rope" or float(getattr(args, "rotary_percent", 1.0)) != 1.0:
+        problems.append(f"--position-embedding-type {args.position_embedding_type} "
+                        f"--rotary-percent {getattr(args, 'rotary_percent', 1.0)} (Llama rotates all dimensions)")
+    if getattr(args, "rotary_interleaved", False):
+        problems.append("--rotary-interleaved")
+    if getattr(args, "qk_layernorm", False):
+        problems.append("--qk-layernorm")
+    if getattr(args, "num_experts", None):
+        problems.append(f"--num-experts {args.num_experts} (MoE)")
+    if getattr(args, "multi_latent_attention", False):
+        problems.append("--multi-latent-attention")
+    if getattr(args, "mtp_num_layers", None):
+        problems.append("--mtp-num-layers (multi-token prediction)")
     if problems:
         raise UnsupportedModel(
             f"this checkpoint's model has {'; '.join(problems)}: it is not a Llama architecture, so no "
@@ -130,88 +264,17 @@ def check_megatron_config(model: ModelConfig) -> None:
         )
 
 
-def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
-    """The megatron-jreg ModelConfig of a (checked) Llama config.json; seq_length defaults to
-    max_position_embeddings."""
-    check_hf_config(hf)
-    theta, _, _ = rope_settings(hf)
-    max_pos = int(hf.get("max_position_embeddings", 2048))
-    heads = int(hf["num_attention_heads"])
-    return ModelConfig(
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        num_attention_heads=heads,
-        num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        seq_length=int(seq_length or max_pos),
-        max_position_embeddings=max_pos,
-        position_embedding_type="rope",
-        rotary_base=int(theta) if float(theta).is_integer() else theta,  # type: ignore[arg-type]
-        normalization="RMSNorm",
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        swiglu=True,
-        disable_bias_linear=True,
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        init_method_std=float(hf.get("initializer_range", 0.02)),
-        vocab_size=int(hf["vocab_size"]),
-    )
-
-
-def hf_config_kwargs(model: ModelConfig, bos: int | None, eos: int | None, pad: int | None) -> dict:
-    """`LlamaConfig(**kwargs)` for a (checked) megatron-jreg model; the vocabulary is the true size."""
-    check_megatron_config(model)
-    return dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=int(model.vocab_size),
-        hidden_size=model.hidden_size,
-        intermediate_size=model.ffn_hidden_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-        head_dim=model.hidden_size // model.num_attention_heads,
-        hidden_act="silu",
-        max_position_embeddings=model.max_position_embeddings,
-        initializer_range=model.init_method_std,
-        rms_norm_eps=model.norm_epsilon,
-        rope_theta=float(model.rotary_base),
-        tie_word_embeddings=not model.untie_embeddings_and_output_weights,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-
-
-def num_parameters(model: ModelConfig) -> int:
-    """Parameter count of the model (true vocabulary), to size the verification's memory."""
-    h, f, layers = model.hidden_size, model.ffn_hidden_size, model.num_layers
-    d = h // model.num_attention_heads
-    groups = model.num_query_groups or model.num_attention_heads
-    attention = h * (model.num_attention_heads * d + 2 * groups * d) + model.num_attention_heads * d * h
-    per_layer = attention + 3 * h * f + 2 * h
-    embeddings = int(model.vocab_size) * h * (2 if model.untie_embeddings_and_output_weights else 1)
-    return embeddings + layers * per_layer + h
-
-
-def _attention_shape(model: ModelConfig) -> tuple[int, int, int, int]:
-    """(query groups g, query heads per group r, head dim d, hidden h)."""
-    heads = model.num_attention_heads
-    groups = model.num_query_groups or heads
-    return groups, heads // groups, model.hidden_size // heads, model.hidden_size
-
-
-def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, arch: LlamaArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """megatron's fused qkv[g·(r+2)·d, h] → q[g·r·d, h], k[g·d, h], v[g·d, h] (copies)."""
-    g, r, d, h = _attention_shape(model)
+    g, r, d, h = arch.shape
     w = qkv.reshape(g, r + 2, d, h)
     q, k, v = w[:, :r].reshape(g * r * d, h), w[:, r].reshape(g * d, h), w[:, r + 1].reshape(g * d, h)
     return q.clone(), k.clone(), v.clone()
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LlamaArch) -> torch.Tensor:
     """Inverse of `split_qkv`: q[g·r·d, h], k[g·d, h], v[g·d, h] → qkv[g·(r+2)·d, h]."""
-    g, r, d, h = _attention_shape(model)
+    g, r, d, h = arch.shape
     parts = [q.reshape(g, r, d, h), k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)]
     return torch.cat(parts, dim=1).reshape(g * (r + 2) * d, h)
 
@@ -227,19 +290,18 @@ def _layer_names(i: int) -> dict[str, str]:
     }
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str, torch.Tensor]:
     """A TP=1/PP=1 GPTModel state dict → LlamaForCausalLM tensors (same dtype; vocabulary padding cut).
 
     Every megatron tensor must be used exactly once: a leftover (an architecture feature this mapping
     does not know) raises instead of being dropped.
     """
-    check_megatron_config(model)
     left = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     vocab, ffn = int(model.vocab_size), model.ffn_hidden_size
 
     def take(name: str) -> torch.Tensor:
         if name not in left:
-            raise UnsupportedModel(f"megatron state dict has no {name}: not a megatron-jreg Llama model")
+            raise UnsupportedModel(f"megatron state dict has no {name}: not a Llama model")
         return left.pop(name)
 
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:vocab].clone()}
@@ -274,7 +336,7 @@ def _leftover_reason(name: str) -> str:
 
 
 def hf_to_megatron(
-    state: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_size: int
+    state: dict[str, torch.Tensor], model: LlamaArch, padded_vocab_size: int
 ) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors → a TP=1/PP=1 GPTModel state dict (same dtype; vocabulary zero-padded to
     `padded_vocab_size` rows). Every Hugging Face tensor must be used: leftovers (biases, QK-norm,
@@ -293,7 +355,7 @@ def hf_to_megatron(
     def pad(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(padded_vocab_size - vocab, t.shape[1])]) if padded_vocab_size > vocab else t
 
-    g, r, d, h = _attention_shape(model)
+    g, r, d, h = model.shape
     f = model.ffn_hidden_size
     embed = take("model.embed_tokens.weight", (vocab, h))
     out = {"embedding.word_embeddings.weight": pad(embed)}
@@ -318,7 +380,7 @@ def hf_to_megatron(
     if left:
         names = sorted(left)
         raise UnsupportedModel(
-            f"Hugging Face tensors with no counterpart in a megatron-jreg Llama ({_leftover_reason(names[0])}): "
+            f"Hugging Face tensors with no counterpart in a megatron-core Llama ({_leftover_reason(names[0])}): "
             f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
         )
     return out

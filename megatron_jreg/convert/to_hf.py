@@ -1,13 +1,15 @@
-"""megatron-jreg checkpoint (any TP/PP layout) → Hugging Face Llama folder.
+"""Megatron-LM / megatron-jreg checkpoint (any TP/PP layout) → Hugging Face Llama folder.
 
-The checkpoint is loaded into one TP=1/PP=1 GPTModel (dist_checkpointing reshards any saved layout),
-mapped to LlamaForCausalLM tensors, written with config.json, generation_config.json, sharded
-safetensors + index and the tokenizer into a temporary folder, checked by logits, then renamed.
+The model is read from the checkpoint's own saved `args` (megatron_jreg/checkpoints), loaded into one
+TP=1/PP=1 GPTModel (dist_checkpointing reshards any saved layout), mapped to LlamaForCausalLM tensors,
+written with config.json, generation_config.json, sharded safetensors + index and the tokenizer into a
+temporary folder, checked by logits, then renamed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -36,19 +38,18 @@ class ExportResult:
     note: str = ""  # why verification was skipped, or what about the tokenizer
 
 
-def export_dtype(name: str | None, run_config: dict) -> torch.dtype:
+def export_dtype(name: str | None, args) -> torch.dtype:  # noqa: ANN001 - Megatron-LM's args namespace
     """--dtype, or by default the precision the checkpoint was trained in (--bf16/--fp16, else float32)."""
     if name is not None:
         return hf_io.DTYPES[name]
-    precision = run_config.get("precision", {})
-    return torch.bfloat16 if precision.get("bf16") else torch.float16 if precision.get("fp16") else torch.float32
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def _tokenizer_source(run_config: dict, tokenizer_model: str | None, tokenizer_type: str | None):
+def _tokenizer_source(args, tokenizer_model: str | None, tokenizer_type: str | None):  # noqa: ANN001
     """((kind, path, type) of the tokenizer to write next to the weights, or None; a note). Checked before
     any loading: a given tokenizer must be exportable; the run's own is skipped with a note if it is not."""
-    data = run_config.get("data", {})
-    model = tokenizer_model or data.get("tokenizer_model")
+    run_type = getattr(args, "tokenizer_type", None)
+    model = tokenizer_model or (getattr(args, "tokenizer_model", None) if run_type != "NullTokenizer" else None)
     if model is None:
         return None, "no tokenizer written (the run had none; give --tokenizer-model)"
     path = Path(model)
@@ -57,7 +58,7 @@ def _tokenizer_source(run_config: dict, tokenizer_model: str | None, tokenizer_t
             f"the tokenizer {path} ({'--tokenizer-model' if tokenizer_model else 'recorded in the checkpoint'}) "
             "does not exist: pass --tokenizer-model with its current location"
         )
-    ttype = tokenizer_type if tokenizer_model else data.get("tokenizer_type")
+    ttype = tokenizer_type if tokenizer_model else run_type
     try:
         return (hf_io.tokenizer_kind(ttype, path), path, ttype), f"tokenizer from {path}"
     except ConversionError as e:
@@ -83,25 +84,24 @@ def mcore_to_hf(
     UnsupportedModel (not a Llama architecture), ConversionError (bad input) or VerificationFailed
     before `output` appears.
     """
-    from megatron_jreg.config import train_config_from_dict
-    from megatron_jreg.training import checkpoint as ckpt
-    from megatron_jreg.training.inference import load_megatron_model
+    from megatron_jreg.checkpoints import read_args, resolve, verify_integrity
+    from megatron_jreg.checkpoints.model import load_megatron_model
 
     single_process()
-    ckpt_dir, iteration = ckpt.resolve(load, iteration)
-    run_config = ckpt.read_run_config(ckpt_dir)
-    model_cfg = train_config_from_dict(run_config).model
-    llama.check_megatron_config(model_cfg)  # refuse before loading anything
-    tokenizer, note = _tokenizer_source(run_config, tokenizer_model, tokenizer_type)
-    out_dtype = export_dtype(dtype, run_config)
+    ckpt_dir, iteration = resolve(load, iteration)
+    verify_integrity(ckpt_dir)
+    args = read_args(ckpt_dir)
+    llama.check_megatron_args(args)  # refuse before loading anything
+    tokenizer, note = _tokenizer_source(args, tokenizer_model, tokenizer_type)
+    out_dtype = export_dtype(dtype, args)
     max_bytes = hf_io.parse_size(max_shard_size)
 
     with staged_output(Path(output)) as tmp:
         # The run's own tokenizer is rebuilt by the loader; a moved one is found through --tokenizer-model.
-        run_tokenizer = run_config.get("data", {}).get("tokenizer_model")
+        run_tokenizer = getattr(args, "tokenizer_model", None)
         moved = tokenizer_model if run_tokenizer and not Path(run_tokenizer).exists() else None
-        loaded = load_megatron_model(ckpt_dir, iteration, torch.float32, moved)
-        model_cfg = loaded.config.model
+        loaded = load_megatron_model(ckpt_dir, iteration, torch.float32, moved, verify=False)
+        model_cfg = llama.LlamaArch.from_args(args, loaded.vocab_size)
         tensors = {k: v.to(out_dtype) for k, v in llama.megatron_to_hf(loaded.model.state_dict(), model_cfg).items()}
         no_tokens = dict.fromkeys(("bos", "eos", "pad"))
         specials = hf_io.special_tokens(tokenizer[0], tokenizer[1]) if tokenizer else no_tokens
@@ -113,7 +113,7 @@ def mcore_to_hf(
             files += hf_io.write_tokenizer(tokenizer[0], tokenizer[1], tmp, bos, eos)
             _check_tokenizer(tokenizer, tmp, int(model_cfg.vocab_size))
         verification = None
-        run, why = should_verify(verify, llama.num_parameters(model_cfg))
+        run, why = should_verify(verify, model_cfg.num_parameters())
         if run:
             device = next(loaded.model.parameters()).device
             tokens = probe_tokens(int(model_cfg.vocab_size), model_cfg.seq_length)
@@ -159,9 +159,18 @@ def _write_config(folder: Path, model_cfg, specials: dict, dtype: torch.dtype) -
     from transformers import GenerationConfig, LlamaConfig
 
     ids = {k: (v[1] if v else None) for k, v in specials.items()}
-    config = LlamaConfig(**llama.hf_config_kwargs(model_cfg, ids["bos"], ids["eos"], ids["pad"]))
+    config = LlamaConfig(**model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"]))
     setattr(config, "dtype" if "dtype" in LlamaConfig().to_dict() else "torch_dtype", dtype)  # torch_dtype < 4.56
     config.save_pretrained(str(folder))
+    # transformers 5 writes RoPE only as `rope_parameters`; 4.x and most other readers look for
+    # `rope_theta` (+ `rope_scaling`) and would silently fall back to a base of 10,000 without it.
+    path = folder / "config.json"
+    written = json.loads(path.read_text())
+    kwargs = model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"])
+    written["rope_theta"] = kwargs["rope_theta"]
+    if kwargs["rope_scaling"] is not None:
+        written["rope_scaling"] = kwargs["rope_scaling"]
+    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(
         str(folder)
     )

@@ -84,10 +84,10 @@ def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """A transformers LlamaForCausalLM loaded in float32 from `folder` (safetensors, never downloads),
-    as tokens[b, t] → fp32 logits[b, t, V]."""
-    from transformers import LlamaForCausalLM
+    as tokens[b, t] → fp32 logits[b, t, V]; weights that do not all load are refused (hub.load_causal_lm)."""
+    from megatron_jreg import hub
 
-    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).to(device)
+    model = hub.load_causal_lm(folder, where=f"--hf {folder}", dtype=torch.float32).to(device)
     model.eval()
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_jreg.checkpoints.files import CheckpointError
 from megatron_jreg.data.text import DEFAULT_LAMBADA
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
 from megatron_jreg.evaluate.lambada import LambadaFileError
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         results = evaluate(cfg)
-    except (ConfigError, TaskError, LambadaFileError, ModelFileError, FileNotFoundError, NotImplementedError) as e:
+    except (ConfigError, TaskError, LambadaFileError, ModelFileError, CheckpointError, FileNotFoundError) as e:
         print(f"megatron-jreg evaluate: error: {e}", file=sys.stderr)
         return 2
     for task, counts in results.skipped.items():

@@ -184,6 +184,6 @@ def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM
 
     The hook for `evaluate --load`: everything downstream (LAMBADA, lm-eval) works on the returned object.
     """
-    from megatron_jreg.training.inference import load_megatron_model
+    from megatron_jreg.checkpoints import load_megatron_model
 
     return MegatronCausalLM(load_megatron_model(path, iteration))

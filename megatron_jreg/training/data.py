@@ -1,66 +1,47 @@
-"""Training data: megatron-core's GPTDataset (or MockGPTDataset) through BlendedMegatronDatasetBuilder,
-and a batch loader whose only state is the number of consumed samples, so a resume is exact.
+"""The datasets provider: Megatron-LM's GPT datasets from its args, and the vocabulary check we add.
 
-Sample order follows Megatron-LM's pretraining sampler: iteration i covers global samples
-[i·G, (i+1)·G); microbatch m of data-parallel rank r takes samples m·b·D + r·b + [0, b).
+`train_valid_test_datasets_provider` builds what `pretrain_gpt.py` builds (GPTDataset over `.bin/.idx`,
+MockGPTDataset for `--mock-data`, GPTFIMDataset for `--fim-data`, SFTDataset for `--sft`) through
+`BlendedMegatronDatasetBuilder`, on the ranks that read data (TP rank 0 of the first and last pipeline
+stages; every TP rank-0 for SFT's packed sequences), with the same config fields, so a run's samples are
+Megatron-LM's sample for sample.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
-import torch
+from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
 
-from megatron_jreg.config import ConfigError, TrainConfig, parse_blend
+from megatron_jreg.training.arguments import UsageError
 
-_NO_PAD = -1  # megatron's "no pad token" id: never present in the data
-_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-
-
-@dataclass
-class DatasetTokenizer:
-    """The three facts megatron's GPTDataset needs from a tokenizer."""
-
-    vocab_size: int
-    eod: int
-    pad: int = _NO_PAD
-    identity: str = ""  # which tokenizer: part of megatron's dataset cache key
-
-    @property
-    def unique_identifiers(self) -> dict:
-        return {"class": "DatasetTokenizer", "vocab_size": self.vocab_size, "eod": self.eod, "pad": self.pad,
-                "identity": self.identity}
+_DATA_OPTIONS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
-def tokenizer_for(cfg: TrainConfig):
-    """The run's tokenizer (or None for --mock-data with --vocab-size only) and its dataset facts."""
-    d = cfg.data
-    if d.tokenizer_type is None:
-        return None, DatasetTokenizer(vocab_size=d.vocab_size, eod=0)
-    from megatron_jreg.data.tokenizers import build_tokenizer
-
-    try:
-        tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise ConfigError(f"--tokenizer-type/--tokenizer-model: {e}") from None
-    pad = tok.pad if tok.pad is not None and tok.pad != tok.eod else _NO_PAD
-    identity = json.dumps(getattr(tok, "identity", {}), sort_keys=True, default=str)
-    return tok, DatasetTokenizer(vocab_size=tok.vocab_size, eod=tok.eod, pad=pad, identity=identity)
-
-
-def data_prefixes(cfg: TrainConfig) -> list[str]:
-    d = cfg.data
-    prefixes: list[str] = []
-    for paths in (d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path):
-        if paths:
-            prefixes += parse_blend(paths)[0]
-    return prefixes
+def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft)."""
+    if args.mock_data or args.sft:
+        return []
+    out = []
+    for name in _DATA_OPTIONS:
+        values = getattr(args, name, None)
+        if not values:
+            continue
+        try:
+            blend = get_blend_from_list(values)
+        except (AssertionError, ValueError) as e:
+            raise UsageError(f"--{name.replace('_', '-')} {' '.join(values)}: {e}; give PREFIX or "
+                             "W1 PREFIX1 W2 PREFIX2 ...") from None
+        out += [(f"--{name.replace('_', '-')}", prefix) for prefix in blend[0]]
+    return out
 
 
 def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, bool]:
@@ -70,12 +51,16 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, boo
         if manifest.is_file():
             try:
                 value = json.loads(manifest.read_text()).get("max_token_id")
-            except (OSError, json.JSONDecodeError):
+            except (OSError, json.JSONDecodeError, AttributeError):
                 value = None
             if isinstance(value, int):
                 return value, True
-    dtype = IndexedDataset(prefix, mmap=True).index.dtype
-    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    try:
+        dtype = IndexedDataset(prefix, mmap=True).index.dtype
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    except (AssertionError, ValueError, OSError) as e:
+        raise UsageError(f"{prefix}.idx/.bin is not a readable indexed dataset ({' '.join(str(e).split())}): "
+                         "re-run preprocess_data.py") from None
     if tokens.nbytes <= scan_limit_bytes:
         chunks, exact = [tokens], True
     else:
@@ -91,64 +76,101 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, boo
     return best, exact
 
 
-def check_vocabulary(cfg: TrainConfig, vocab_size: int) -> None:
+def check_vocabulary(args: argparse.Namespace) -> None:
     """Stop before training when the data holds token ids the model's vocabulary cannot embed."""
-    for prefix in data_prefixes(cfg):
+    from megatron.training import get_tokenizer
+
+    vocab_size = get_tokenizer().vocab_size
+    for option, prefix in data_prefixes(args):
         largest, exact = max_token_id(prefix)
         if largest >= vocab_size:
-            raise ConfigError(
-                f"--tokenizer-model: vocabulary size {vocab_size} is smaller than the largest token id "
-                f"{largest} in {prefix} ({'exact' if exact else 'sampled'}): the data was tokenized with "
-                "another tokenizer; pass the one used by preprocess_data.py"
+            raise UsageError(
+                f"{option} {prefix}: largest token id {largest} ({'exact' if exact else 'sampled'}) does not fit the "
+                f"vocabulary of --tokenizer-model ({vocab_size} tokens): the data was tokenized with another "
+                "tokenizer; pass the one preprocess_data.py used"
             )
 
 
-def build_datasets(cfg: TrainConfig, tokenizer: DatasetTokenizer, sizes: list[int]):
-    """(train, valid, test) megatron datasets with at least `sizes` samples each (None where absent)."""
-    d = cfg.data
-    kwargs: dict = {}
-    if d.train_data_path:
-        kwargs["blend_per_split"] = [
-            parse_blend(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)
-        ]
-    elif d.data_path:
-        kwargs["blend"] = parse_blend(d.data_path)
-        kwargs["split"] = d.split
-    else:
-        kwargs["split"] = d.split
-    config = GPTDatasetConfig(
-        random_seed=cfg.seed,
-        sequence_length=cfg.model.seq_length,
-        tokenizer=tokenizer,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
-        create_attention_mask=False,
-        path_to_cache=d.data_cache_path,
-        mmap_bin_files=True,
-        **kwargs,
+def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
+    """pretrain_gpt.py's dataset config fields, from Megatron-LM's args."""
+    from megatron.training import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    sequences_per_dataset = None
+    if args.per_dataset_sequences_path is not None:
+        with open(args.per_dataset_sequences_path) as f:
+            sequences_per_dataset = json.load(f)
+    fields = dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        sequences_per_dataset=sequences_per_dataset,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        hybrid_context_parallel=args.hybrid_context_parallel,
+        inter_document_masking=args.dataloader_inter_document_masking,
     )
-    cls = MockGPTDataset if d.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    if args.fim_data:
+        from megatron.training.datasets.fim_dataset import GPTFIMDatasetConfig
+
+        extra_tokens = {"prefix": args.fim_prefix_token, "middle": args.fim_middle_token,
+                        "suffix": args.fim_suffix_token, "pad": args.fim_pad_token, "eod": args.fim_eod_token}
+        return GPTFIMDatasetConfig(
+            **fields, fim_rate=args.fim_rate, fim_spm_rate=args.fim_spm_rate, fim_extra_tokens=extra_tokens,
+            fim_split_sample=args.fim_split_sample, fim_fragment_rate=args.fim_fragment_rate,
+            fim_no_prefix=args.fim_no_prefix,
+        )
+    return GPTDatasetConfig(**fields)
 
 
-class BatchLoader:
-    """Microbatches of this data-parallel rank, addressed by consumed samples (the resumable state)."""
+def _built_on_rank(vp_stage: int | None = None, packed: bool = False) -> bool:
+    from megatron.training.utils import is_first_or_last_pipeline_stage
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed: int = 0) -> None:
-        self.dataset = dataset
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.consumed = consumed
+    if mpu.get_tensor_model_parallel_rank() != 0:
+        return False
+    return packed or is_first_or_last_pipeline_stage(vp_stage)
 
-    def microbatches(self, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
-        """The next global batch's microbatches for this rank: dicts of [b, s] tensors."""
-        b, dp = self.micro_batch_size, self.dp_size
-        out = []
-        for m in range(num_microbatches):
-            start = self.consumed + m * b * dp + self.dp_rank * b
-            samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(b)]
-            out.append({k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS})
-        self.consumed += num_microbatches * b * dp
-        return out
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
+    """(train, valid, test) datasets with at least the requested number of samples each."""
+    from megatron.training import get_args, print_rank_0
+
+    args = get_args()
+    config = gpt_dataset_config(args)
+    packed = bool(args.sft)
+    if args.sft:
+        from megatron.training.datasets.sft_dataset import SFTDataset as dataset_type
+    elif args.mock_data:
+        dataset_type = MockGPTDataset
+    elif args.fim_data:
+        from megatron.training.datasets.fim_dataset import GPTFIMDataset as dataset_type
+    else:
+        dataset_type = GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, partial(_built_on_rank, vp_stage=vp_stage, packed=packed), config
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py: every rank calls it

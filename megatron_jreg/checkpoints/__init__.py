@@ -1,0 +1,14 @@
+"""Megatron-LM checkpoints as analyze, evaluate, convert and train read them (see files.py, model.py)."""
+
+from megatron_jreg.checkpoints.files import (
+    CheckpointError,
+    install_safe_metadata_reader,
+    load_metadata,
+    read_tracker,
+    resolve,
+    verify_integrity,
+)
+from megatron_jreg.checkpoints.model import MegatronModel, build_model, load_megatron_model, read_args
+
+__all__ = ["CheckpointError", "MegatronModel", "build_model", "install_safe_metadata_reader", "load_megatron_model",
+           "load_metadata", "read_args", "read_tracker", "resolve", "verify_integrity"]

@@ -1,0 +1,187 @@
+"""A Megatron-LM checkpoint on disk: find it, check it, and read its metadata without running its code.
+
+Layout (Megatron-LM's torch_dist format):
+
+    ROOT/latest_checkpointed_iteration.txt      "100" (or "release")
+    ROOT/iter_0000100/                          .metadata (torch DCP, pickled), __*_*.distcp, metadata.json,
+                                                integrity.json (SHA-256 per file, with --verify-integrity)
+
+Three protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
+- `resolve` turns every malformed tracker or directory into one line naming the file and the fix.
+- torch's DCP reader unpickles `.metadata` with plain `pickle.load`, so a crafted file runs code.
+  `install_safe_metadata_reader()` makes that reader use `MetadataUnpickler`, which builds only the
+  classes a DCP metadata file holds (torch.distributed.checkpoint's dataclasses and enums, torch.Size,
+  dtypes) and names any other class. The common state and sharded objects are already loaded by
+  megatron-core with `torch.load(weights_only=True)`.
+- `verify_integrity` checks the SHA-256 manifest Megatron-LM writes with --verify-integrity (on by default
+  in megatron-jreg) and names the first corrupt file; checkpoints without a manifest load unverified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
+_CHUNK = 16 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and the fix (one line)."""
+
+
+def iteration_dir(root: str | Path, iteration: int | str) -> Path:
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    return Path(root) / name
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """An iter_*/release directory written completely (torch_dist: .metadata and metadata.json)."""
+    return (path / "metadata.json").is_file() or (path / ".metadata").is_file()
+
+
+def read_tracker(root: str | Path) -> int | str | None:
+    """The iteration (or "release") the tracker names; None when there is no tracker file."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{tracker}: unreadable ({e}); write the iteration to resume from into it") from None
+    if text == "release":
+        return text
+    if not text.isdigit():
+        found = sorted(p.name for p in Path(root).glob("iter_*") if is_checkpoint_dir(p))
+        hint = f"; complete checkpoints here: {', '.join(found[-3:])}" if found else ""
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}: write the iteration "
+                              f"of a complete iter_* directory into it{hint}")
+    return int(text)
+
+
+def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
+    """(checkpoint directory, iteration) for a save dir (via its tracker) or an iter_*/release directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file: give the checkpoint directory (holding {TRACKER}) or an "
+                              "iter_* directory")
+    if iteration is None and (path.name.startswith("iter_") or path.name == "release") and is_checkpoint_dir(path):
+        return path, (0 if path.name == "release" else int(path.name[5:]))
+    found = iteration if iteration is not None else read_tracker(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no {TRACKER}; not a Megatron-LM checkpoint directory (give the --save "
+                              "directory of a run, or one of its iter_* directories)")
+    ckpt = iteration_dir(path, found)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{path / TRACKER} names iteration {found} but {ckpt} does not exist: fix the "
+                              "tracker or restore the directory")
+    if not is_checkpoint_dir(ckpt):
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint (no metadata.json/.metadata; a save was "
+                              "interrupted?): resume from an earlier iteration")
+    return ckpt, (0 if found == "release" else int(found))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a torch DCP `.metadata` file, building nothing but its own data classes."""
+
+    _TORCH = {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+              "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128", "uint16", "uint32", "uint64"}
+    _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range"}
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201
+        if module == "torch" and name in self._TORCH:
+            return super().find_class(module, name)
+        if (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")) or (
+            module == "builtins" and name in self._BUILTINS
+        ):
+            return super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint.") or module.startswith(
+            "torch.distributed.tensor._dtensor_spec"
+        ):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
+                return obj
+        raise pickle.UnpicklingError(f"class {module}.{name} is not allowed in checkpoint metadata")
+
+
+def load_metadata(path: str | Path):
+    """A DCP `.metadata` file's Metadata object; CheckpointError (naming the file) for hostile or broken files."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused to load ({e}); this file could run code: do not use this "
+                              "checkpoint") from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the file is "
+                              "truncated or corrupt: resume from another iteration") from None
+
+
+_installed = False
+
+
+def install_safe_metadata_reader() -> None:
+    """Make torch's DCP FileSystemReader read `.metadata` through MetadataUnpickler (process-wide)."""
+    global _installed
+    if _installed:
+        return
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def read_metadata(self, *args, **kwargs):  # noqa: ANN001, ANN202 - torch's signature
+        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    filesystem.FileSystemReader.read_metadata = read_metadata
+    _installed = True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_integrity(ckpt: str | Path) -> int | None:
+    """Check every file against the SHA-256 manifest; number of files verified, None without a manifest.
+
+    Raises CheckpointError naming the first missing or corrupt file.
+    """
+    ckpt = Path(ckpt)
+    manifest_path = ckpt / INTEGRITY
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        if manifest.get("algorithm", "sha256") != "sha256" or not isinstance(files, dict):
+            raise ValueError("unexpected layout")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable integrity manifest ({e}); delete it to load the "
+                              "checkpoint unverified") from None
+    for name, digest in files.items():
+        path = ckpt / name
+        if os.sep in name or not path.is_file():
+            raise CheckpointError(f"{path}: listed in {INTEGRITY} but missing: the checkpoint is incomplete; resume "
+                                  "from another iteration")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path}: contents differ from the digest recorded at save (corrupted on disk "
+                                  "or in transfer): restore the file or resume from another iteration")
+    return len(files)

@@ -1,0 +1,280 @@
+"""Any Megatron-LM GPT checkpoint as a model in this process: for analyze, evaluate and convert.
+
+The model's configuration is the `args` namespace Megatron-LM saves in every checkpoint, so a checkpoint
+of Megatron-LM itself loads as well as one of megatron-jreg; nothing else is required beside it. The
+GPTModel is rebuilt with Megatron-LM's own config functions (`core_transformer_config_from_args`,
+`gpt_config_from_args`) at TP=1/PP=1 with the local layer spec; dist_checkpointing reshards whatever
+layout it was saved at. Checkpoints trained with Transformer Engine layers store the pre-norm weights
+inside TE's fused linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms.
+Every weight of the model must come from the checkpoint (missing or unexpected keys are named).
+
+Ψ goes through `JregPlugin` in recording mode: the code that logs Ψ during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_jreg.checkpoints.files import CheckpointError, install_safe_metadata_reader, resolve, verify_integrity
+
+# Transformer Engine fuses each pre-norm into the linear after it; the local spec keeps it separate.
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+@dataclass
+class MegatronModel:
+    model: torch.nn.Module  # GPTModel, eval mode
+    args: argparse.Namespace  # the checkpoint's Megatron-LM args (parallel sizes as saved)
+    iteration: int
+    path: Path
+    tokenizer: object | None  # megatron_jreg.data.tokenizers.Tokenizer, when the run had one
+
+    @property
+    def vocab_size(self) -> int:
+        """The true vocabulary (megatron pads its embedding to a multiple of 128 × TP)."""
+        if self.tokenizer is not None:
+            return int(self.tokenizer.vocab_size)
+        return int(self.args.vocab_size or self.args.padded_vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.args.num_layers)
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.args.seq_length)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens[b, t] int64 → fp32 logits[b, t, V] over the true vocabulary (padding columns cut)."""
+        tokens = tokens.to(self._device())
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        out = self.model(tokens, position_ids, None)
+        return out[..., : self.vocab_size].float()
+
+    @torch.no_grad()
+    def layer_sums(
+        self, tokens: torch.Tensor, mask: torch.Tensor | None = None, kind: str = "angular"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer Σ displacement over real tokens and the token count, (sums[L], counts[L]) float64.
+
+        tokens[b, t], mask[b, t] (1 = real; right padding — the causal mask keeps real tokens blind to it).
+        """
+        from megatron_jreg.plugin import JregConfig, JregPlugin
+
+        plugin = JregPlugin([self.model], JregConfig(lam=0.0, distance=kind))
+        plugin.start_step(1, record=True)
+        if mask is not None:
+            plugin.set_token_mask(mask.to(self._device()))
+        self.logits(tokens)
+        stats = plugin.finish_step()
+        plugin.remove_hooks()
+        count = float(mask.sum()) if mask is not None else float(tokens.numel())
+        psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
+        return psi * count, torch.full_like(psi, count)
+
+
+def read_args(ckpt: Path) -> argparse.Namespace:
+    """The Megatron-LM args saved in a checkpoint's common state (loaded with weights_only)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    install_safe_metadata_reader()
+    register_safe_globals()
+    _init_process_group()
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch/megatron raise many types for broken files
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}); the checkpoint is truncated or corrupt") from None
+    args = common.get("args") if isinstance(common, dict) else None
+    if not isinstance(args, argparse.Namespace) or getattr(args, "num_layers", None) is None:
+        raise CheckpointError(f"{ckpt}: holds no Megatron-LM `args` (saved by another tool?); it cannot be rebuilt "
+                              "as a GPT model here")
+    return args
+
+
+def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
+    """The run's tokenizer (megatron_jreg.data.tokenizers), or None for NullTokenizer / mock runs."""
+    from megatron_jreg.data.tokenizers import build_tokenizer
+
+    kind = getattr(args, "tokenizer_type", None)
+    if kind in (None, "NullTokenizer"):
+        return None
+    model = tokenizer_model or getattr(args, "tokenizer_model", None)
+    try:
+        return build_tokenizer(kind, model, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
+                               vocab_size=getattr(args, "vocab_size", None))
+    except (ValueError, OSError, KeyError) as e:
+        raise CheckpointError(f"tokenizer of the run ({kind} {model}): {e}; pass the tokenizer's current path "
+                              "(--tokenizer)") from None
+
+
+def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Namespace:
+    """The saved args for a one-process, local-spec, no-fusion model in `dtype`."""
+    a = copy.deepcopy(args)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size", "world_size"):
+        if hasattr(a, name):
+            setattr(a, name, 1)
+    for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout", "recompute_granularity", "recompute_method", "fp8", "fp4",
+                 "spec", "yaml_cfg"):
+        if hasattr(a, name):
+            setattr(a, name, None)
+    for name in ("sequence_parallel", "gradient_accumulation_fusion", "masked_softmax_fusion",
+                 "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                 "persist_layer_norm", "tp_comm_overlap", "fp8_param_gather", "cross_entropy_loss_fusion",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if hasattr(a, name):
+            setattr(a, name, False)
+    a.transformer_impl = "local"
+    a.no_persist_layer_norm = True
+    a.use_cpu_initialization = True
+    a.params_dtype = dtype
+    a.bf16, a.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    a.attention_dropout = 0.0
+    a.hidden_dropout = 0.0
+    return a
+
+
+def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, weights uninitialized from any checkpoint."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from megatron_jreg.training.model import layer_spec
+
+    _init_process_group()
+    _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
+    a = _inference_args(args, dtype)
+    try:
+        config = core_transformer_config_from_args(a)
+        model_cfg = gpt_config_from_args(a, config)
+    except (AssertionError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"the checkpoint's args do not describe a GPT model megatron-core can build here "
+                              f"({' '.join(str(e).split())[:200]})") from None
+    model_cfg.transformer_layer_spec = layer_spec
+    model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups(),
+                                                    pre_process=True, post_process=True)
+    return model.to(dtype)
+
+
+def _request(model: torch.nn.Module, ckpt: Path) -> dict:
+    """The model's sharded state dict with local-spec keys renamed where the checkpoint has TE's."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = set(dist_checkpointing.load_tensors_metadata(str(ckpt)).keys())
+    sharded = model.sharded_state_dict()
+    for value in sharded.values():
+        if not isinstance(value, ShardedTensor) or value.key in saved:
+            continue
+        for te, local in _TE_TO_LOCAL.items():
+            if value.key.endswith(local):
+                candidate = value.key[: -len(local)] + te
+                if candidate in saved:
+                    value.key = candidate
+    missing = sorted(v.key for v in sharded.values() if isinstance(v, ShardedTensor) and v.key not in saved)
+    if missing:
+        raise CheckpointError(f"{ckpt}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                              f"{' …' if len(missing) > 5 else ''} (the saved args do not match the saved weights)")
+    return sharded
+
+
+def load_megatron_model(
+    path: str | Path,
+    iteration: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_model: str | None = None,
+    load_tokenizer: bool = True,
+    verify: bool = True,
+) -> MegatronModel:
+    """Load a checkpoint (a save dir or an iter_* dir, any layout) into a one-process TP=1/PP=1 model.
+
+    verify: check the checkpoint's SHA-256 manifest first (when it has one). load_tokenizer=False skips
+    the run's tokenizer (e.g. exporting weights whose tokenizer has moved).
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt, iteration = resolve(path, iteration)
+    if verify:
+        verify_integrity(ckpt)
+    args = read_args(ckpt)
+    tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
+    model = build_model(args, dtype)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    request = _request(model, ckpt)
+    try:
+        loaded = dist_checkpointing.load({"model": request}, str(ckpt))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated shards surface as many exception types
+        raise CheckpointError(f"{ckpt}: cannot read the weights ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}); the checkpoint is truncated or corrupt") from None
+    result = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected "
+                              f"{result.unexpected_keys[:5]})")
+    model.eval()
+    return MegatronModel(model, args, iteration, ckpt, tokenizer)
+
+
+# -- one-process megatron-core -------------------------------------------------------------------------
+def _init_process_group() -> None:
+    """torch.distributed (gloo on CPU) for a single process, unless a caller already started it."""
+    from megatron_jreg.compat import apply_cpu_compat, dist_backend
+
+    apply_cpu_compat()
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ or "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(dist_backend(), rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=datetime.timedelta(minutes=30))
+
+
+def _init_model_parallel(seed: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+__all__ = ["MegatronModel", "build_model", "load_megatron_model", "read_args", "tokenizer_from_args"]

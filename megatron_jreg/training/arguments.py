@@ -1,0 +1,262 @@
+"""`megatron-jreg train` flags: Megatron-LM's own parser and validation, plus what is ours.
+
+Every `pretrain_gpt.py` flag comes from `megatron.training.arguments` with its meaning and default; this
+module only adds (through Megatron-LM's `extra_args_provider`) the flags JREG and this project need, and
+turns Megatron-LM's bare assertions into one line naming the problem (`megatron-jreg train: error: …`,
+exit 2) before any work.
+
+`--model-preset NAME` is shorthand for the architecture flags below, placed before the user's flags so
+that explicit flags override it (argparse keeps the last value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+PROG = "megatron-jreg train"
+
+# Llama architecture flags common to the presets (RoPE, RMSNorm, SwiGLU, no biases, no dropout).
+_LLAMA = ("--position-embedding-type rope --normalization RMSNorm --norm-epsilon 1e-5 --swiglu "
+          "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 "
+          "--group-query-attention")
+# The paper gives layers × hidden (12×768, 16×2048, 30×3072) and the names 170M/1B/3.4B. Heads, query
+# groups, FFN width, RoPE base and tied embeddings follow Llama-3.2 (1B: 16×2048, 32 heads, 8 KV heads,
+# FFN 8192; 3B: 24 heads, 8 KV heads, FFN 8192); with the Llama-3 tokenizer (128,256 tokens) and tied
+# embeddings the parameter counts come out at 174M, 1.24B and 3.41B, matching the paper's names.
+PRESETS: dict[str, str] = {
+    "tiny": "--num-layers 4 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 4 --num-query-groups 2 "
+            "--seq-length 128 --max-position-embeddings 128 --rotary-base 10000",
+    "llama-170m": "--num-layers 12 --hidden-size 768 --ffn-hidden-size 2048 --num-attention-heads 12 "
+                  "--num-query-groups 4 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
+    "llama-1b": "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 "
+                "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
+    "llama-3.4b": "--num-layers 30 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 "
+                  "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
+}
+
+
+class UsageError(ValueError):
+    """A bad flag or input; the message names it and the fix (printed as one line, exit 2)."""
+
+
+def preset_flags(name: str) -> list[str]:
+    return (PRESETS[name] + " " + _LLAMA).split()
+
+
+def expand_preset(argv: list[str]) -> list[str]:
+    """Put the preset's architecture flags before the user's (explicit flags then override them)."""
+    for i, arg in enumerate(argv):
+        name = None
+        if arg == "--model-preset" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--model-preset="):
+            name = arg.split("=", 1)[1]
+        if name is not None:
+            if name not in PRESETS:
+                raise UsageError(f"--model-preset {name!r} is unknown: choose one of {', '.join(PRESETS)}")
+            return preset_flags(name) + argv
+    return argv
+
+
+def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's `extra_args_provider`: our flags, and one-line argparse errors."""
+    parser.prog = PROG
+
+    def error(message: str) -> None:  # argparse would print Megatron-LM's 800-flag usage first
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
+    g.add_argument("--jreg-lambda", type=float, default=0.0,
+                   help="λ of the JREG penalty λ·Σ w_ℓ Ψ_ℓ (0 = the plain Megatron-LM baseline; paper: 1)")
+    g.add_argument("--jreg-alpha", type=float, default=1.0,
+                   help="α of the layer weights w_ℓ = softmax(α·ℓ) (paper's best: 1)")
+    g.add_argument("--jreg-distance", choices=["angular", "cosine"], default="angular",
+                   help="displacement Ψ: angular = arccos(cos)/π (paper), cosine = 1 − cos (smooth)")
+    g.add_argument("--jreg-layers", type=int, nargs="+", default=None,
+                   help="penalize only these global layers (1-based); default all")
+    g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
+                   help="the paper's architectures (Llama-3.2 proportions) as flags; explicit flags override")
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON object per logged iteration and validation (Ψ, ζ, losses) here")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress line on stderr (default: when stderr is a terminal)")
+    g.add_argument("--init-mode", choices=["megatron", "layout-independent"], default="megatron",
+                   help="layout-independent: draw every weight from its global tensor, so one seed gives one "
+                        "model at every TP/PP/VPP layout (default: Megatron-LM's own init)")
+    g.add_argument("--no-exit-signal-handler", dest="jreg_no_exit_signal_handler", action="store_true",
+                   help="SIGTERM kills the run (default here: save a checkpoint and exit 0, Megatron-LM's "
+                        "--exit-signal-handler, for Slurm preemption)")
+    g.add_argument("--no-verify-integrity", dest="jreg_no_verify_integrity", action="store_true",
+                   help="do not record SHA-256 digests at save (default here: Megatron-LM's --verify-integrity) "
+                        "nor verify them at load")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Megatron-LM's parse_args on `argv`, with our flags; raises UsageError."""
+    from megatron.training import arguments
+
+    argv = expand_preset(list(argv))
+    saved = sys.argv
+    sys.argv = [PROG, *argv]
+    try:
+        return arguments.parse_args(extra_args_provider=add_jreg_args)
+    finally:
+        sys.argv = saved
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """NaN or ±inf in any numeric flag (Megatron-LM accepts them and e.g. --clip-grad nan disables clipping)."""
+    for name, value in sorted(vars(args).items()):
+        values = value if isinstance(value, list | tuple) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UsageError(f"{flag(name)} {v}: give a finite number")
+
+
+def _check_jreg(args: argparse.Namespace) -> None:
+    if args.jreg_lambda < 0:
+        raise UsageError(f"--jreg-lambda must be >= 0 (got {args.jreg_lambda}); 0 trains the plain baseline")
+    if args.jreg_layers is not None and args.num_layers is not None:
+        bad = [x for x in args.jreg_layers if not 1 <= x <= args.num_layers]
+        if bad:
+            raise UsageError(f"--jreg-layers {bad}: layers are numbered 1..{args.num_layers}")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Paths Megatron-LM would only trip over after the model is built (or silently ignore)."""
+    if args.load is not None and Path(args.load).is_file():
+        raise UsageError(f"--load {args.load} is a file: give the checkpoint directory (the one holding "
+                         "latest_checkpointed_iteration.txt) or an iter_* directory's parent")
+    if args.save is not None:
+        save = Path(args.save)
+        if save.exists() and not save.is_dir():
+            raise UsageError(f"--save {args.save} is a file: give a directory for the checkpoints")
+        existing = next((p for p in [save, *save.parents] if p.exists()), None)
+        if existing is not None and not os.access(existing, os.W_OK):
+            raise UsageError(f"--save {args.save}: {existing} is not writable; choose a writable directory")
+    if args.metrics_file is not None and Path(args.metrics_file).is_dir():
+        raise UsageError(f"--metrics-file {args.metrics_file} is a directory: give a file path")
+    split = getattr(args, "split", None)
+    if split is not None:
+        try:
+            parts = [float(x) for x in split.replace("/", ",").split(",")]
+        except ValueError:
+            raise UsageError(f"--split {split!r}: give comma-separated weights, e.g. 969,30,1") from None
+        if any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
+            raise UsageError(f"--split {split!r}: weights must be >= 0 and not all 0, e.g. 969,30,1")
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Every dataset prefix exists as PREFIX.bin + PREFIX.idx (Megatron-LM fails deep in the builder)."""
+    from megatron_jreg.training.data import data_prefixes
+
+    for option, prefix in data_prefixes(args):
+        for ext in (".idx", ".bin"):
+            if not Path(prefix + ext).is_file():
+                raise UsageError(f"{option} {prefix}: {prefix}{ext} not found (the prefix is the path without "
+                                 ".bin/.idx, e.g. my-data_text_document)")
+
+
+def _assertion_text(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text
+
+
+def parse_and_validate(argv: list[str]) -> argparse.Namespace:
+    """Flags → Megatron-LM's validated args (global state set), or UsageError before any work.
+
+    Megatron-LM's own order (parse_and_validate_args): parse, validate_args, set_global_variables
+    (tokenizer, timers, TensorBoard/W&B writers, signal handler); our checks run before its validation.
+    """
+    import torch
+    from megatron.training import arguments, global_vars
+
+    from megatron_jreg.compat import apply_cpu_training_compat
+    from megatron_jreg.training.model import check_transformer_impl
+
+    args = parse_args(argv)
+    if args.yaml_cfg is not None:
+        raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
+    if args.use_checkpoint_args:
+        raise UsageError("--use-checkpoint-args is not supported yet: give the architecture flags (or "
+                         "--model-preset) with --load")
+    _check_numbers(args)
+    _check_jreg(args)
+    _check_paths(args)
+    _check_data(args)
+    if not args.jreg_no_exit_signal_handler:
+        args.exit_signal_handler = True
+    args.verify_integrity = args.verify_integrity or not args.jreg_no_verify_integrity
+    if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults)
+        args.tokenizer_type = "GPT2BPETokenizer"
+    if not torch.cuda.is_available():
+        apply_cpu_training_compat(args)
+    check_transformer_impl(args)
+    try:
+        arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    except (AssertionError, ValueError, TypeError) as e:
+        raise UsageError(_assertion_text(e)) from None
+    _check_jreg(args)  # num_layers may only now be known
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb-project needs the wandb package: pip install wandb") from None
+    try:
+        global_vars.set_global_variables(args, build_tokenizer=False)
+    except (AssertionError, ValueError) as e:
+        raise UsageError(_assertion_text(e)) from None
+    try:
+        global_vars._build_tokenizer(args)
+    except (OSError, ValueError, AssertionError, ImportError, KeyError) as e:
+        raise UsageError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {args.tokenizer_model}: "
+                         f"{_assertion_text(e)}") from None
+    from megatron_jreg.training.data import check_vocabulary
+
+    check_vocabulary(args)
+    return args
+
+
+def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:
+    """Megatron-LM args for a model described by flags alone (an import, not a training run): parsed and
+    validated by Megatron-LM's own code, quietly, with the padded vocabulary set — what a checkpoint
+    stores as `args`, so Megatron-LM and every megatron-jreg command rebuild the same model from it.
+    world_size: the TP×PP the flags ask for (validation checks the layout against it)."""
+    import contextlib
+    import io
+
+    import torch
+    from megatron.training import arguments
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    from megatron_jreg.compat import apply_cpu_training_compat
+
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE=str(world_size))
+    try:
+        args = parse_args([*argv, "--vocab-size", str(vocab_size), "--transformer-impl", "local"])
+        if not torch.cuda.is_available():
+            apply_cpu_training_compat(args)
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    except (AssertionError, ValueError, TypeError) as e:
+        raise UsageError(_assertion_text(e)) from None
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    args.padded_vocab_size = calculate_padded_vocab_size(
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, logging_enabled=False)
+    return args
