@@ -25,8 +25,14 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
+        import multiprocessing
+
         import torch
         import torch.distributed as dist
+
+        # A spawned child defaults to spawning too; Megatron-LM's data loader workers (a local
+        # worker_init_fn) need Linux's default fork, as under torchrun.
+        multiprocessing.set_start_method("fork", force=True)
 
         from megatron_jreg.compat import apply_cpu_compat
 

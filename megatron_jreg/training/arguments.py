@@ -144,6 +144,9 @@ def _check_paths(args: argparse.Namespace) -> None:
         existing = next((p for p in [save, *save.parents] if p.exists()), None)
         if existing is not None and not os.access(existing, os.W_OK):
             raise UsageError(f"--save {args.save}: {existing} is not writable; choose a writable directory")
+    if args.save is not None and args.save_interval is None:
+        raise UsageError(f"--save {args.save} needs --save-interval N (Megatron-LM saves every N iterations; at exit "
+                         "too with --exit-interval or on SIGTERM)")
     if args.metrics_file is not None and Path(args.metrics_file).is_dir():
         raise UsageError(f"--metrics-file {args.metrics_file} is a directory: give a file path")
     split = getattr(args, "split", None)
@@ -168,8 +171,21 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _assertion_text(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text
+    """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
+    made, with `args.foo_bar` spelled as the flag `--foo-bar`."""
+    import re
+    import traceback
+
+    text = " ".join(str(e).split())
+    if text:
+        return text
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return type(e).__name__
+    frame = frames[-1]
+    check = re.sub(r"^assert\s+", "", (frame.line or "").strip())
+    check = re.sub(r"args\.([a-z0-9_]+)", lambda m: flag(m.group(1)), check)
+    return f"Megatron-LM's argument check `{check}` failed ({Path(frame.filename).name}:{frame.lineno})"
 
 
 def parse_and_validate(argv: list[str]) -> argparse.Namespace:

@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron.core.rerun_state_machine import EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+from megatron.core.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+)
 
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
 from megatron_jreg.training.metrics import MetricsFile, Progress, console_suffix, jreg_fields, write_scalars
@@ -87,11 +90,14 @@ class JregLoop:
         result = self._originals["train_step"](*args, **kwargs)
         self.stats = self.plugin.finish_step() if record else None
         should_exit, exit_code = result[3], result[4]
-        if should_exit and exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION:
-            self._report_divergence((iteration or 0) + 1)
+        if should_exit and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE):
+            self._report_divergence((iteration or 0) + 1, exit_code)
         return result
 
-    def _report_divergence(self, iteration: int) -> None:
+    def _report_divergence(self, iteration: int, exit_code: int) -> None:
+        """Megatron-LM's rerun machine stops on NaN/Inf: exit 16 after saving a checkpoint when the result
+        reproduced on this device (resume, ideally on another node, to tell a fault from a divergence),
+        exit 17 once it is confirmed. Say so in one line, with the checkpoint to resume from."""
         from megatron.training import print_rank_0
         from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
 
@@ -101,9 +107,13 @@ class JregLoop:
                 with open(get_checkpoint_tracker_filename(root)) as f:
                     last = f"{root} (iteration {f.read().strip()})"
                 break
-        print_rank_0(f"megatron-jreg train: NaN/Inf loss at iteration {iteration} (reproduced by Megatron-LM's "
-                     f"rerun check); last good checkpoint: {last}. Lower --lr (or check the data) and resume "
-                     "with --load")
+        if exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+            advice = (f"exit {exit_code}: resume with --load (on another node if you suspect the hardware) to tell a "
+                      "fault from a divergence")
+        else:
+            advice = f"exit {exit_code}: the divergence is confirmed; lower --lr (or check the data) and resume"
+        print_rank_0(f"megatron-jreg train: NaN/Inf loss or gradient at iteration {iteration}; last good checkpoint: "
+                     f"{last}; {advice}")
 
     def training_log(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):

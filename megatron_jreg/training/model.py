@@ -34,23 +34,31 @@ from megatron_jreg.training.arguments import UsageError
 
 
 class TorchNorm(torch.nn.Module):
-    """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support."""
+    """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support.
+
+    `--apply-layernorm-1p` (zero-centered gamma) stores γ − 1 and scales by (1 + weight), as TE's norms.
+    """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__()
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"--normalization {config.normalization}: the local spec's norm is RMSNorm or LayerNorm")
         dtype = config.params_dtype
         self.rms = config.normalization == "RMSNorm"
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.one_p = bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.one_p else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
         self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel  # megatron reduces these grads over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x[s, b, h] → normalized x (same shape, dtype)."""
+        weight = self.weight + 1 if self.one_p else self.weight
         if self.rms:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
 
 
 def _swap_norms(spec: object) -> object:
