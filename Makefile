@@ -28,3 +28,13 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(DEMO_OUT)
+
+# Wheels that the lent GPU machine lacks (Python 3.12, torch, triton, transformers, ... but no megatron-core
+# and no registry): megatron-core (constraints.txt's pin) and einops, for manylinux x86-64 / CPython 3.12, into
+# .whl/gpu (git-ignored, 2.4 MB); benchmarks/gpu_check.sh installs them on that machine (docs/gpu.md).
+GPU_WHEELS ?= .whl/gpu
+.PHONY: gpu-wheels
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.12 \
+		--implementation cp --abi cp312 -c constraints.txt -d $(GPU_WHEELS) megatron-core einops==0.8.2
+	@ls -l $(GPU_WHEELS)

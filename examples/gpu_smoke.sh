@@ -7,7 +7,9 @@
 #     ITERS=50 MBS=4 FP8_RECIPE=tensorwise examples/gpu_smoke.sh
 #
 # Mock tokens (no dataset needed) and JREG on (λ = α = 1), so its hooks are part of what is timed. Each
-# run's console log and --metrics-file are kept in $OUT.
+# run's console log and --metrics-file are kept in $OUT. Without Transformer Engine the BF16 run uses
+# megatron-core's local layers with the fused kernels that need TE or apex switched off (the flags of
+# benchmarks/train_throughput.py's GPU_FLAGS; docs/gpu.md). benchmarks/gpu_check.sh is the fuller check.
 set -euo pipefail
 : "${PRESET:=llama-170m}" "${ITERS:=30}" "${MBS:=8}" "${SEQ:=2048}" "${FP8_RECIPE:=delayed}" "${PYTHON:=python}"
 : "${OUT:=$(mktemp -d "${TMPDIR:-/tmp}/jreg-gpu-smoke.XXXXXX")}"
@@ -26,13 +28,20 @@ train() {  # train RUN [FLAGS...]: one short training; its metrics go to $OUT/RU
     shift
     echo "== $run: $PRESET, $ITERS iterations of $MBS × $SEQ tokens $*"
     "$PYTHON" -m megatron_jreg.train --model-preset "$PRESET" --seq-length "$SEQ" --mock-data --vocab-size 32000 \
-        --micro-batch-size "$MBS" --global-batch-size "$MBS" --train-iters "$ITERS" --log-interval 1 \
-        --lr 3e-4 --lr-warmup-iters 10 --eval-iters 0 --jreg-lambda 1 --jreg-alpha 1 --no-progress --bf16 \
-        --metrics-file "$OUT/$run.jsonl" "$@" 2>&1 | tee "$OUT/$run.log"
+        --tokenizer-type NullTokenizer --micro-batch-size "$MBS" --global-batch-size "$MBS" --train-iters "$ITERS" \
+        --log-interval 1 --lr 3e-4 --lr-warmup-iters 10 --eval-iters 0 --jreg-lambda 1 --jreg-alpha 1 --no-progress \
+        --bf16 --metrics-file "$OUT/$run.jsonl" "$@" 2>&1 | tee "$OUT/$run.log"
 }
 
-train bf16
-if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("transformer_engine") is None)'; then
+if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("transformer_engine") is None)'; then
+    have_te=1
+    train bf16
+else
+    have_te=0
+    echo "== Transformer Engine is not installed: local layers, fused kernels of TE/apex off"
+    train bf16 --transformer-impl local --no-gradient-accumulation-fusion --no-rope-fusion --no-masked-softmax-fusion
+fi
+if [[ $have_te == 0 ]]; then
     echo "== fp8: skipped, Transformer Engine is not installed (the image of docker/Dockerfile has it)"
 elif ! awk -v cc="$cc" 'BEGIN { exit !(cc >= 8.9) }'; then
     echo "== fp8: skipped, FP8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); this GPU is $cc"
