@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_jreg.training.args import config_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "examples" / "slurm"
@@ -132,10 +131,33 @@ def cluster(tmp_path):
 
 
 def validated(argv: list[str], world: int):
-    """The TrainConfig a rank started with `argv` would train with (it validates before any work)."""
-    cfg = config_from_args(argv)
-    cfg.validate(world)
-    return cfg
+    """The Megatron-LM args a rank started with `argv` would train with: megatron-jreg's parser and
+    Megatron-LM's validate_args for `world` ranks (no data, tokenizer or GPU touched)."""
+    import contextlib
+    import io
+
+    from megatron.training import arguments
+
+    from megatron_jreg.training.arguments import parse_args
+
+    keys = ("RANK", "WORLD_SIZE", "CUDA_DEVICE_MAX_CONNECTIONS")
+    saved = {key: os.environ.get(key) for key in keys}
+    # a rank's environment as the launcher sets it (checked by the tests above)
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    arch = arguments.get_device_arch_version
+    arguments.get_device_arch_version = lambda: 9  # an H100/H200: validation asks the GPU's architecture
+    try:
+        args = parse_args(argv)
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    finally:
+        arguments.get_device_arch_version = arch
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return args
 
 
 def read_args(path: Path) -> list[str]:
@@ -194,16 +216,18 @@ def test_every_rank_gets_its_rank_world_and_flags(cluster, script):
     assert argvs == {True}  # every rank runs the same command
     argv = read_args(cluster.out / "rank-0.args")
     assert argv[:2] == ["-m", "megatron_jreg.train"]
-    cfg = validated(argv[2:], world)
+    args = validated(argv[2:], world)
     preset = script.stem
     tp, sp, dist_opt = LAYOUTS[preset]
-    assert cfg.preset == preset and cfg.precision.bf16 and cfg.model.seq_length == 2048
-    assert cfg.parallel.tensor_model_parallel_size == tp and cfg.parallel.sequence_parallel == sp
-    assert cfg.parallel.use_distributed_optimizer == dist_opt
-    assert cfg.optim.global_batch_size == 256 and cfg.optim.train_iters == 200000
+    assert args.model_preset == preset and args.bf16 and args.seq_length == 2048
+    assert args.tensor_model_parallel_size == tp and args.sequence_parallel == sp
+    assert args.use_distributed_optimizer == dist_opt
+    assert args.global_batch_size == 256 and args.train_iters == 200000
+    # the paper's recipe, not Megatron-LM's defaults (weight decay 0.01, β2 0.999, linear decay)
+    assert (args.weight_decay, args.adam_beta2, args.lr_decay_style) == (0.1, 0.95, "cosine")
     run_dir = cluster.runs / f"{opts['job-name']}-{JOB_ID}"
-    assert cfg.checkpoint.save == cfg.checkpoint.load == str(run_dir / "checkpoints")
-    assert cfg.logging.tensorboard_dir == str(run_dir / "tensorboard") and cfg.jreg.lam == 1.0
+    assert args.save == args.load == str(run_dir / "checkpoints")
+    assert args.tensorboard_dir == str(run_dir / "tensorboard") and args.jreg_lambda == 1.0
     srun = read_args(cluster.out / "srun.args")
     assert {f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", "--gpu-bind=none",
             f"--cpus-per-task={opts['cpus-per-task']}"} <= set(srun)
@@ -253,8 +277,8 @@ def test_dry_run_with_container_and_fp8(cluster):
     assert command[0] == "srun" and "--container-image=/images/jreg.sqsh" in command
     assert f"--container-mounts={cluster.runs}:{cluster.runs},/data:/data" in command
     argv = command[command.index("megatron_jreg.train") + 1:]
-    cfg = validated(argv, 16)
-    assert (cfg.precision.fp8_format, cfg.precision.fp8_recipe, cfg.precision.bf16) == ("hybrid", "delayed", True)
+    args = validated(argv, 16)
+    assert (args.fp8, args.fp8_recipe, args.bf16) == ("hybrid", "delayed", True)
     assert not (cluster.out / "srun.args").exists() and not cluster.runs.exists()  # nothing ran, nothing made
 
 
@@ -297,14 +321,14 @@ def test_gpu_smoke_bf16_and_fp8(smoke):
     assert result.returncode == 0, result.stdout + result.stderr
     for run in ("bf16", "fp8"):
         argv = read_args(smoke.dir / f"{run}.args")
-        cfg = validated(argv[2:], 1)
-        assert cfg.preset == "llama-170m" and cfg.precision.bf16 and cfg.data.mock_data and cfg.jreg.lam == 1.0
+        args = validated(argv[2:], 1)
+        assert args.model_preset == "llama-170m" and args.bf16 and args.mock_data and args.jreg_lambda == 1.0
         # median over iterations 4-6 (after warm-up), first five losses
         assert f"{run}: 5,000 tokens/s, 1.5 TFLOP/s" in result.stdout
         assert "first losses 10.800, 10.700, 10.600, 10.500, 10.400; last 10.300" in result.stdout
-    fp8 = validated(read_args(smoke.dir / "fp8.args")[2:], 1).precision
-    assert (fp8.fp8_format, fp8.fp8_recipe, fp8.transformer_impl) == ("hybrid", "delayed", "transformer_engine")
-    assert validated(read_args(smoke.dir / "bf16.args")[2:], 1).precision.fp8_format is None
+    fp8 = validated(read_args(smoke.dir / "fp8.args")[2:], 1)
+    assert (fp8.fp8, fp8.fp8_recipe, fp8.transformer_impl) == ("hybrid", "delayed", "transformer_engine")
+    assert validated(read_args(smoke.dir / "bf16.args")[2:], 1).fp8 is None
 
 
 @pytest.mark.parametrize("gpu,te,needle", [("NVIDIA H100 80GB HBM3, 9.0", False, "Transformer Engine is not installed"),

@@ -1,12 +1,13 @@
-"""`megatron-jreg convert`: megatron-jreg <-> Hugging Face Llama, checked by logits and by round trips.
+"""`megatron-jreg convert`: Megatron-LM checkpoints <-> Hugging Face Llama, checked by logits and round trips.
 
 Three spawns (importing megatron costs seconds per process):
 1. two gloo ranks train two tiny models with the training CLI and save them at TP=2 and at PP=2;
 2. one process runs every conversion through the CLI's `main` (exports of both checkpoints, imports of
    the exports and of locally built Hugging Face models, the round trips back, each refusal) and records
    transformers' logits of the Hugging Face folders on a fixed batch;
-3. two ranks load the imported checkpoints at TP=2 and at PP=2: logits, and `megatron-jreg train
-   --skip-train`, whose validation must reproduce the source run's.
+3. two ranks load the imported checkpoints at TP=2 and at PP=2 (megatron-core, from the checkpoint's saved
+   args): logits, and `megatron-jreg train --skip-train` with the flags the import printed, whose
+   validation must reproduce the source run's.
 """
 
 from __future__ import annotations
@@ -27,18 +28,20 @@ WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
 FP32 = 1e-4  # the issue's float32 threshold
 TOKENS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
 
-# Both runs: mock data, 2 layers of 64, validation once.
+# Both runs: mock data, a 2-layer Llama of 64, validation once.
+DATA = "--mock-data --train-iters 3 --eval-interval 3 --eval-iters 1 --micro-batch-size 1 --global-batch-size 2".split()
 TRAIN = (
-    "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
-    "--global-batch-size 2 --train-iters 3 --eval-interval 3 --eval-iters 1 --lr 1e-2 --log-interval 1 "
-    "--no-progress --jreg-lambda 0.1"
-).split()
+    "--model-preset tiny --num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --transformer-impl local --lr 1e-2 --log-interval 1 --no-progress "
+    "--jreg-lambda 0.1 --save-interval 3"
+).split() + DATA
 # TP=2: grouped-query attention, untied output layer, float32, the Hugging Face tokenizer of the fixture
 # (300 tokens: padded to 512 at TP=2, 384 at TP=1).
 TP2 = ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2"]
-# PP=2: multi-head attention, tied embeddings (no flag: set on the parsed config), bf16, no tokenizer, vocabulary
-# 384 (a multiple of 128: no padding).
-PP2 = ["--vocab-size", "384", "--pipeline-model-parallel-size", "2", "--bf16"]
+# PP=2: multi-head attention, tied embeddings (Megatron-LM's default), bf16, no tokenizer (NullTokenizer),
+# vocabulary 384 (a multiple of 128: no padding).
+PP2 = ["--num-query-groups", "4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "384",
+       "--pipeline-model-parallel-size", "2", "--bf16"]
 
 
 # ---------------------------------------------------------------------------------------------- in ranks
@@ -59,32 +62,17 @@ def convert(argv: list[str]) -> tuple[int, str, str]:
     return _capture(main, argv)
 
 
-def train(argv: list[str], tied: bool = False) -> tuple[int, str, str]:
-    """`megatron-jreg train ARGV` in this process; tied embeddings have no flag, so those runs go through
-    the CLI's own parse + run with the one field set."""
-    if not tied:
-        from megatron_jreg.train import main
+def train(argv: list[str]) -> tuple[int, str, str]:
+    """`megatron-jreg train ARGV` in this process."""
+    from megatron_jreg.train import main
 
-        return _capture(main, argv)
-    from megatron_jreg.training.args import config_from_args
-    from megatron_jreg.training.distributed import shutdown
-    from megatron_jreg.training.trainer import run
-
-    def tied_run() -> int:
-        cfg = config_from_args(argv)
-        cfg.model.untie_embeddings_and_output_weights = False
-        try:
-            return run(cfg)
-        finally:
-            shutdown()
-
-    return _capture(tied_run)
+    return _capture(main, argv)
 
 
 def training_runs(rank: int, world: int, tmp: str, tokenizer: str) -> dict:
     tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer]
     tp2 = train(TRAIN + TP2 + tok + ["--save", f"{tmp}/tp2", "--metrics-file", f"{tmp}/tp2.jsonl"])
-    pp2 = train(TRAIN + PP2 + ["--save", f"{tmp}/pp2", "--metrics-file", f"{tmp}/pp2.jsonl"], tied=True)
+    pp2 = train(TRAIN + PP2 + ["--save", f"{tmp}/pp2", "--metrics-file", f"{tmp}/pp2.jsonl"])
     return {"tp2": (tp2[0], tp2[2]), "pp2": (pp2[0], pp2[2])}
 
 
@@ -106,6 +94,13 @@ def _hf_models(tmp: Path, tokenizer: str) -> None:
     tied.save_pretrained(tmp / "native_tied")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer) / name, tmp / "native_tied" / name)
+    # Llama-3.1-style: RoPE scaling (rope_type llama3) and head_dim 32 != hidden / heads (--kv-channels)
+    scaled = AutoModelForCausalLM.from_config(LlamaConfig(
+        **common, num_key_value_heads=2, tie_word_embeddings=True, head_dim=32,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    perturb_vectors(scaled, seed=2)
+    scaled.save_pretrained(tmp / "native_scaled")
     gqa = AutoModelForCausalLM.from_config(LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False))
     perturb_vectors(gqa, seed=1)
     gqa = gqa.to(torch.bfloat16)
@@ -125,8 +120,10 @@ def _refusal_folders(tmp: Path) -> dict[str, Path]:
         "moe": {**base, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
         "sliding": {**base, "model_type": "mistral", "sliding_window": 16},
         "norm": {**base, "model_type": "gemma"},
-        "head_dim": {**base, "head_dim": 32},
-        "rope_scaling": {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+        "rope_yarn": {**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+        "rope_llama3_odd": {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                        "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 8192}},
     }
     folders = {}
     for name, config in configs.items():
@@ -151,13 +148,16 @@ def _refusal_folders(tmp: Path) -> dict[str, Path]:
     torch.save({"model.embed_tokens.weight": RunsCode()}, pickled / "pytorch_model.bin")
     folders["pickle"] = pickled
 
+    # A real Megatron-LM checkpoint of a GPT-2-style model (Megatron-LM's default architecture: LayerNorm,
+    # GELU, biases, learned positions): saved args and weights, nothing Llama about it.
+    from megatron_jreg.checkpoints import build_model
+    from megatron_jreg.convert.from_hf import save_release_checkpoint
+    from megatron_jreg.training.arguments import model_args
+
+    args = model_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                      "--max-position-embeddings 32 --tokenizer-type NullTokenizer".split(), 300)
     fake = tmp / "refuse" / "layernorm_ckpt"
-    (fake / "iter_0000001").mkdir(parents=True)
-    (fake / "iter_0000001" / "metadata.json").write_text("{}")
-    run = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "normalization": "LayerNorm",
-                     "disable_bias_linear": False, "swiglu": False, "vocab_size": 300}}
-    (fake / "iter_0000001" / "megatron_jreg.json").write_text(json.dumps(run))
-    (fake / "latest_checkpointed_iteration.txt").write_text("1")
+    save_release_checkpoint(fake, build_model(args), args, {})
     folders["layernorm_ckpt"] = fake
     return folders
 
@@ -182,6 +182,7 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
         "mc_pp2": ["--hf", f"{tmp}/hf_pp2", "--pipeline-model-parallel-size", "2"],
         "mc_native_tied": ["--hf", f"{tmp}/native_tied", "--tensor-model-parallel-size", "2"],
         "mc_native_bin": ["--hf", f"{tmp}/native_bin", "--pipeline-model-parallel-size", "2", "--seq-length", "32"],
+        "mc_native_scaled": ["--hf", f"{tmp}/native_scaled"],
     }
     for name, argv in imports.items():
         out["import"][name] = convert(["hf-to-mcore", *argv, "--output", f"{tmp}/{name}"])
@@ -198,7 +199,7 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
     out["pickle_ran"] = (t / "pickle-ran").exists()
     # transformers' float32 logits of the Hugging Face folders, the reference for the layout checks
     reference = {}
-    for name in ("hf_tp2", "hf_pp2", "native_tied", "native_bin"):
+    for name in ("hf_tp2", "hf_pp2", "native_tied", "native_bin", "native_scaled"):
         model = LlamaForCausalLM.from_pretrained(f"{tmp}/{name}", dtype=torch.float32, local_files_only=True)
         with torch.no_grad():
             reference[name] = model(input_ids=TOKENS).logits
@@ -207,56 +208,68 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
 
 
 def layout_logits(ckpt: str, tp: int, pp: int) -> torch.Tensor | None:
-    """Load `ckpt` at TP=tp/PP=pp in float32 and run TOKENS; logits[b, t, V] on the last stage's first TP
-    rank, None elsewhere."""
+    """Load `ckpt` at TP=tp/PP=pp in float32 (megatron-core, the model from the checkpoint's saved args) and
+    run TOKENS; logits[b, t, V] on the last stage's first TP rank, None elsewhere."""
+    import copy
+
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_jreg.config import ParallelConfig, train_config_from_dict
-    from megatron_jreg.training import checkpoint as ckpt_io
-    from megatron_jreg.training.distributed import init_model_parallel
-    from megatron_jreg.training.model import build_model_chunks, transformer_config
+    from megatron_jreg.checkpoints import read_args, resolve
+    from megatron_jreg.training.model import layer_spec
 
-    cfg = train_config_from_dict(ckpt_io.read_run_config(ckpt))
-    cfg.parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    init_model_parallel(cfg.model, cfg.parallel, cfg.seed)
-    (model,) = build_model_chunks(transformer_config(cfg.model, cfg.parallel), cfg.model,
-                                  cfg.model.padded_vocab_size(tp), "local")
-    ckpt_io.load_checkpoint(ckpt, [model], load_rng=False)
+    path, _ = resolve(ckpt)
+    args = copy.deepcopy(read_args(path))
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.params_dtype, args.bf16, args.fp16 = torch.float32, False, False
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(1)
+    config = core_transformer_config_from_args(args)
+    model_cfg = gpt_config_from_args(args, config)
+    model_cfg.transformer_layer_spec = layer_spec
+    model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(state["model"], strict=False)
     model.eval()
     positions = torch.arange(TOKENS.shape[1]).unsqueeze(0).expand_as(TOKENS)
     with torch.no_grad():
         if pp == 2:
-            hidden = torch.empty(TOKENS.shape[1], TOKENS.shape[0], cfg.model.hidden_size)
+            hidden = torch.empty(TOKENS.shape[1], TOKENS.shape[0], args.hidden_size)
             if parallel_state.is_pipeline_first_stage():
                 dist.send(model(TOKENS, positions, None).contiguous(), dst=1)
+                parallel_state.destroy_model_parallel()
                 return None
             dist.recv(hidden, src=0)
             model.set_input_tensor(hidden)
         logits = model(TOKENS, positions, None)
         logits = gather_from_tensor_model_parallel_region(logits)
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
-        return None
-    return logits[..., : cfg.model.vocab_size].clone()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    parallel_state.destroy_model_parallel()
+    return None if rank != 0 else logits[..., : args.vocab_size].clone()
 
 
-def layout_runs(rank: int, world: int, tmp: str) -> dict:
-    from megatron_jreg.config import train_config_from_dict
-    from megatron_jreg.convert.from_hf import train_flags
-    from megatron_jreg.training.checkpoint import read_run_config
+def _printed_flags(stdout: str) -> list[str]:
+    """The `megatron-jreg train ...` flags an import printed (before the bracketed placeholder)."""
+    line = next(line for line in stdout.splitlines() if line.strip().startswith("megatron-jreg train "))
+    return line.strip().removeprefix("megatron-jreg train ").split(" [")[0].split()
 
+
+def layout_runs(rank: int, world: int, tmp: str, printed: dict) -> dict:
     out: dict = {"logits": {}}
     for name, tp, pp in (("mc_tp2", 2, 1), ("mc_pp2", 1, 2), ("mc_native_tied", 2, 1), ("mc_native_bin", 1, 2)):
         out["logits"][name] = layout_logits(f"{tmp}/{name}", tp, pp)
-    # The training CLI evaluates each imported checkpoint at the layout its source was trained at.
-    for name, tied in (("mc_tp2", False), ("mc_pp2", True)):
-        cfg = train_config_from_dict(read_run_config(f"{tmp}/{name}"))
-        argv = train_flags(cfg, Path(f"{tmp}/{name}"))
-        if cfg.data.tokenizer_type is None:
-            argv += ["--vocab-size", str(cfg.model.vocab_size)]
-        argv += ["--skip-train", "--metrics-file", f"{tmp}/{name}-skip.jsonl"]
-        rc, _, err = train(TRAIN + argv, tied=tied)
+    # The training CLI evaluates each import at its source run's layout, with the flags the import printed.
+    for name in ("mc_tp2", "mc_pp2"):
+        argv = printed[name] + DATA + ["--transformer-impl", "local", "--skip-train", "--no-progress",
+                                       "--metrics-file", f"{tmp}/{name}-skip.jsonl"]
+        rc, _, err = train(argv)
         out[f"skip_{name}"] = (rc, err)
     return out
 
@@ -274,7 +287,8 @@ def runs(tmp_path_factory):
     trained = run_ranks(training_runs, 2, str(tmp), tokenizer)[0]
     assert all(rc == 0 for rc, _ in trained.values()), trained
     converted = run_ranks(conversion_runs, 1, str(tmp), tokenizer, sp_model)[0]
-    layouts = run_ranks(layout_runs, 2, str(tmp))
+    printed = {name: _printed_flags(converted["import"][name][1]) for name in ("mc_tp2", "mc_pp2")}
+    layouts = run_ranks(layout_runs, 2, str(tmp), printed)
     return {"tmp": tmp, "converted": converted, "layouts": layouts, "tokenizer": tokenizer}
 
 
@@ -297,9 +311,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _last_validation(path: Path) -> dict:
+def _first_validation(path: Path) -> dict:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if "val_loss" in r][-1]
+    return [r for r in records if r.get("split") == "valid"][0]
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -343,6 +357,7 @@ def test_export_writes_llama_config_shards_and_tokenizer(runs):
 
 @pytest.mark.parametrize("name,source", [
     ("mc_tp2", "hf_tp2"), ("mc_pp2", "hf_pp2"), ("mc_native_tied", "native_tied"), ("mc_native_bin", "native_bin"),
+    ("mc_native_scaled", "native_scaled"),
 ])
 def test_round_trip_hf_megatron_hf_is_bit_exact(runs, name, source):
     conv = runs["converted"]
@@ -354,22 +369,40 @@ def test_round_trip_hf_megatron_hf_is_bit_exact(runs, name, source):
         assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
 
 
-def test_import_describes_model_and_tokenizer(runs):
+def test_import_is_a_megatron_lm_release_checkpoint_with_args(runs):
+    """The import holds Megatron-LM's own args for the model (what pretrain_gpt.py and every megatron-jreg
+    command rebuild it from), in Megatron-LM's release layout."""
+    from megatron_jreg.checkpoints import read_args
+
     tmp = runs["tmp"]
-    run = json.loads((tmp / "mc_native_tied" / "iter_0000000" / "megatron_jreg.json").read_text())
-    m = run["model"]
-    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"]) == (2, 64, 96, 4)
-    assert m["num_query_groups"] == 4 and m["untie_embeddings_and_output_weights"] is False
-    assert m["rotary_base"] == 500000 and m["norm_epsilon"] == 1e-5 and m["vocab_size"] == 300
-    assert m["seq_length"] == m["max_position_embeddings"] == 64
-    assert run["parallel"]["tensor_model_parallel_size"] == 2
-    assert run["data"]["tokenizer_type"] == "HuggingFaceTokenizer"
-    assert run["data"]["tokenizer_model"] == str((tmp / "native_tied").resolve())
-    bin_run = json.loads((tmp / "mc_native_bin" / "iter_0000000" / "megatron_jreg.json").read_text())
-    assert bin_run["model"]["seq_length"] == 32 and bin_run["precision"]["bf16"] is True
-    assert (tmp / "mc_native_bin" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert (tmp / "mc_native_tied" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    args = read_args(tmp / "mc_native_tied" / "release")
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (2, 64, 96, 4)
+    assert args.num_query_groups == 4 and args.untie_embeddings_and_output_weights is False
+    assert args.rotary_base == 500000 and args.layernorm_epsilon == 1e-5 and args.padded_vocab_size == 512
+    assert args.seq_length == args.max_position_embeddings == 64 and args.tensor_model_parallel_size == 2
+    assert args.normalization == "RMSNorm" and args.swiglu and not args.add_bias_linear
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.tokenizer_model == str((tmp / "native_tied").resolve())
+    scaled = read_args(tmp / "mc_native_scaled" / "release")
+    assert scaled.use_rope_scaling and scaled.rope_scaling_factor == 32.0 and scaled.kv_channels == 32
+    bin_args = read_args(tmp / "mc_native_bin" / "release")
+    assert bin_args.seq_length == 32 and bin_args.bf16 is True
     out = runs["converted"]["import"]["mc_tp2"][1]
-    assert "megatron-jreg train --load" in out and "--num-query-groups 2" in out and "--finetune" in out
+    assert "megatron-jreg train --load" in out and "--num-query-groups 2" in out
+
+
+def test_export_config_carries_rope_for_every_reader(runs):
+    """transformers 5 writes RoPE as rope_parameters only; the export adds rope_theta (+ rope_scaling), which
+    transformers 4.x reads, so no reader falls back to a base of 10,000. Checked the 4.x way: the plain
+    JSON fields."""
+    tmp = runs["tmp"]
+    plain = json.loads((tmp / "rt_mc_native_tied" / "config.json").read_text())
+    assert plain["rope_theta"] == 500000.0 and plain["rope_parameters"]["rope_theta"] == 500000.0
+    scaled = json.loads((tmp / "rt_mc_native_scaled" / "config.json").read_text())
+    assert scaled["rope_theta"] == 500000.0 and scaled["head_dim"] == 32
+    assert scaled["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @pytest.mark.parametrize("name,source,tp", [
@@ -386,13 +419,14 @@ def test_import_loads_at_requested_layout_with_same_logits(runs, name, source, t
 
 @pytest.mark.parametrize("name,source", [("mc_tp2", "tp2"), ("mc_pp2", "pp2")])
 def test_training_cli_loads_import_like_its_source_run(runs, name, source):
-    """`megatron-jreg train --load IMPORT --finetune --skip-train` (flags from `train_flags`) at the source's
-    layout reproduces the source run's last validation: the same Ψ per layer (every hidden state), and for
-    the unpadded vocabulary the same loss. (With padding the loss differs: megatron's softmax spans the
-    padded columns, whose rows Hugging Face does not keep and an import fills with zeros.)"""
+    """`megatron-jreg train` with the flags the import printed and --skip-train, at the source's layout,
+    reproduces the source run's validation: the same Ψ per layer (every hidden state), and for the unpadded
+    vocabulary the same loss. (With padding the loss differs: megatron's softmax spans the padded columns,
+    whose rows Hugging Face does not keep and an import fills with zeros.)"""
     rc, err = runs["layouts"][0][f"skip_{name}"]
     assert rc == 0, err
-    got, ref = _last_validation(runs["tmp"] / f"{name}-skip.jsonl"), _last_validation(runs["tmp"] / f"{source}.jsonl")
+    got = _first_validation(runs["tmp"] / f"{name}-skip.jsonl")
+    ref = _first_validation(runs["tmp"] / f"{source}.jsonl")
     assert got["psi"] == pytest.approx(ref["psi"], rel=1e-5)
     if name == "mc_pp2":
         assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6)
@@ -403,12 +437,12 @@ def test_training_cli_loads_import_like_its_source_run(runs, name, source):
     ("moe", "MoE"),
     ("sliding", "sliding_window"),
     ("norm", "different norm"),
-    ("head_dim", "head_dim 32"),
-    ("rope_scaling", "RoPE scaling 'llama3'"),
+    ("rope_yarn", "RoPE scaling 'yarn'"),
+    ("rope_llama3_odd", "low_freq_factor"),
     ("qk_norm", "QK-norm"),
     ("pickle", "weights_only"),
     ("layernorm_ckpt", "--normalization LayerNorm"),
-    ("tp3", "--tensor-model-parallel-size 3"),
+    ("tp3", "--tensor-model-parallel-size (3)"),
     ("sp_tokenizer", "other ids"),
     ("tokenizer_too_big", "has 384 tokens but the model's vocabulary is 300"),
 ])

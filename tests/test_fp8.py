@@ -1,8 +1,10 @@
 """Transformer Engine and FP8 without a GPU: the flag → TransformerConfig mapping for each recipe, which
 implementation and layer spec a run gets, and every way an FP8 request stops before any work.
 
-The GPU, its compute capability, Transformer Engine's presence, version and own FP8 verdict are set per
-test (monkeypatch); megatron-core's TransformerConfig and its version comparison run for real.
+The flags are Megatron-LM's and so is their mapping (core_transformer_config_from_args); megatron-jreg adds
+the checks that stop an FP8 run that cannot work here before any work. The GPU, its compute capability,
+Transformer Engine's presence, version and own FP8 verdict are set per test (monkeypatch); megatron-core's
+TransformerConfig and its version comparison run for real.
 """
 
 import dataclasses
@@ -19,11 +21,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from packaging.version import Version
 
 from megatron_jreg import jreg, plugin
-from megatron_jreg.config import ConfigError, PrecisionConfig
 from megatron_jreg.training import model
-from megatron_jreg.training.args import config_from_args
+from megatron_jreg.training.arguments import UsageError, parse_args
 
-TINY = ["--model-preset", "tiny", "--mock-data", "--vocab-size", "256", "--train-iters", "1"]
+TINY = ["--model-preset", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+        "--train-iters", "1"]
 RECIPES = ["delayed", "tensorwise", "mxfp8", "blockwise"]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
 
@@ -68,14 +70,25 @@ def machine(monkeypatch):
     return set_up
 
 
-def precision(*flags: str):
-    return config_from_args(TINY + list(flags)).precision
+def args_of(*flags: str):
+    return parse_args(TINY + list(flags))
 
 
 def error_of(*flags: str) -> str:
-    with pytest.raises(ConfigError) as e:
-        model.resolve_transformer_impl(precision(*flags))
+    with pytest.raises(UsageError) as e:
+        model.check_transformer_impl(args_of(*flags))
     return str(e.value)
+
+
+def transformer_config(*flags: str) -> TransformerConfig:
+    """Megatron-LM's own flags → TransformerConfig mapping, on megatron-jreg's parser."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = args_of("--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion", *flags)
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    args.padded_vocab_size = 256
+    args.kv_channels = args.hidden_size // args.num_attention_heads
+    return core_transformer_config_from_args(args)
 
 
 # -- flags → TransformerConfig -------------------------------------------------------------------------
@@ -83,51 +96,39 @@ def error_of(*flags: str) -> str:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_flags_map_onto_transformer_config(recipe):
-    cfg = config_from_args(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe, "--fp8-param-gather",
-                                   "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"])
-    tc = model.transformer_config(cfg.model, cfg.parallel, cfg.precision)
+    tc = transformer_config("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe, "--fp8-param-gather",
+                            "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max")
     assert (tc.fp8, tc.fp8_recipe, tc.fp8_param, tc.bf16) == ("hybrid", recipe, True, True)
-    if recipe == "delayed":  # only delayed scaling keeps an amax history
-        assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo) == (16, "max")
-    else:
-        assert tc.fp8_amax_history_len == DEFAULTS["fp8_amax_history_len"]
-        assert tc.fp8_amax_compute_algo == DEFAULTS["fp8_amax_compute_algo"]
+    assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo) == (16, "max")
 
 
-def test_fp8_format_e4m3_and_no_fp8():
-    cfg = config_from_args(TINY + ["--bf16", "--fp8-format", "e4m3"])
-    assert model.transformer_config(cfg.model, cfg.parallel, cfg.precision).fp8 == "e4m3"
-    cfg = config_from_args(TINY + ["--bf16"])
-    assert model.fp8_fields(cfg.precision) == {}
-    tc = model.transformer_config(cfg.model, cfg.parallel, cfg.precision)
+def test_no_fp8_by_default():
+    tc = transformer_config("--bf16")
     assert (tc.fp8, tc.fp8_param) == (None, False)
 
 
 # -- which implementation --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "cuda,te,expected",
-    [(True, "2.8.0", "transformer_engine"), (False, "2.8.0", "local"), (True, None, "local"), (False, None, "local")],
-)
-def test_default_implementation(machine, cuda, te, expected):
-    machine(cuda=cuda, te=te)
-    assert model.resolve_transformer_impl(PrecisionConfig(bf16=True)) == expected
-    assert model.resolve_transformer_impl(PrecisionConfig(bf16=True, transformer_impl="local")) == "local"
-
-
-def test_transformer_engine_asked_for_but_missing(machine):
-    machine(te=None)
-    message = error_of("--transformer-impl", "transformer_engine")
-    assert "Transformer Engine is not importable" in message and "--transformer-impl local" in message
+@pytest.mark.parametrize("te", ["2.8.0", None])
+def test_default_implementation_is_megatron_lms(machine, te):
+    """Megatron-LM's default --transformer-impl is transformer_engine: it runs where TE imports; elsewhere
+    the run stops before any work and names the flag that gives the local spec."""
+    machine(te=te)
+    assert args_of().transformer_impl == "transformer_engine"
+    if te is None:
+        message = error_of()
+        assert "Transformer Engine is not importable" in message and "--transformer-impl local" in message
+    else:
+        model.check_transformer_impl(args_of())
+    model.check_transformer_impl(args_of("--transformer-impl", "local"))
 
 
 @pytest.mark.parametrize("recipe,cc,name", [("delayed", (9, 0), "NVIDIA H100"), ("tensorwise", (8, 9), "NVIDIA L40S"),
                                             ("blockwise", (9, 0), "NVIDIA H200"), ("mxfp8", (10, 0), "NVIDIA B200")])
 def test_fp8_recipe_runs_where_it_can(machine, recipe, cc, name):
     calls = machine(cc=cc, name=name, te="2.8.0")
-    impl = model.resolve_transformer_impl(precision("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe))
-    assert impl == "transformer_engine"
+    model.check_transformer_impl(args_of("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe))
     assert calls == [{"mxfp8": "mxfp8", "blockwise": "blockwise"}.get(recipe, "fp8")]  # TE's check for the recipe
 
 
@@ -137,20 +138,20 @@ def test_fp8_recipe_runs_where_it_can(machine, recipe, cc, name):
 def test_fp8_without_transformer_engine(machine):
     machine(te=None)
     message = error_of("--bf16", "--fp8-format", "hybrid")
-    assert "--fp8-format hybrid" in message and "Transformer Engine is not importable" in message
-    assert "docker/Dockerfile" in message and "--bf16" in message
+    assert "Transformer Engine is not importable" in message and "docker/Dockerfile" in message
 
 
 def test_fp8_with_local_layers(machine):
     machine()
     message = error_of("--bf16", "--fp8-format", "e4m3", "--transformer-impl", "local")
-    assert "--transformer-impl local was given" in message and "--transformer-impl transformer_engine" in message
+    assert "--fp8-format e4m3" in message and "--transformer-impl local" in message
+    assert "--transformer-impl transformer_engine" in message
 
 
 def test_fp8_without_gpu(machine):
     machine(cuda=False)
     message = error_of("--bf16", "--fp8-format", "hybrid", "--transformer-impl", "transformer_engine")
-    assert "no CUDA device is visible" in message and "train in --bf16" in message
+    assert "no CUDA device is visible" in message and "train in --bf16" in message and "--fp8-format hybrid" in message
 
 
 def test_fp8_needs_bf16_or_fp16(machine):
@@ -189,11 +190,6 @@ def test_transformer_engine_verdict_is_reported(machine):
     assert "Transformer Engine cannot run this recipe here (CUDA 12.1 or higher required" in message
 
 
-def test_fp8_param_gather_without_fp8(machine):
-    machine()
-    assert "--fp8-param-gather" in error_of("--bf16", "--fp8-param-gather")
-
-
 # -- layer specs -----------------------------------------------------------------------------------------
 
 
@@ -207,48 +203,67 @@ class _FakeTESpecProvider:
         return lambda *args, **kwargs: type(f"TE_{kind}", (), {})
 
 
-def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch):
-    """The TE spec keeps megatron's TransformerLayer (the class JregPlugin hooks) and fuses each pre-norm into
-    the TE linear after it, so the layer's input and output are the residual stream, as in the local spec."""
-    monkeypatch.setattr(model, "have_transformer_engine", lambda: True)
-    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _FakeTESpecProvider)
-    spec = model.transformer_engine_layer_spec()
-    assert spec.module is TransformerLayer and plugin.TransformerLayer is TransformerLayer
-    sub = spec.submodules
-    assert sub.input_layernorm is IdentityOp and sub.pre_mlp_layernorm is IdentityOp
-    assert sub.self_attention.submodules.linear_qkv.__name__ == "TE_column_parallel_layer_norm_linear"
-    local = model.local_layer_spec()
-    assert local.module is TransformerLayer and local.submodules.input_layernorm is model.TorchNorm
-
-
-def test_transformer_engine_spec_without_transformer_engine(monkeypatch):
-    monkeypatch.setattr(model, "have_transformer_engine", lambda: False)
-    with pytest.raises(ConfigError, match="--transformer-impl local"):
-        model.transformer_engine_layer_spec()
-
-
-@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
-def test_build_model_chunks_uses_the_chosen_spec(monkeypatch, impl):
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group with megatron-core's parallel state (specs ask for the pipeline layout)."""
     from megatron.core import parallel_state
-    from megatron.core.extensions.transformer_engine import TENorm
 
-    te_spec = model.local_layer_spec()  # a stand-in object: only its identity matters here
-    monkeypatch.setattr(model, "transformer_engine_layer_spec", lambda: te_spec)
-    for name in ("is_pipeline_first_stage", "is_pipeline_last_stage"):
-        monkeypatch.setattr(parallel_state, name, lambda **kwargs: True)
-    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
-    built = []
-    monkeypatch.setattr(model, "GPTModel", lambda **kwargs: built.append(kwargs))
-    cfg = config_from_args(TINY + ["--bf16"])
-    tc = model.transformer_config(cfg.model, cfg.parallel, cfg.precision)
-    model.build_model_chunks(tc, cfg.model, 256, impl)
-    (block,) = [b["transformer_layer_spec"] for b in built]
-    assert len(block.layer_specs) == cfg.model.num_layers
-    if impl == "transformer_engine":
-        assert block.layer_specs[0] is te_spec and block.layer_norm is TENorm
-    else:
-        assert block.layer_norm is model.TorchNorm
-        assert block.layer_specs[0].submodules.input_layernorm is model.TorchNorm
+    from megatron_jreg.checkpoints.model import init_process_group
+
+    init_process_group()
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def _model_config(*flags: str):
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    tc = transformer_config(*flags)
+    args = args_of("--no-rope-fusion", *flags)
+    args.padded_vocab_size = 256
+    return gpt_config_from_args(args, tc)
+
+
+def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch, one_rank):
+    """With TE, megatron-jreg keeps Megatron-LM's TE spec as it is: megatron's TransformerLayer (the class
+    JregPlugin hooks) with each pre-norm fused into the TE linear after it, so the layer's input and output
+    are the residual stream, as in the local spec."""
+    from megatron.core.transformer import transformer_block
+
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _FakeTESpecProvider)
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", type("TENorm", (), {}))
+    monkeypatch.setattr(model, "LayerNormImpl", transformer_block.LayerNormImpl)
+    block = model.layer_spec(_model_config("--transformer-impl", "transformer_engine"))
+    spec = block.layer_specs[0]
+    assert spec.module is TransformerLayer and plugin.TransformerLayer is TransformerLayer
+    assert spec.submodules.input_layernorm is IdentityOp and spec.submodules.pre_mlp_layernorm is IdentityOp
+    assert spec.submodules.self_attention.submodules.linear_qkv.__name__ == "TE_column_parallel_layer_norm_linear"
+    assert block.layer_norm.__name__ == "TENorm"
+
+
+def test_local_spec_is_megatron_lms_with_sequence_parallel_norms(one_rank):
+    """Without TE or apex, Megatron-LM's local spec uses a bare torch norm that refuses sequence parallelism;
+    megatron-jreg's spec is the same layer with TorchNorm (same math) in the three norm places."""
+    block = model.layer_spec(_model_config("--transformer-impl", "local"))
+    assert len(block.layer_specs) == 4 and block.layer_norm is model.TorchNorm
+    layer = block.layer_specs[0]
+    assert layer.module is TransformerLayer
+    assert layer.submodules.input_layernorm is model.TorchNorm and layer.submodules.pre_mlp_layernorm is model.TorchNorm
+
+
+def test_torch_norm_equals_torch_rmsnorm_and_supports_zero_centered_gamma():
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
+    x = torch.randn(3, 2, 8)
+    ours = model.TorchNorm(config, 8, eps=1e-5)
+    ours.weight.data = torch.linspace(0.5, 1.5, 8)
+    ref = torch.nn.RMSNorm(8, eps=1e-5)
+    ref.weight.data = ours.weight.data.clone()
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    one_p = model.TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), 8, eps=1e-5)
+    assert torch.equal(one_p.weight, torch.zeros(8))  # γ − 1 is stored, as Transformer Engine's norms do
+    one_p.weight.data = ours.weight.data - 1
+    torch.testing.assert_close(one_p(x), ref(x))
 
 
 def test_jreg_displacement_is_fp32_from_bf16_activations():

@@ -24,17 +24,34 @@ WIKITEXT = REPO / "examples" / "data" / "wikitext-2"
 LAMBADA = REPO / "megatron_jreg" / "resources" / "lambada_test.jsonl"
 
 
+def _validation_tokens(argv: list[str], count: int):
+    """The first `count` validation samples of a run, as Megatron-LM's loop validates them: its datasets
+    provider on the run's own flags (the valid sampler starts at sample 0)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    from megatron_jreg.training.arguments import parse_and_validate
+    from megatron_jreg.training.data import train_valid_test_datasets_provider
+    from megatron_jreg.training.run import teardown
+
+    try:
+        parse_and_validate(argv)
+        parallel_state.initialize_model_parallel()
+        _, valid_ds, _ = train_valid_test_datasets_provider(get_train_valid_test_num_samples())
+        return torch.stack([torch.as_tensor(valid_ds[i]["tokens"]) for i in range(count)])
+    finally:
+        teardown()
+
+
 def _chain(rank: int, world: int, tmp: str) -> dict:
     import torch
 
     from megatron_jreg.analysis.megatron_source import load_megatron_source
-    from megatron_jreg.config import train_config_from_dict
     from megatron_jreg.data.preprocess import PreprocessConfig, preprocess
     from megatron_jreg.data.text import wikitext_articles
     from megatron_jreg.data.train_tokenizer import train_tokenizer
     from megatron_jreg.train import main as train_main
-    from megatron_jreg.training import checkpoint as ckpt
-    from megatron_jreg.training.data import BatchLoader, build_datasets, tokenizer_for
 
     out: dict = {}
     root = Path(tmp)
@@ -48,9 +65,10 @@ def _chain(rank: int, world: int, tmp: str) -> dict:
                                     tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
                                     append_eod=True, workers=1))
     argv = (
-        "--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
-        "--global-batch-size 4 --train-iters 3 --lr 3e-3 --log-interval 1 --eval-interval 3 --eval-iters 2 "
-        "--jreg-lambda 1 --no-progress --tokenizer-type HuggingFaceTokenizer"
+        "--model-preset tiny --num-layers 3 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+        "--num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --transformer-impl local "
+        "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 3e-3 --log-interval 1 --eval-interval 3 "
+        "--eval-iters 2 --jreg-lambda 1 --no-progress --tokenizer-type HuggingFaceTokenizer --save-interval 3"
     ).split() + [
         "--tokenizer-model", tokenizer, "--train-data-path", f"{tmp}/train_text_document",
         "--valid-data-path", f"{tmp}/valid_text_document", "--save", f"{tmp}/ckpt",
@@ -58,20 +76,12 @@ def _chain(rank: int, world: int, tmp: str) -> dict:
     ]
     out["train_rc"] = train_main(argv)
     records = [json.loads(x) for x in Path(f"{tmp}/metrics.jsonl").read_text().splitlines()]
-    out["logged"] = [r for r in records if "val_loss" in r][-1]
+    out["logged"] = [r for r in records if "val_loss" in r][0]  # the validation at iteration 3
 
     # The same validation samples, measured on the checkpoint by the analysis source.
-    cfg = train_config_from_dict(ckpt.read_run_config(f"{tmp}/ckpt"))
-    _, ds_tok = tokenizer_for(cfg)
-    gbs, evals = 4, 2
-    _, valid_ds, _ = build_datasets(cfg, ds_tok, [3 * gbs, evals * gbs, evals * gbs])
+    tokens = _validation_tokens(argv, 2 * 4)
     source = load_megatron_source(Path(f"{tmp}/ckpt"), label="ckpt", dtype=torch.float32, device="cpu")
-    loader = BatchLoader(valid_ds, 2, 0, 1, 0)
-    sums = counts = 0
-    for _ in range(evals):
-        for mb in loader.microbatches(2):
-            s, c = source.layer_sums(mb["tokens"], torch.ones_like(mb["tokens"]), "angular")
-            sums, counts = sums + s, counts + c
+    sums, counts = source.layer_sums(tokens, torch.ones_like(tokens), "angular")
     out["analyzed_psi"] = (sums / counts).tolist()
     # Padding invariance on the megatron path: one padded batch equals the rows measured alone.
     rows = [source.encode(["The quick brown fox jumps over the lazy dog ."])[0], source.encode(["Hello world"])[0]]

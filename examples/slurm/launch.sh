@@ -65,20 +65,21 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1  # keep megatron's TP/SP communication kern
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # as torchrun: 8 ranks a node must not each take every core
 export PYTHONUNBUFFERED=1
 
+# The paper's recipe in Megatron-LM's flags (its defaults differ: weight decay 0.01, Adam β2 0.999, linear decay).
 args=(
     --model-preset "$PRESET"
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
     --micro-batch-size "$MBS" --global-batch-size "$GBS"
     --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$LR_WARMUP_ITERS"
-    --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
-    --bf16
+    --lr-decay-style cosine --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+    --bf16 --use-mcore-models --distributed-timeout-minutes 60
     --save "$CKPT" --load "$CKPT" --save-interval "$SAVE_INTERVAL"
     --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
     --log-interval 10 --eval-interval 1000 --eval-iters 10 --no-progress
     --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "$JREG_ALPHA"
 )
 if [[ $DATA_PATH == mock ]]; then
-    args+=(--mock-data --vocab-size 32000)
+    args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000)
 else
     read -r -a data_path <<< "$DATA_PATH"
     args+=(--data-path "${data_path[@]}" --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"

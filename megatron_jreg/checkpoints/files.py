@@ -74,8 +74,12 @@ def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
     if path.is_file():
         raise CheckpointError(f"{path} is a file: give the checkpoint directory (holding {TRACKER}) or an "
                               "iter_* directory")
-    if iteration is None and (path.name.startswith("iter_") or path.name == "release") and is_checkpoint_dir(path):
-        return path, (0 if path.name == "release" else int(path.name[5:]))
+    if (path.name.startswith("iter_") or path.name == "release") and is_checkpoint_dir(path):
+        found = 0 if path.name == "release" else int(path.name[5:])
+        if iteration is not None and iteration != found:
+            raise CheckpointError(f"{path} is iteration {found}, not {iteration}: give the run's directory to choose "
+                                  "another iteration")
+        return path, found
     found = iteration if iteration is not None else read_tracker(path)
     if found is None:
         raise CheckpointError(f"{path}: no {TRACKER}; not a Megatron-LM checkpoint directory (give the --save "

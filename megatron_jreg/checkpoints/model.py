@@ -100,7 +100,7 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
     install_safe_metadata_reader()
     register_safe_globals()
-    _init_process_group()
+    init_process_group()
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except CheckpointError:
@@ -168,7 +168,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) ->
 
     from megatron_jreg.training.model import layer_spec
 
-    _init_process_group()
+    init_process_group()
     _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
     a = _inference_args(args, dtype)
     try:
@@ -246,7 +246,7 @@ def load_megatron_model(
 
 
 # -- one-process megatron-core -------------------------------------------------------------------------
-def _init_process_group() -> None:
+def init_process_group() -> None:
     """torch.distributed (gloo on CPU) for a single process, unless a caller already started it."""
     from megatron_jreg.compat import apply_cpu_compat, dist_backend
 

@@ -42,7 +42,7 @@ class ImportResult:
 def _tokenizer(folder: Path) -> tuple[list[str], int | None, list[str]]:
     """(--tokenizer-* flags of the folder's own tokenizer, its vocabulary size, notes)."""
     found = hf_io.hf_tokenizer_flags(folder)
-    if found is None:
+    if found is None:  # Megatron-LM's NullTokenizer then takes --vocab-size (added by the caller)
         return ["--tokenizer-type", "NullTokenizer"], None, [
             f"{folder} has no tokenizer: train with --tokenizer-type/--tokenizer-model of your own"]
     from megatron_jreg.data.tokenizers import build_tokenizer
@@ -127,6 +127,8 @@ def hf_to_mcore(
         else:
             notes.append(why)
     extra = ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
+    if tokens_in_tokenizer is None:
+        extra += ["--vocab-size", str(arch.vocab_size)]
     if tokens_in_tokenizer is not None and tokens_in_tokenizer != arch.vocab_size:
         # Megatron-LM sizes the embedding from the tokenizer; this model's has another number of rows.
         notes.append(f"the tokenizer has {tokens_in_tokenizer} tokens and the embedding {arch.vocab_size} rows: "

@@ -119,7 +119,7 @@ class LlamaArch:
             ffn_hidden_size=int(args.ffn_hidden_size), num_attention_heads=heads, num_query_groups=groups,
             head_dim=int(args.kv_channels or args.hidden_size // heads), vocab_size=int(vocab_size),
             max_position_embeddings=int(args.max_position_embeddings), seq_length=int(args.seq_length),
-            rotary_base=float(args.rotary_base), norm_epsilon=float(args.norm_epsilon),
+            rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
             untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
             init_method_std=float(args.init_method_std),
             rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None,

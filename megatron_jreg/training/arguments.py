@@ -170,14 +170,17 @@ def _check_data(args: argparse.Namespace) -> None:
                                  ".bin/.idx, e.g. my-data_text_document)")
 
 
-def _assertion_text(e: BaseException) -> str:
+def _assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
     """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
-    made, with `args.foo_bar` spelled as the flag `--foo-bar`."""
+    made, with `args.foo_bar` (and, given `args`, any bare argument name) spelled as the flag `--foo-bar`."""
     import re
     import traceback
 
     text = " ".join(str(e).split())
     if text:
+        if args is not None:
+            text = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
+                          lambda m: flag(m.group(0)) if hasattr(args, m.group(0)) else m.group(0), text)
         return text
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
@@ -186,6 +189,17 @@ def _assertion_text(e: BaseException) -> str:
     check = re.sub(r"^assert\s+", "", (frame.line or "").strip())
     check = re.sub(r"args\.([a-z0-9_]+)", lambda m: flag(m.group(1)), check)
     return f"Megatron-LM's argument check `{check}` failed ({Path(frame.filename).name}:{frame.lineno})"
+
+
+def _check_model_config(args: argparse.Namespace) -> None:
+    """megatron-core's TransformerConfig checks (heads and groups divisible by TP, layers by stages, ...)
+    that Megatron-LM's validate_args leaves to the model build, after the process groups exist."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    try:
+        core_transformer_config_from_args(args)
+    except (AssertionError, ValueError, TypeError) as e:
+        raise UsageError(_assertion_text(e, args)) from None
 
 
 def parse_and_validate(argv: list[str]) -> argparse.Namespace:
@@ -221,7 +235,8 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     try:
         arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, TypeError) as e:
-        raise UsageError(_assertion_text(e)) from None
+        raise UsageError(_assertion_text(e, args)) from None
+    _check_model_config(args)
     _check_jreg(args)  # num_layers may only now be known
     if args.wandb_project:
         try:
@@ -257,14 +272,18 @@ def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argpars
 
     from megatron_jreg.compat import apply_cpu_training_compat
 
-    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK="0", WORLD_SIZE=str(world_size))
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    # validation checks the layout against a world of TP×PP ranks, as a training launch sets it up
+    os.environ.update(RANK="0", WORLD_SIZE=str(world_size), CUDA_DEVICE_MAX_CONNECTIONS="1")
     try:
-        args = parse_args([*argv, "--vocab-size", str(vocab_size), "--transformer-impl", "local"])
+        # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
+        args = parse_args(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
+                           "--transformer-impl", "local"])
         if not torch.cuda.is_available():
             apply_cpu_training_compat(args)
         with contextlib.redirect_stdout(io.StringIO()):
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+        _check_model_config(args)
     except (AssertionError, ValueError, TypeError) as e:
         raise UsageError(_assertion_text(e)) from None
     finally:

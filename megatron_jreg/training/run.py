@@ -36,6 +36,10 @@ def run(argv: list[str]) -> int:
     # The megatron-core wheel ships its dataset index helpers compiled but not the Makefile that
     # compile_helpers() runs at startup (on GPUs too): the compiled module is used as is.
     dataset_utils.compile_helpers = lambda: None
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():  # Megatron-LM would silently keep another layout
+        parallel_state.destroy_model_parallel()
     loop = None
     try:
         args = parse_and_validate(argv)
@@ -49,15 +53,27 @@ def run(argv: list[str]) -> int:
                               get_embedding_ranks=_get_embedding_ranks)
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            _stop_data_workers()
+            raise
         return 0
     finally:
         if loop is not None:
             loop.uninstall()
         checkpointing.uninstall()
-        _teardown()
+        teardown()
 
 
-def _teardown() -> None:
+def _stop_data_workers() -> None:
+    """After a crash, end the data loader workers: forked after the SIGTERM handler was installed, they
+    ignore the SIGTERM Python's exit sends them, and the process would wait for them forever."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def teardown() -> None:
     """Undo Megatron-LM's global state so the process can run again (the process group stays)."""
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader,
