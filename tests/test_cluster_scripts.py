@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "examples" / "slurm"
 SMOKE = REPO / "examples" / "gpu_smoke.sh"
