@@ -468,7 +468,7 @@ def test_missing_datasets_stop_before_the_model_loads(
         ),
         (["--hf", "{model}", "--task-data", "boolq"], "write TASK=PATH"),
         (["--hf", "{model}", "--lambada-file", "/nonexistent.jsonl"], "--lambada-file /nonexistent.jsonl"),
-        (["--load", "{model}", "--tasks", "lambada"], "not a megatron-jreg checkpoint directory"),
+        (["--load", "{model}", "--tasks", "lambada"], "not a Megatron-LM checkpoint directory"),
     ],
 )
 def test_flag_errors_name_the_flag(model_dir, argv, message, capsys):

@@ -2,7 +2,8 @@
 
 from megatron_jreg.checkpoints.files import (
     CheckpointError,
-    install_safe_metadata_reader,
+    failure_text,
+    install_safe_checkpoint_reader,
     load_metadata,
     read_tracker,
     resolve,
@@ -10,5 +11,5 @@ from megatron_jreg.checkpoints.files import (
 )
 from megatron_jreg.checkpoints.model import MegatronModel, build_model, load_megatron_model, read_args
 
-__all__ = ["CheckpointError", "MegatronModel", "build_model", "install_safe_metadata_reader", "load_megatron_model",
-           "load_metadata", "read_args", "read_tracker", "resolve", "verify_integrity"]
+__all__ = ["CheckpointError", "MegatronModel", "build_model", "failure_text", "install_safe_checkpoint_reader",
+           "load_megatron_model", "load_metadata", "read_args", "read_tracker", "resolve", "verify_integrity"]

@@ -8,11 +8,12 @@ Layout (Megatron-LM's torch_dist format):
 
 Three protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
 - `resolve` turns every malformed tracker or directory into one line naming the file and the fix.
-- torch's DCP reader unpickles `.metadata` with plain `pickle.load`, so a crafted file runs code.
-  `install_safe_metadata_reader()` makes that reader use `MetadataUnpickler`, which builds only the
-  classes a DCP metadata file holds (torch.distributed.checkpoint's dataclasses and enums, torch.Size,
-  dtypes) and names any other class. The common state and sharded objects are already loaded by
-  megatron-core with `torch.load(weights_only=True)`.
+- torch's DCP reader unpickles `.metadata` with plain `pickle.load`, and its load planner every stored
+  Python object (Megatron-LM's common state: args, RNG, scheduler, ...) with `torch.load(weights_only=
+  False)`, so a crafted file runs code. `install_safe_checkpoint_reader()` makes the reader use
+  `MetadataUnpickler`, which builds only the classes a DCP metadata file holds (torch.distributed.
+  checkpoint's dataclasses and enums, torch.Size, dtypes) and names any other class, and the planner use
+  `torch.load(weights_only=True)` with megatron-core's own allow-list of the types it stores.
 - `verify_integrity` checks the SHA-256 manifest Megatron-LM writes with --verify-integrity (on by default
   in megatron-jreg) and names the first corrupt file; checkpoints without a manifest load unverified.
 """
@@ -27,6 +28,8 @@ import json
 import os
 import pickle
 from pathlib import Path
+
+import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
@@ -94,6 +97,21 @@ def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
     return ckpt, (0 if found == "release" else int(found))
 
 
+class UnsafeClass(pickle.UnpicklingError):
+    """A pickle asks for a class outside the allow-list (what a crafted file does to run code)."""
+
+
+def failure_text(e: BaseException) -> str:
+    """One line for an exception from reading a checkpoint; torch's DCP CheckpointException carries a
+    traceback per rank in its message, so its first underlying error is shown instead."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"{type(inner).__name__}: {' '.join(str(inner).split())[:200]}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a torch DCP `.metadata` file, building nothing but its own data classes."""
 
@@ -116,7 +134,7 @@ class MetadataUnpickler(pickle.Unpickler):
                 dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
             ):
                 return obj
-        raise pickle.UnpicklingError(f"class {module}.{name} is not allowed in checkpoint metadata")
+        raise UnsafeClass(f"class {module}.{name} is not allowed in checkpoint metadata")
 
 
 def load_metadata(path: str | Path):
@@ -125,10 +143,11 @@ def load_metadata(path: str | Path):
     try:
         data = path.read_bytes()
         return MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
+    except UnsafeClass as e:
         raise CheckpointError(f"{path}: refused to load ({e}); this file could run code: do not use this "
                               "checkpoint") from None
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OSError) as e:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the file is "
                               "truncated or corrupt: resume from another iteration") from None
 
@@ -136,7 +155,7 @@ def load_metadata(path: str | Path):
 _installed = False
 
 
-def install_safe_metadata_reader() -> None:
+def install_safe_checkpoint_reader() -> None:
     """Make torch's DCP FileSystemReader read `.metadata` through MetadataUnpickler (process-wide)."""
     global _installed
     if _installed:
@@ -152,6 +171,24 @@ def install_safe_metadata_reader() -> None:
         return metadata
 
     filesystem.FileSystemReader.read_metadata = read_metadata
+
+    from megatron.core.safe_globals import register_safe_globals
+    from torch.distributed.checkpoint import default_planner
+
+    register_safe_globals()
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: ANN001 - torch's signature
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"checkpoint object {read_item.dest_index.fqn!r}: refused to load "
+                                  f"({' '.join(str(e).split())[:200]}); this checkpoint could run code") from None
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
     _installed = True
 
 

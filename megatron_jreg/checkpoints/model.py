@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megatron_jreg.checkpoints.files import CheckpointError, install_safe_metadata_reader, resolve, verify_integrity
+from megatron_jreg.checkpoints.files import (
+    CheckpointError,
+    failure_text,
+    install_safe_checkpoint_reader,
+    resolve,
+    verify_integrity,
+)
 
 # Transformer Engine fuses each pre-norm into the linear after it; the local spec keeps it separate.
 _TE_TO_LOCAL = {
@@ -98,16 +105,16 @@ def read_args(ckpt: Path) -> argparse.Namespace:
     from megatron.core import dist_checkpointing
     from megatron.core.safe_globals import register_safe_globals
 
-    install_safe_metadata_reader()
+    install_safe_checkpoint_reader()
     register_safe_globals()
     init_process_group()
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch/megatron raise many types for broken files
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]}); the checkpoint is truncated or corrupt") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for broken files
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state ({failure_text(e)}); the "
+                              "checkpoint is truncated or corrupt") from None
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, argparse.Namespace) or getattr(args, "num_layers", None) is None:
         raise CheckpointError(f"{ckpt}: holds no Megatron-LM `args` (saved by another tool?); it cannot be rebuilt "
@@ -233,9 +240,9 @@ def load_megatron_model(
         loaded = dist_checkpointing.load({"model": request}, str(ckpt))
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - truncated shards surface as many exception types
-        raise CheckpointError(f"{ckpt}: cannot read the weights ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]}); the checkpoint is truncated or corrupt") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for truncated shards
+        raise CheckpointError(f"{ckpt}: cannot read the weights ({failure_text(e)}); the checkpoint is truncated "
+                              "or corrupt") from None
     result = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:

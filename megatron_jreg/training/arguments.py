@@ -144,6 +144,13 @@ def _check_paths(args: argparse.Namespace) -> None:
         existing = next((p for p in [save, *save.parents] if p.exists()), None)
         if existing is not None and not os.access(existing, os.W_OK):
             raise UsageError(f"--save {args.save}: {existing} is not writable; choose a writable directory")
+    if args.global_batch_size is not None and args.micro_batch_size:
+        dp = args.world_size // max(args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                    * args.context_parallel_size, 1)
+        if dp and args.global_batch_size % (args.micro_batch_size * dp):
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                             f"× data-parallel size = {args.micro_batch_size} × {dp}: choose a multiple of "
+                             f"{args.micro_batch_size * dp}")
     if args.save is not None and args.save_interval is None:
         raise UsageError(f"--save {args.save} needs --save-interval N (Megatron-LM saves every N iterations; at exit "
                          "too with --exit-interval or on SIGTERM)")

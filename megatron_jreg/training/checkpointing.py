@@ -26,9 +26,12 @@ import json
 import os
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
 from megatron_jreg.checkpoints import (
     CheckpointError,
-    install_safe_metadata_reader,
+    failure_text,
+    install_safe_checkpoint_reader,
     load_metadata,
     read_tracker,
     resolve,
@@ -46,7 +49,7 @@ def _load_dir(args: argparse.Namespace) -> str | None:
 
 def check_load(args: argparse.Namespace) -> None:
     """--load names nothing yet (start from scratch, as Megatron-LM) or a checkpoint we can read safely."""
-    install_safe_metadata_reader()
+    install_safe_checkpoint_reader()
     root = _load_dir(args)
     if root is None or not Path(root).is_dir():
         return
@@ -146,6 +149,12 @@ def _load_checkpoint(*a, **k):
     try:
         with torch.no_grad():  # copies into leaf (main) parameters; Megatron-LM relies on apex/TE paths here
             result = _originals["load_checkpoint"](*a, **k)
+    except UsageError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for unreadable checkpoints
+        detail = failure_text(e)
+        raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({type(e).__name__}: {detail}); "
+                         "is it truncated, or saved for another model or layout?") from None
     finally:
         args.verify_integrity = saved
     if torch_adam and not args.no_load_optim and not args.finetune:

@@ -18,9 +18,9 @@ import numpy as np
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_jreg.data.indexed import verify_dataset
 from megatron_jreg.training.arguments import UsageError
 
 _DATA_OPTIONS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
@@ -56,11 +56,10 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, boo
             if isinstance(value, int):
                 return value, True
     try:
-        dtype = IndexedDataset(prefix, mmap=True).index.dtype
+        dtype = verify_dataset(prefix).dtype  # megatron's reader would fail deep in the builder
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    except (AssertionError, ValueError, OSError) as e:
-        raise UsageError(f"{prefix}.idx/.bin is not a readable indexed dataset ({' '.join(str(e).split())}): "
-                         "re-run preprocess_data.py") from None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{prefix}.idx/.bin is not a readable indexed dataset: {' '.join(str(e).split())}") from None
     if tokens.nbytes <= scan_limit_bytes:
         chunks, exact = [tokens], True
     else:
