@@ -15,7 +15,7 @@ Run through `benchmarks/gpu_check.sh` (docs/gpu.md). Steps, all within `--budget
 4. training: `megatron-jreg train` on that preset and micro-batch, λ = 0 then λ = 1, 30 iterations each
    (logged every 10; the 20 after the first 10 are timed): tokens/s, Megatron-LM's model TFLOP/s and the
    peak allocated memory of each run (jreg_time_ratio, jreg_memory_ratio).
-5. a large bf16 matmul measures the GPU's attainable rate; MFU = model TFLOP/s ÷ that rate (and ÷ 790,
+5. large bf16 matmuls (8192³, 16384³) measure the GPU's attainable rate; MFU = model TFLOP/s ÷ that rate (and ÷ 790,
    the H200's usual figure); then one key=value line:
    loss_rel_diff tokens_per_sec mfu jreg_time_ratio jreg_memory_ratio kernel_time_ratio, then more keys.
 
@@ -72,8 +72,11 @@ class Sizes:
         self.iters = 6 if dry_run else 30  # training iterations per λ
         self.log_interval = 2 if dry_run else 10  # the first interval is warm-up; the rest are timed
         self.kernel_iters = 3 if dry_run else 20
+        self.fallback_micro_batch = 2 if dry_run else 8  # when step 3 found none (gpu_smoke.sh's default)
         self.budget_mib = 24.0 if dry_run else None  # dry run: a pretend memory budget (saved activations)
-        self.matmul = (512, torch_dtype("float32"), 4) if dry_run else (8192, torch_dtype("bfloat16"), 50)
+        # (n, repetitions) of n×n×n matmuls; the best rate counts
+        self.matmul_dtype = torch_dtype("float32" if dry_run else "bfloat16")
+        self.matmuls = [(512, 4)] if dry_run else [(8192, 50), (16384, 8)]
 
 
 def torch_dtype(name: str):
@@ -383,7 +386,7 @@ class Check:
         from train_throughput import compare, train_flags
 
         s = self.sizes
-        b = int(self.figures.get("micro_batch") or 1)
+        b = int(self.figures.get("micro_batch") or s.fallback_micro_batch)
         for attempt in range(2):
             runs = {}
             for lam in (0.0, 1.0):
@@ -429,16 +432,19 @@ class Check:
     def matmul(self) -> None:
         import torch
 
-        n, dtype, reps = self.sizes.matmul
+        dtype = self.sizes.matmul_dtype
         device = torch.device("cpu" if self.args.dry_run else "cuda")
-        rate = matmul_tflops(n, dtype, reps, device)
+        rates = {n: matmul_tflops(n, dtype, reps, device) for n, reps in self.sizes.matmuls}
+        rate = max(rates.values())
+        self.details["matmul_tflops"] = rates
         self.figures["matmul_tflops"] = rate
         model = self.figures.get("model_tflops")
         if model is not None:
             self.figures["mfu"] = model / rate
             if not self.args.dry_run:
                 self.figures["mfu_vs_790"] = model / H200_BF16_TFLOPS
-        self.say(f"   {str(dtype).removeprefix('torch.')} matmul {n}x{n}x{n} on {device.type}: {rate:.1f} TFLOP/s; "
+        tried = ", ".join(f"{k}³ {v:.1f}" for k, v in rates.items())
+        self.say(f"   {str(dtype).removeprefix('torch.')} matmul on {device.type}, TFLOP/s: {tried}; "
                  f"MFU {fmt(self.figures.get('mfu'))} (model {fmt(model)} TFLOP/s)"
                  + ("" if self.args.dry_run else f", {fmt(self.figures.get('mfu_vs_790'))} of {H200_BF16_TFLOPS:.0f}"))
 
@@ -486,9 +492,8 @@ def matmul_tflops(n: int, dtype, reps: int, device) -> float:
     """Best of 3 timings of `reps` n×n×n matmuls, in TFLOP/s (2n³ FLOPs each)."""
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
@@ -516,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="parent of the scratch folder (default: the system's temp)")
     p.add_argument("--budget-s", type=float, default=480.0, help="time for the whole check (default 8 minutes)")
     args = p.parse_args(argv)
+    if args.dry_run:  # tiny sizes gain nothing from threads, and on a busy machine they spin (timing noise)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.site is None:
         args.site = Path(tempfile.gettempdir()) / "megatron-jreg-gpu-site"
     if str(args.site) not in sys.path:

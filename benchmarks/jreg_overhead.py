@@ -144,13 +144,15 @@ class Bench:
         try:
             self.step(lam, b)
             self.sync()
-        except torch.OutOfMemoryError:
-            for p in self.model.parameters():
-                p.grad = None
-            self._batches.clear()
-            torch.cuda.empty_cache()
-            return math.inf
-        return float(torch.cuda.max_memory_allocated())
+            return float(torch.cuda.max_memory_allocated())
+        except torch.cuda.OutOfMemoryError:
+            pass
+        # outside the handler, so that the traceback no longer holds the step's tensors
+        for p in self.model.parameters():
+            p.grad = None
+        self._batches.clear()
+        torch.cuda.empty_cache()
+        return math.inf
 
     def close(self) -> None:
         """Release the model and megatron's model-parallel state (the process group stays)."""
