@@ -4,8 +4,8 @@
 2. A byte-level BPE tokenizer (vocabulary 4,096) trained on the valid split.
 3. Indexed datasets (.bin/.idx) with `megatron-jreg preprocess`: train = WikiText-2 valid,
    validation = WikiText-2 test.
-4. Two `megatron-jreg train` runs side by side (one CPU core each), same seed and data: a 6-layer ×
-   192 Llama, baseline (λ = 0) and JREG (λ = 1, α = 1, 1 − cos penalty).
+4. Two `megatron-jreg train` runs side by side (one CPU core each; Megatron-LM's own training loop), same
+   seed and data: a 6-layer × 192 Llama, baseline (λ = 0) and JREG (λ = 1, α = 1, 1 − cos penalty).
 5. A table (final lm loss, validation loss, ζ_L, ζ_{L−1}, ζ_{L−2}) and a plot of Ψ_ℓ per layer.
 
 Everything lands in --output (default demo_output/): metrics.jsonl and train.log per run, psi.png,
@@ -62,18 +62,22 @@ def prepare_data(out: Path, vocab_size: int) -> tuple[str, Path]:
 
 
 def train_args(args: argparse.Namespace, tokenizer: str, data: Path, run_dir: Path) -> list[str]:
+    """Megatron-LM's flags: a Llama (RoPE, RMSNorm, SwiGLU, no biases or dropout) and the pilot's recipe."""
     return [
         "--num-layers", "6", "--hidden-size", "192", "--num-attention-heads", "6", "--ffn-hidden-size", "512",
-        "--untie-embeddings-and-output-weights",
-        "--seq-length", "128", "--micro-batch-size", str(args.batch_size), "--global-batch-size",
-        str(args.batch_size), "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--untie-embeddings-and-output-weights",
+        "--seq-length", "128", "--max-position-embeddings", "128", "--transformer-impl", "local",
+        "--micro-batch-size", str(args.batch_size), "--global-batch-size", str(args.batch_size),
+        "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-warmup-iters", str(max(1, args.train_iters // 20)), "--lr-decay-style", "cosine",
-        "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+        "--seed", "1234", "--num-workers", "0",
         "--train-data-path", str(data / "train_text_document"), "--valid-data-path", str(data / "valid_text_document"),
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
         "--log-interval", str(args.log_interval), "--eval-interval", str(args.train_iters // 3),
         "--eval-iters", str(args.eval_iters), "--metrics-file", str(run_dir / "metrics.jsonl"),
-        "--save", str(run_dir / "checkpoints"), "--no-progress",
+        "--save", str(run_dir / "checkpoints"), "--save-interval", str(args.train_iters), "--no-progress",
     ]
 
 
@@ -124,7 +128,7 @@ def summarize(runs: dict[str, Path], out: Path) -> dict:
     for name, run_dir in runs.items():
         recs = _records(run_dir / "metrics.jsonl")
         train = [r for r in recs if "lm_loss" in r][-1]
-        val = [r for r in recs if "val_loss" in r][-1]
+        val = [r for r in recs if r.get("split") == "valid"][-1]
         summary[name] = {
             "lm_loss": train["lm_loss"], "val_loss": val["val_loss"], "psi": val["psi"],
             "zeta_L": val["zeta_L"], "zeta_L-1": val["zeta_L-1"], "zeta_L-2": val["zeta_L-2"],

@@ -96,6 +96,15 @@ def have_transformer_engine() -> bool:
     return True
 
 
+def _have_apex() -> bool:
+    try:
+        import apex  # noqa: F401
+        from apex.normalization import FusedLayerNorm  # noqa: F401 - not PyPI's unrelated "apex"
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def check_transformer_impl(args: argparse.Namespace) -> None:
     """Transformer Engine layers and FP8 that cannot run here stop with what is missing and what to use.
 
@@ -109,6 +118,19 @@ def check_transformer_impl(args: argparse.Namespace) -> None:
             "--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine is not importable "
             "here; use the NGC PyTorch image (docker/Dockerfile) or add --transformer-impl local"
         )
+    if torch.cuda.is_available() and not have_te:
+        # Megatron-LM's default-on fused kernels that come from TE/apex or a CUDA extension the wheel lacks:
+        # without them the run dies inside megatron-core (at the layer build or the first step).
+        fused = [flag for name, flag in (("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion"),
+                                         ("apply_rope_fusion", "--no-rope-fusion"),
+                                         ("masked_softmax_fusion", "--no-masked-softmax-fusion"))
+                 if getattr(args, name, False)]
+        if fused and not _have_apex():
+            raise UsageError(f"Megatron-LM's fused kernels need Transformer Engine or apex, which are not installed: "
+                             f"add {' '.join(fused)}")
+        if args.use_cpu_initialization:
+            raise UsageError("--use-cpu-initialization leaves megatron-core 0.19.2's model on the CPU of a GPU "
+                             "machine: drop it (--init-mode layout-independent gives layout-free weights)")
     if args.fp8 is None:
         return
     flag = f"--fp8-format {args.fp8} --fp8-recipe {args.fp8_recipe}"

@@ -76,12 +76,12 @@ def init_layout_independent(chunks: list[torch.nn.Module], config: TransformerCo
                 init = config.init_method
             prefix = tuple(sh.global_offset[: sh.prepend_axis_num])
             full_shape = sh.global_shape[sh.prepend_axis_num :]
-            dev = sh.data.device
-            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            # drawn on the CPU whatever the parameter's device: the same weights on a GPU as on a laptop
+            with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_seed(seed, sh.key, prefix))
-                full = torch.empty(full_shape, dtype=torch.float32, device=dev)
+                full = torch.empty(full_shape, dtype=torch.float32)
                 init(full)
-            sh.data.copy_(full[global_index(sh)[sh.prepend_axis_num :]])
+            sh.data.copy_(full[global_index(sh)[sh.prepend_axis_num :]].to(sh.data.device))
 
 
 def gather_full(
