@@ -447,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
 
     report = (args.report or cfg.output / "report.md").resolve()
     runs = plan(cfg)
+    argv_used = [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
     if args.report_only:
-        study_report.write_all(cfg, runs, report, code=git_state())
+        study_report.write_all(cfg, runs, report, code={**git_state(), "argv": argv_used})
         return 0
     cfg.output.mkdir(parents=True, exist_ok=True)
     ignore = cfg.output / ".gitignore"  # checkpoints (GBs) never end up in a commit, wherever --output is
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"study.py: error: another study is running in {cfg.output}") from None
     for run in runs:
         check_spec(cfg, run)
-    invocation = {"argv": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
+    invocation = {"argv": argv_used,
                   "start": time.time(), "config": {k: str(v) if isinstance(v, Path) else v
                                                    for k, v in asdict(cfg).items()}, **git_state()}
     t0 = time.time()
@@ -481,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         invocation["wall_s"] = time.time() - t0
         with open(cfg.output / "invocations.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(invocation) + "\n")
-    study_report.write_all(cfg, runs, report, code=git_state())
+    study_report.write_all(cfg, runs, report, code={**git_state(), "argv": argv_used})
     print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'results.json'}, {report}", flush=True)
     if failed:
         print(f"[study] failed: {', '.join(failed)} (logs above); run the same command again to retry them",
