@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_jreg.train", "pretrain a Llama-style GPT with JREG on megatron-core"),
+    "train": ("megatron_jreg.train", "Megatron-LM's pretrain_gpt.py with JREG (its flags, plus --jreg-*)"),
     "preprocess": ("megatron_jreg.data.preprocess", "FineWeb-Edu / JSONL / parquet -> indexed .bin/.idx"),
     "train-tokenizer": ("megatron_jreg.data.train_tokenizer", "train a SentencePiece or HF BPE tokenizer"),
     "merge-datasets": ("megatron_jreg.data.merge", "merge indexed dataset shards"),
@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_jreg.convert.cli", "convert checkpoints between megatron-jreg and Hugging Face"),
     "evaluate": ("megatron_jreg.evaluate.cli", "LAMBADA and lm-eval tasks on a checkpoint"),
     "compare": ("megatron_jreg.evaluate.compare", "paired t-test of baseline vs JREG result files"),
+    "lm-eval": ("megatron_jreg.evaluate.lm_eval_model", "lm-eval's own CLI with --model megatron-jreg registered"),
 }
 
 

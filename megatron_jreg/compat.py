@@ -23,7 +23,8 @@ Megatron-LM's training package (`megatron.training`) needs a few more, applied b
 - `initialize_megatron` is called with `allow_no_cuda=True` (pretrain() does not pass it).
 - `arguments.get_device_arch_version()` answers 9 (Hopper's rules: TP/CP need
   CUDA_DEVICE_MAX_CONNECTIONS=1), as validate_args asks the GPU for it.
-- the distributed backend is gloo (NCCL needs GPUs), and the fused kernels Megatron-LM turns on by
+- the distributed backend is gloo (NCCL needs GPUs), CUDA_DEVICE_MAX_CONNECTIONS=1 (which Megatron-LM
+  asks for with TP/CP), and the fused kernels Megatron-LM turns on by
   default (gradient-accumulation fusion, masked softmax, bias-activation, bias-dropout-add, RoPE fusion,
   persistent layer norm) are off: they exist only as CUDA/apex/TE kernels.
 """
@@ -174,7 +175,11 @@ def apply_cpu_training_compat(args: Any | None = None) -> bool:
         initialize_megatron._cpu_compat = True  # type: ignore[attr-defined]
         training.initialize_megatron = initialize_megatron
     if args is not None:
+        import os
+
         args.distributed_backend = "gloo"
+        # Megatron-LM asks for it with TP/CP (CUDA kernel ordering); nothing to order on a CPU
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         for name in _CUDA_KERNELS:
             setattr(args, name, False)
         args.no_persist_layer_norm = True

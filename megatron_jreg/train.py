@@ -34,9 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         parse_args(argv)  # argparse prints Megatron-LM's help with our group, then exits
         return 0
     _single_process_env()
-    # TP/CP overlap their communication with compute only when CUDA serializes kernel launches
-    # (Megatron-LM asserts it on pre-Blackwell GPUs); set it before CUDA starts.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron_jreg.training.arguments import UsageError
     from megatron_jreg.training.run import run
 

@@ -121,6 +121,12 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
         extra.unlink()
     out["mlm-files"] = sorted(p.name for p in Path(tmp, "mlm-ckpt").glob("iter_*/*"))
     out["mlm-resume"] = train(TINY + mlm + ["--load", f"{tmp}/mlm-ckpt"])[0]
+    # --use-checkpoint-args: the architecture from the checkpoint, none of it on the command line
+    out["checkpoint-args"] = train(
+        "--use-checkpoint-args --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --micro-batch-size 1 "
+        "--global-batch-size 4 --train-iters 4 --eval-interval 4 --eval-iters 2 --transformer-impl local "
+        "--skip-train".split() + ["--load", f"{tmp}/ckpt", "--metrics-file", f"{tmp}/checkpoint-args.jsonl"]
+    )[0]
     out["one-from-tp2"] = train(
         TINY + ["--load", f"{tmp}/tp2-ckpt", "--skip-train", "--metrics-file", f"{tmp}/one-from-tp2.jsonl"]
     )[0]

@@ -17,8 +17,8 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
-    two = run_ranks(two_rank_runs, 2, str(tmp))
-    one = run_ranks(single_rank_runs, 1, str(tmp))[0]
+    two = run_ranks(two_rank_runs, 2, str(tmp), timeout=1800)
+    one = run_ranks(single_rank_runs, 1, str(tmp), timeout=1800)[0]
     return {"tmp": tmp, "two": two[1], "one": one}
 
 
@@ -119,6 +119,14 @@ def test_checkpoint_saved_at_tp2_loads_at_pp2_and_one_rank(runs):
         ref = val_loss(runs["tmp"] / "tp2.jsonl", split)
         assert val_loss(runs["tmp"] / "pp2-from-tp2.jsonl", split) == pytest.approx(ref, rel=RTOL)
         assert val_loss(runs["tmp"] / "one-from-tp2.jsonl", split) == pytest.approx(ref, rel=RTOL)
+
+
+def test_use_checkpoint_args_rebuilds_the_model_from_the_checkpoint(runs):
+    """Megatron-LM's --use-checkpoint-args: no architecture flag given, the same model and validation."""
+    assert runs["one"]["checkpoint-args"] == 0
+    got = [r for r in records(runs["tmp"] / "checkpoint-args.jsonl") if r.get("split") == "valid"][0]
+    assert len(got["psi"]) == 4
+    assert got["val_loss"] == pytest.approx(val_loss(runs["tmp"] / "resumed.jsonl"), rel=RTOL)
 
 
 def test_crash_during_save_leaves_previous_checkpoint_current(runs):

@@ -151,6 +151,9 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                              f"× data-parallel size = {args.micro_batch_size} × {dp}: choose a multiple of "
                              f"{args.micro_batch_size * dp}")
+    if args.eval_interval is None and not args.skip_train and not args.full_validation:
+        raise UsageError("give --eval-interval N: Megatron-LM's loop sizes the validation samples from it (and fails "
+                         "without it); add --eval-iters 0 to train without validation")
     if args.save is not None and args.save_interval is None:
         raise UsageError(f"--save {args.save} needs --save-interval N (Megatron-LM saves every N iterations; at exit "
                          "too with --exit-interval or on SIGTERM)")
@@ -164,6 +167,31 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise UsageError(f"--split {split!r}: give comma-separated weights, e.g. 969,30,1") from None
         if any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
             raise UsageError(f"--split {split!r}: weights must be >= 0 and not all 0, e.g. 969,30,1")
+
+
+def _check_sft(args: argparse.Namespace) -> None:
+    """--sft: Megatron-LM's SFTDataset reads chat JSONL files and asserts what it needs deep inside."""
+    if not args.sft:
+        return
+    if args.tokenizer_type != "SFTTokenizer":
+        raise UsageError("--sft tokenizes conversations with a chat template: give --tokenizer-type SFTTokenizer "
+                         "--tokenizer-model HF_TOKENIZER_DIR (see docs/sft.md)")
+    if args.create_attention_mask_in_dataloader:
+        raise UsageError("--sft packs conversations (Megatron-LM's SFTDataset builds no attention mask): add "
+                         "--no-create-attention-mask-in-dataloader")
+    if args.reset_position_ids or args.reset_attention_mask:
+        raise UsageError("--sft restarts positions per conversation itself: drop --reset-position-ids / "
+                         "--reset-attention-mask")
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for value in getattr(args, name, None) or []:
+            try:
+                float(value)
+                continue  # a blend weight
+            except ValueError:
+                pass
+            if not Path(value).is_file():
+                raise UsageError(f"--{name.replace('_', '-')} {value}: no such chat JSONL file (--sft reads "
+                                 "JSONL lines with a `messages` list; see megatron-jreg prepare-chat)")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -198,6 +226,41 @@ def _assertion_text(e: BaseException, args: argparse.Namespace | None = None) ->
     return f"Megatron-LM's argument check `{check}` failed ({Path(frame.filename).name}:{frame.lineno})"
 
 
+def _check_cpu(args: argparse.Namespace) -> None:
+    """Megatron-LM features that exist only on GPUs, refused on a CPU with the reason (FP8 and Transformer
+    Engine are checked in training/model.py)."""
+    for name, reason in (("use_megatron_fsdp", "Megatron-FSDP shards over NCCL and CUDA streams"),
+                         ("use_torch_fsdp2", "torch FSDP2 with Megatron-LM's CUDA mixed precision")):
+        if getattr(args, name, False):
+            raise UsageError(f"{flag(name)} runs on GPUs only ({reason}): on a CPU use data parallelism, "
+                             "optionally with --use-distributed-optimizer")
+    if args.profile and not args.use_pytorch_profiler:
+        raise UsageError("--profile drives Nsight Systems through the CUDA profiler, which needs a GPU: add "
+                         "--use-pytorch-profiler to profile on a CPU")
+
+
+def _args_from_checkpoint(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint, reading the checkpoint safely."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    from megatron_jreg.checkpoints import CheckpointError, install_safe_checkpoint_reader, resolve
+
+    if args.load is None and args.pretrained_checkpoint is None:
+        raise UsageError("--use-checkpoint-args needs --load (or --pretrained-checkpoint) to read the model from")
+    install_safe_checkpoint_reader()
+    for name in ("pretrained_checkpoint", "load"):
+        root = getattr(args, name)
+        if root is None:
+            continue
+        try:
+            resolve(root)
+            load_args_from_checkpoint(args, load_arg=name)
+        except CheckpointError as e:
+            raise UsageError(f"--use-checkpoint-args: {e}") from None
+        except (AssertionError, ValueError, KeyError, OSError) as e:
+            raise UsageError(f"--use-checkpoint-args: cannot read the args of {root} ({_assertion_text(e)})") from None
+
+
 def _check_model_config(args: argparse.Namespace) -> None:
     """megatron-core's TransformerConfig checks (heads and groups divisible by TP, layers by stages, ...)
     that Megatron-LM's validate_args leaves to the model build, after the process groups exist."""
@@ -224,12 +287,12 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     args = parse_args(argv)
     if args.yaml_cfg is not None:
         raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
-    if args.use_checkpoint_args:
-        raise UsageError("--use-checkpoint-args is not supported yet: give the architecture flags (or "
-                         "--model-preset) with --load")
+    if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
+        _args_from_checkpoint(args)
     _check_numbers(args)
     _check_jreg(args)
     _check_paths(args)
+    _check_sft(args)
     _check_data(args)
     if not args.jreg_no_exit_signal_handler:
         args.exit_signal_handler = True
@@ -237,11 +300,12 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults)
         args.tokenizer_type = "GPT2BPETokenizer"
     if not torch.cuda.is_available():
+        _check_cpu(args)
         apply_cpu_training_compat(args)
     check_transformer_impl(args)
     try:
         arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    except (AssertionError, ValueError, TypeError) as e:
+    except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         raise UsageError(_assertion_text(e, args)) from None
     _check_model_config(args)
     _check_jreg(args)  # num_layers may only now be known

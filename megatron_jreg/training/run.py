@@ -8,6 +8,9 @@ return code.
 
 from __future__ import annotations
 
+import os
+from functools import partial
+
 
 def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """Ranks holding word embeddings: the first stage, and the last when they are tied (pretrain_gpt.py)."""
@@ -40,33 +43,42 @@ def run(argv: list[str]) -> int:
 
     if parallel_state.model_parallel_is_initialized():  # Megatron-LM would silently keep another layout
         parallel_state.destroy_model_parallel()
+    import atexit
+
+    atexit.unregister(_stop_data_workers)
+    atexit.register(_stop_data_workers)
     loop = None
+    environ = dict(os.environ)  # validate_args exports NVTE_*_ATTN for --attention-backend: restored after
     try:
         args = parse_and_validate(argv)
+        if args.sft and args.sft_tokenizer_prompt_format in ("default", "identity"):
+            from megatron_jreg.training.sft import install_chat_targets
+
+            install_chat_targets()  # loss on assistant tokens only (Megatron-LM's SFTTokenizer: on all)
         checkpointing.check_load(args)
         loop = JregLoop(args)
         config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
         loop.install()
         checkpointing.install(args)
         try:
-            training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                              get_embedding_ranks=_get_embedding_ranks)
+            training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                              partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks)
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            _stop_data_workers()
-            raise
         return 0
     finally:
         if loop is not None:
             loop.uninstall()
         checkpointing.uninstall()
         teardown()
+        for key in [k for k in os.environ if k.startswith("NVTE_") and k not in environ]:
+            del os.environ[key]
 
 
 def _stop_data_workers() -> None:
-    """After a crash, end the data loader workers: forked after the SIGTERM handler was installed, they
-    ignore the SIGTERM Python's exit sends them, and the process would wait for them forever."""
+    """At interpreter exit, end data loader workers a crash left behind: forked after Megatron-LM's SIGTERM
+    handler was installed, they ignore the SIGTERM that Python's exit sends them, and the process would
+    wait for them forever. (Registered with atexit after multiprocessing's own exit hook, so it runs first.)"""
     import multiprocessing
 
     for child in multiprocessing.active_children():

@@ -4,7 +4,8 @@ The batch comes from TP rank 0's data iterator and is broadcast over TP, packed 
 flattened, and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order.
 The loss is Megatron-LM's three-tuple (sum over loss tokens, token count, report), with its NaN/Inf and
 spiky-loss checks through the rerun state machine. JREG needs nothing here: its penalty enters backward
-through hooks on the layers (plugin.py); only packed/padded batches tell the plugin which tokens are real.
+through hooks on the layers (plugin.py); only packed SFT batches tell the plugin which tokens are real,
+and become a block-diagonal attention mask where the local spec cannot take packed sequences (sft.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from megatron.core.utils import (
 SPIKY_LOSS_FACTOR = 10  # a loss 10× the largest seen so far is "spiky" (Megatron-LM's --check-for-spiky-loss)
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
               "loss_mask", "max_seqlen", "position_ids", "tokens")
+_PACK_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "real_mask")
 
 
 def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
@@ -44,6 +46,7 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
     if tp_rank == 0:
         batch = next(data_iterator)
         batch = {k: batch[k].cuda(non_blocking=True) if batch.get(k) is not None else None for k in BATCH_KEYS}
+    real_mask = _real_mask(batch, tp_rank) if args.sft else None
     batch = get_batch_on_this_tp_rank(
         batch,
         has_cu_seqlens=packed,
@@ -61,9 +64,10 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
     batch = flatten_batch_for_packed_sequences(batch)
-    if not edge:  # packed middle stage: only the sequence boundaries
-        return {k: (batch.get(k) if k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") else None)
-                for k in BATCH_KEYS}
+    if real_mask is not None:
+        batch["real_mask"] = real_mask.reshape(1, -1) if batch.get("cu_seqlens") is not None else real_mask
+    if not edge:  # packed middle stage: only the sequence boundaries (and which tokens are real)
+        return {k: (batch.get(k) if k in _PACK_KEYS else None) for k in (*BATCH_KEYS, "real_mask")}
     batch = get_batch_on_this_cp_rank(
         batch,
         is_hybrid_cp=args.hybrid_context_parallel,
@@ -71,7 +75,25 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
         hybrid_cp_group_func=get_hybrid_data_context_parallel_groups,
         use_per_sequence_balancing=args.dataloader_inter_document_masking and not args.sft,
     )
-    return {k: batch.get(k) for k in BATCH_KEYS}
+    return {k: batch.get(k) for k in (*BATCH_KEYS, "real_mask")}
+
+
+def _real_mask(batch: dict, tp_rank: int) -> torch.Tensor:
+    """[b, s] bool: which tokens of an SFT pack are real (not end padding), on every TP rank."""
+    from megatron.training import get_args, get_tokenizer
+
+    from megatron_jreg.training.sft import real_token_mask
+
+    args = get_args()
+    shape = (args.micro_batch_size, args.seq_length)
+    if tp_rank == 0:
+        mask = real_token_mask(batch["tokens"], get_tokenizer().pad).to(torch.uint8)
+    else:
+        mask = torch.empty(shape, dtype=torch.uint8, device=torch.cuda.current_device())
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(mask, mpu.get_tensor_model_parallel_src_rank(),
+                                    group=mpu.get_tensor_model_parallel_group())
+    return mask.bool()
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -123,8 +145,10 @@ def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
     )
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """One microbatch through `model`; returns (output, loss function) as megatron's schedules expect."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False, jreg=None):  # noqa: ANN001
+    """One microbatch through `model`; returns (output, loss function) as megatron's schedules expect.
+
+    jreg: the run's JregLoop, told which tokens of a packed SFT batch are real."""
     from megatron.training import get_args, get_timers
 
     args = get_args()
@@ -132,6 +156,15 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     timers("batch-generator", log_level=2).start()
     batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     packed_seq_params = _packed_seq_params(batch, args.seq_length)
+    if packed_seq_params is not None and args.transformer_impl == "local":
+        from megatron_jreg.training.sft import packed_attention_mask
+
+        # the local spec's attention takes no packed sequences: the same attention as a block-diagonal mask
+        length = batch["real_mask"].shape[-1] if batch.get("real_mask") is not None else args.seq_length
+        batch["attention_mask"] = packed_attention_mask(packed_seq_params.cu_seqlens_q, length)
+        packed_seq_params = None
+    if jreg is not None and jreg.plugin is not None and batch.get("real_mask") is not None:
+        jreg.plugin.set_token_mask(batch["real_mask"] if args.context_parallel_size == 1 else None)
     timers("batch-generator").stop()
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],

@@ -1,0 +1,105 @@
+"""Supervised fine-tuning (`--sft`) on Megatron-LM's SFTDataset, with what megatron-jreg adds to it.
+
+Megatron-LM's `--sft` packs whole conversations into each sequence (cu_seqlens boundaries, positions
+restarting per conversation, padding at the end) and tokenizes them with its `SFTTokenizer`. Three gaps
+for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU run):
+
+- With `--sft-tokenizer-prompt-format default` (the tokenizer's own chat template) Megatron-LM's
+  SFTTokenizer puts the loss on *every* token. `ChatTargets` wraps the run's tokenizer so that only the
+  assistant turns are targets: it renders the conversation up to each assistant turn (with the assistant
+  header, `add_generation_prompt=True`) and up to its end, and keeps the tokens between the two, which
+  works for any template that renders prefixes consistently (checked per conversation).
+- Ψ must average over real tokens only: `real_token_mask` marks everything but the end-of-pack padding.
+- Megatron-LM's packed sequences need Transformer Engine's THD attention; the local spec's attention
+  refuses them. `packed_attention_mask` gives the same attention as a block-diagonal causal mask (each
+  conversation sees only itself, as with THD), which the local spec takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # Megatron-LM's SFTDataset masks targets equal to it
+
+
+class ChatTargets:
+    """Megatron-LM's tokenizer with `tokenize_conversation` giving targets on assistant tokens only."""
+
+    def __init__(self, tokenizer) -> None:  # noqa: ANN001 - Megatron-LM's tokenizer object
+        self._inner = tokenizer
+        self._hf = self._find_hf(tokenizer)
+
+    @staticmethod
+    def _find_hf(tokenizer):  # noqa: ANN001, ANN205
+        """The transformers tokenizer inside Megatron-LM's tokenizer wrappers (text → SFT → transformers)."""
+        from transformers import PreTrainedTokenizerBase
+
+        node = tokenizer
+        for _ in range(4):
+            if isinstance(node, PreTrainedTokenizerBase):
+                return node
+            node = getattr(node, "_tokenizer", None)
+            if node is None:
+                break
+        raise ValueError("--sft: the tokenizer has no chat template support (use --tokenizer-type SFTTokenizer "
+                         "with a Hugging Face tokenizer folder)")
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the wrapped tokenizer's
+        return getattr(self._inner, name)
+
+    def _render(self, conversation: list[dict], generation_prompt: bool) -> list[int]:
+        ids = self._hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize_conversation(self, conversation: list[dict], return_target: bool, add_generation_prompt: bool):
+        """(tokens, targets) as np arrays: targets are the tokens on assistant turns, IGNORE_INDEX elsewhere."""
+        tokens = np.array(self._render(conversation, add_generation_prompt), dtype=np.int64)
+        if not return_target:
+            return tokens
+        target = np.full_like(tokens, IGNORE_INDEX)
+        for k, turn in enumerate(conversation):
+            if turn["role"] != "assistant":
+                continue
+            start = len(self._render(conversation[:k], True))
+            end = len(self._render(conversation[: k + 1], False))
+            if not 0 <= start <= end <= len(tokens) or self._render(conversation[: k + 1], False) != list(
+                tokens[:end]
+            ):
+                raise ValueError("--sft: the chat template does not render conversation prefixes consistently; "
+                                 "use a template whose turns are appended in order")
+            target[start:end] = tokens[start:end]
+        return tokens, target
+
+
+def install_chat_targets() -> None:
+    """Replace Megatron-LM's global tokenizer by `ChatTargets` around it (after it was built)."""
+    from megatron.training import global_vars
+
+    if not isinstance(global_vars._GLOBAL_TOKENIZER, ChatTargets):
+        global_vars._GLOBAL_TOKENIZER = ChatTargets(global_vars._GLOBAL_TOKENIZER)
+
+
+def real_token_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
+    """tokens[b, s] → bool [b, s], False on the padding that ends a pack (Megatron-LM's SFTDataset pads
+    after the last conversation with the tokenizer's pad id)."""
+    is_pad = tokens == pad
+    # trailing run of pads: positions from which every token to the end is padding
+    trailing = torch.flip(torch.cumprod(torch.flip(is_pad, dims=[1]).to(torch.int64), dim=1), dims=[1]).bool()
+    return ~trailing
+
+
+def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """cu_seqlens[n + 1] (conversation boundaries of one flattened pack) → attention mask [1, 1, s, s],
+    True where attention is *not* allowed: causal within each conversation, nothing across them."""
+    bounds = cu_seqlens.to(torch.int64).tolist()
+    segment = torch.zeros(seq_length, dtype=torch.int64, device=cu_seqlens.device)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        segment[lo:hi] = i
+    if bounds[-1] < seq_length:
+        segment[bounds[-1]:] = len(bounds)
+    same = segment[:, None] == segment[None, :]
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return ~(same & causal)[None, None]
