@@ -85,6 +85,12 @@ def _bad_data(tmp: Path) -> dict[str, str]:
     return {"big": str(big), "truncated": str(truncated)}
 
 
+def _without(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value."""
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
 def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]) -> dict[str, tuple[list, str]]:
     """name → (argv, text the one-line error must contain)."""
     nomock = [a for a in TINY if a not in ("--mock-data",)]
@@ -120,6 +126,15 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "te-default-without-te": ([a for a in TINY if a not in ("--transformer-impl", "local")],
                                   "add --transformer-impl local"),
         "wandb-missing": (TINY + ["--wandb-project", "x", "--wandb-exp-name", "y"], "--wandb-project needs"),
+        "sft-without-chat-tokenizer": (TINY + ["--sft"], "give --tokenizer-type SFTTokenizer"),
+        "sft-with-attention-mask": (TINY + ["--sft", "--tokenizer-type", "SFTTokenizer"],
+                                    "--no-create-attention-mask-in-dataloader"),
+        "sft-missing-file": ([a for a in nomock if a not in ("--tokenizer-type", "NullTokenizer")]
+                             + ["--sft", "--tokenizer-type", "SFTTokenizer", "--no-create-attention-mask-in-dataloader",
+                                "--data-path", str(tmp / "chat.jsonl")], "no such chat JSONL file"),
+        "eval-interval-missing": (_without(TINY, "--eval-interval"), "give --eval-interval N"),
+        "fsdp-on-cpu": (TINY + ["--use-megatron-fsdp"], "--use-megatron-fsdp runs on GPUs only"),
+        "nsys-profile-on-cpu": (TINY + ["--profile"], "--use-pytorch-profiler"),
     }
     needles = {
         "tracker-garbage": "expected an iteration number, found 'garbage!'",
@@ -177,7 +192,9 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "jreg-layers-out-of-range", "unknown-preset", "unknown-flag", "bad-int", "load-is-a-file", "save-is-a-file",
     "save-without-interval", "split-all-zero", "split-not-numbers", "missing-data", "vocabulary-too-small",
     "truncated-idx", "missing-tokenizer", "global-batch", "pp-bigger-than-world", "fp8-on-cpu",
-    "te-default-without-te", "wandb-missing", "tracker-garbage", "tracker-empty", "tracker-release",
+    "te-default-without-te", "wandb-missing", "sft-without-chat-tokenizer", "sft-with-attention-mask",
+    "sft-missing-file", "eval-interval-missing", "fsdp-on-cpu", "nsys-profile-on-cpu",
+    "tracker-garbage", "tracker-empty", "tracker-release",
     "tracker-missing-iter", "hostile-metadata", "truncated-metadata", "overwritten-shard",
     "truncated-shard-unverified", "partial-iteration",
 ])
