@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CHAT_TOKENS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 WIKITEXT = HERE / "data" / "wikitext-2"
 
 RUNS = {
@@ -49,7 +50,9 @@ def prepare_data(out: Path, vocab_size: int) -> tuple[str, Path]:
     tokenizer = data / "tokenizer"
     if not (tokenizer / "tokenizer.json").exists():
         print(f"[demo] training a BPE tokenizer (vocabulary {vocab_size}) on WikiText-2 valid", flush=True)
-        train_tokenizer([str(data / "train.jsonl")], str(tokenizer), vocab_size, kind="hf-bpe")
+        # chat markers and a pad token reserved now, so the checkpoints fine-tune (examples/sft) unchanged
+        train_tokenizer([str(data / "train.jsonl")], str(tokenizer), vocab_size, kind="hf-bpe",
+                        special_tokens=CHAT_TOKENS)
     for split in ("train", "valid"):
         prefix = data / f"{split}_text_document"
         if not Path(str(prefix) + ".idx").exists():

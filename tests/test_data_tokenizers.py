@@ -167,3 +167,20 @@ def test_sentencepiece_conventions(tmp_path):
 def test_build_tokenizer_errors_name_the_flag(args, error, match):
     with pytest.raises(error, match=match):
         build_tokenizer(*args)
+
+
+@pytest.mark.parametrize("kind", ["hf-bpe", "sentencepiece"])
+def test_reserved_special_tokens_stay_inside_the_vocabulary(tmp_path, kind):
+    """Reserved chat/padding tokens are single ids below --vocab-size, so SFT needs no new embedding rows."""
+    from megatron_jreg.data.tokenizers import build_tokenizer
+    from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text((WIKI / "valid.txt").read_text()[:200000])
+    out = str(tmp_path / ("tok" if kind == "hf-bpe" else "sp.model"))
+    path = train_tokenizer([str(text)], out, 600, kind=kind, special_tokens=("<|pad|>", "<|user|>"))
+    tok = build_tokenizer("HuggingFaceTokenizer" if kind == "hf-bpe" else "SentencePieceTokenizer", path)
+    assert tok.vocab_size == 600
+    for special in ("<|pad|>", "<|user|>"):
+        ids = [i for i in tok.tokenize(f"a {special} b") if tok.detokenize([i]).strip() == special]
+        assert len(ids) == 1 and ids[0] < 600

@@ -85,11 +85,14 @@ def train_tokenizer(
     max_chars: int | None = None,
     hf_split: str | None = None,
     character_coverage: float = 0.9995,
+    special_tokens: tuple[str, ...] = (),
 ) -> str:
     """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`.
 
     `max_chars` caps the training text (the first characters of the inputs in order), which keeps the run
-    short on a large corpus; None uses everything.
+    short on a large corpus; None uses everything. `special_tokens` are reserved inside the vocabulary (as
+    Llama-3 reserves its own): a later chat format or padding then needs no new embedding rows, so a
+    pretrained checkpoint fine-tunes with the same tokenizer.
     """
     if kind not in KINDS:
         raise DataError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
@@ -112,6 +115,7 @@ def train_tokenizer(
                 max_sentence_length=_SP_MAX_SENTENCE,
                 num_threads=os.cpu_count() or 1,
                 minloglevel=2,
+                user_defined_symbols=list(special_tokens),
             )
         except RuntimeError as e:  # sentencepiece's C++ errors, e.g. "Vocabulary size too high (..)"
             samples.check()
@@ -128,7 +132,7 @@ def train_tokenizer(
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[ENDOFTEXT],
+        special_tokens=[ENDOFTEXT, *[t for t in special_tokens if t != ENDOFTEXT]],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text", help="JSONL key / parquet column with the text")
     p.add_argument("--max-chars", type=int, default=None, help="train on at most N characters of input")
     p.add_argument("--hf-split", default=None, help="split of a saved HF DatasetDict folder")
+    p.add_argument("--special-tokens", nargs="+", default=[],
+                   help="tokens to reserve in the vocabulary, e.g. <|pad|> <|user|> <|assistant|> for a later SFT")
     return p
 
 
@@ -173,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
         json_key=args.json_key,
         max_chars=args.max_chars,
         hf_split=args.hf_split,
+        special_tokens=tuple(args.special_tokens),
     )
     tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
     print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
