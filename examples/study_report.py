@@ -256,14 +256,7 @@ def plot_all(cfg, records: list[dict], summary: dict, folder: Path) -> dict[str,
             layers = range(1, len(p["mean"]) + 1)
             ax.errorbar(layers, p["mean"], yerr=p["sd"], color=colors[arm], marker="o", ms=4, capsize=3,
                         label=_arm_label(arm, alpha))
-    ax.set_xlabel("layer ℓ")
-    ax.set_ylabel("Ψ_ℓ (angular)")
-    ax.set_title("Displacement per layer, final checkpoints (mean ± sd over seeds)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(files["psi"], dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, "Ψ_ℓ (angular)", "Displacement per layer, final checkpoints (mean ± sd over seeds)", files["psi"])
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, alpha in arms[1:]:
@@ -274,14 +267,8 @@ def plot_all(cfg, records: list[dict], summary: dict, folder: Path) -> dict[str,
             for values in d["seeds"].values():
                 ax.scatter(layers, values, color=colors[arm], s=8, alpha=0.4)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xlabel("layer ℓ")
-    ax.set_ylabel("Δ_ℓ = Ψ_ℓ(JREG) − Ψ_ℓ(baseline)")
-    ax.set_title("Change of each layer's displacement (mean; dots: seeds)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(files["delta"], dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, "Δ_ℓ = Ψ_ℓ(JREG) − Ψ_ℓ(baseline)", "Change of each layer's displacement (mean; dots: seeds)",
+            files["delta"])
 
     num_layers = _num_layers(records)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -289,17 +276,25 @@ def plot_all(cfg, records: list[dict], summary: dict, folder: Path) -> dict[str,
     for alpha in shown:
         trained = alpha in cfg.alphas
         w = layer_weights(num_layers, alpha).tolist()
-        ax.plot(range(1, num_layers + 1), w, marker="o", ms=4, lw=2 if trained else 1,
+        color = colors[f"jreg-a{alpha:g}"] if trained else "0.6"
+        ax.plot(range(1, num_layers + 1), w, color=color, marker="o", ms=4, lw=2 if trained else 1,
                 ls="-" if trained else "--", label=f"α = {alpha:g}" + ("" if trained else " (not trained)"))
+    _finish(fig, ax, "w_ℓ = softmax(α·ℓ)", f"JREG's layer weights, L = {num_layers}", files["weights"])
+    return files
+
+
+def _finish(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Label a per-layer plot, save it and free it."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("layer ℓ")
-    ax.set_ylabel("w_ℓ = softmax(α·ℓ)")
-    ax.set_title(f"JREG's layer weights, L = {num_layers}", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(files["weights"], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return files
 
 
 def _num_layers(records: list[dict]) -> int:
