@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("megatron_jreg.data.preprocess", "FineWeb-Edu / JSONL / parquet -> indexed .bin/.idx"),
     "train-tokenizer": ("megatron_jreg.data.train_tokenizer", "train a SentencePiece or HF BPE tokenizer"),
     "merge-datasets": ("megatron_jreg.data.merge", "merge indexed dataset shards"),
+    "prepare-chat": ("megatron_jreg.data.chat", "check chat JSONL for --sft; a tokenizer copy with a chat template"),
     "analyze": ("megatron_jreg.analysis.cli", "measure Ψ and jump rates ζ of HF, GGUF or megatron models"),
     "convert": ("megatron_jreg.convert.cli", "convert checkpoints between megatron-jreg and Hugging Face"),
     "evaluate": ("megatron_jreg.evaluate.cli", "LAMBADA and lm-eval tasks on a checkpoint"),
