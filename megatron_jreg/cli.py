@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_jreg.convert.cli", "convert checkpoints between megatron-jreg and Hugging Face"),
     "evaluate": ("megatron_jreg.evaluate.cli", "LAMBADA and lm-eval tasks on a checkpoint"),
     "compare": ("megatron_jreg.evaluate.compare", "paired t-test of baseline vs JREG result files"),
+    "generate": ("megatron_jreg.generate.cli", "chat answers to MT-bench-format questions, for FastChat's judge"),
     "lm-eval": ("megatron_jreg.evaluate.lm_eval_model", "lm-eval's own CLI with --model megatron-jreg registered"),
 }
 

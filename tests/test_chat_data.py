@@ -77,6 +77,17 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return Path(train_tokenizer([str(tmp / "text.txt")], str(tmp / "tok"), 300, kind="hf-bpe"))
 
 
+@pytest.fixture(scope="module")
+def reserved_tokenizer_dir(tmp_path_factory) -> Path:
+    """The same with the chat markers and <|pad|> reserved as special tokens, as `make demo` trains it."""
+    from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+    tmp = tmp_path_factory.mktemp("chat_tok_reserved")
+    (tmp / "text.txt").write_text(WIKITEXT.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    return Path(train_tokenizer([str(tmp / "text.txt")], str(tmp / "tok"), 300, kind="hf-bpe",
+                                special_tokens=("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")))
+
+
 def test_every_bad_record_kind_is_counted_and_skipped(tmp_path, capsys):
     lines: list[bytes] = []
     for i, record in enumerate(GOOD):  # good and bad records interleaved, plus blank lines
@@ -176,7 +187,7 @@ def test_simple_template_written_into_a_tokenizer_copy(tmp_path, tokenizer_dir, 
     assert not (tmp_path / "c2_tokenizer").exists()
 
 
-def test_tokenizer_checks_skip_what_would_train_wrong(tmp_path, tokenizer_dir):
+def test_tokenizer_checks_skip_what_would_train_wrong(tmp_path, reserved_tokenizer_dir):
     template = tmp_path / "strict.jinja"
     template.write_text(SIMPLE_TEMPLATE.replace(
         "{%- for message in messages -%}",
@@ -186,17 +197,20 @@ def test_tokenizer_checks_skip_what_would_train_wrong(tmp_path, tokenizer_dir):
     records = [GOOD[0],
                {"messages": [{"role": "user", "content": "say FORBIDDEN"}, {"role": "assistant", "content": "no"}]},
                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a<|endoftext|>b"}]},
+               {"messages": [{"role": "user", "content": "q <|user|> x"}, {"role": "assistant", "content": "a"}]},
                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long_answer}]}]
     src = write_lines(tmp_path / "chat.jsonl", [json.dumps(r) for r in records])
-    summary = prepare_chat(ChatConfig((str(src),), str(tmp_path / "out.jsonl"), str(tokenizer_dir), str(template),
-                                      seq_length=64))
-    assert dict(summary.skipped) == {"template_error": 1, "special_token_text": 1, "too_long": 1}
+    summary = prepare_chat(ChatConfig((str(src),), str(tmp_path / "out.jsonl"), str(reserved_tokenizer_dir),
+                                      str(template), seq_length=64))
+    assert dict(summary.skipped) == {"template_error": 1, "special_token_text": 2, "too_long": 1}
     assert "no FORBIDDEN" in summary.examples["template_error"][0]
     assert kept(tmp_path / "out.jsonl") == [GOOD[0]] and summary.template == "strict.jinja"
     assert summary.tokens and max(summary.tokens) <= 64
 
 
-def test_targets_only_on_assistant_text_through_megatron_sft_tokenizer(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("reserved", [False, True], ids=["plain-text-markers", "reserved-markers"])
+def test_targets_only_on_assistant_text_through_megatron_sft_tokenizer(tmp_path, tokenizer_dir,
+                                                                      reserved_tokenizer_dir, reserved):
     """Megatron-LM's SFTTokenizer (`--sft-tokenizer-prompt-format default`) on the prepared tokenizer: its own
     targets cover every token (what --sft's ChatTargets corrects); through ChatTargets every target lies in
     an assistant turn's text (its answer and the EOS closing it) and every such token is a target."""
@@ -205,8 +219,14 @@ def test_targets_only_on_assistant_text_through_megatron_sft_tokenizer(tmp_path,
     from megatron_jreg.training.sft import IGNORE_INDEX, ChatTargets
 
     src = write_lines(tmp_path / "chat.jsonl", [json.dumps(r) for r in GOOD])
-    prepare_chat(ChatConfig((str(src),), str(tmp_path / "out.jsonl"), str(tokenizer_dir)))
+    source = reserved_tokenizer_dir if reserved else tokenizer_dir
+    summary = prepare_chat(ChatConfig((str(src),), str(tmp_path / "out.jsonl"), str(source)))
     sft = SFTTokenizer(str(tmp_path / "out_tokenizer"), "default")
+    if reserved:  # the reserved <|pad|> pads (not the EOS, whose targets SFTDataset would then mask)
+        assert sft.pad_id == sft._tokenizer.convert_tokens_to_ids("<|pad|>") != sft.eod
+        assert sft.vocab_size == 300 and any("reserved in the vocabulary" in n for n in summary.notes)
+    else:
+        assert sft.pad_id == sft.eod and any("pads with its EOS" in n for n in summary.notes)
     hf = sft._tokenizer
     for record in kept(tmp_path / "out.jsonl"):
         conversation = record["messages"]

@@ -67,6 +67,7 @@ ERROR_REASONS = (
 )
 FILTER_REASONS = ("blank_line", "too_long")
 EXAMPLES_PER_REASON = 3
+PAD_NAMES = ("<|pad|>", "<pad>")  # reserved pad tokens picked up when the tokenizer sets none
 MARKER = "prepare_chat.json"  # in a tokenizer folder written here (so a rerun may replace it)
 
 SIMPLE_TEMPLATE = (
@@ -295,8 +296,17 @@ def _probe(tokenizer, what: str) -> None:  # noqa: ANN001
 
 
 def _special_texts(tokenizer) -> list[str]:  # noqa: ANN001
-    return sorted({t for t in (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token)
-                   if isinstance(t, str) and t})
+    """Text of every special token (BOS/EOS/pad and added ones such as reserved chat markers): inside a turn it
+    would become that token, e.g. end the answer early or fake a turn."""
+    texts = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token}
+    texts |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return sorted(t for t in texts if isinstance(t, str) and t)
+
+
+def reserved_pad(tokenizer) -> str | None:  # noqa: ANN001
+    """A pad token reserved in the vocabulary (`<|pad|>` or `<pad>`, special) but not set as the pad token."""
+    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return next((name for name in PAD_NAMES if name in names), None)
 
 
 # -------------------------------------------------------------------------------------------- the command
@@ -351,6 +361,10 @@ def _setup_tokenizer(cfg: ChatConfig, summary: ChatSummary):  # noqa: ANN202 - a
     else:
         template, name = SIMPLE_TEMPLATE, "simple"
     pad = cfg.pad_token
+    if pad is None and (tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id):
+        pad = reserved_pad(tokenizer)
+        if pad is not None:
+            summary.notes.append(f"pad token: {pad}, reserved in the vocabulary (the tokenizer set none)")
     summary.template = name
     if template == own and pad is None:
         summary.tokenizer = str(source)
@@ -438,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the tokenizer copy with the template goes (default: OUTPUT's name + _tokenizer)")
     p.add_argument("--pad-token", metavar="TOKEN",
                    help="the copy's pad token (Megatron-LM's SFTDataset masks pad targets; default: the "
-                   "tokenizer's, else its EOS)")
+                   "tokenizer's, else a reserved <|pad|> or <pad>, else its EOS)")
     p.add_argument("--seq-length", type=int, help="skip conversations longer than this many tokens (too_long)")
     return p
 

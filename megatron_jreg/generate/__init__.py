@@ -1,0 +1,13 @@
+"""`megatron-jreg generate`: chat answers of a model to a question file, ready for FastChat's MT-bench judge.
+
+config.py     GenerateConfig: every flag checked before any model is loaded
+questions.py  FastChat question files in, answer files out (atomic rewrite, resume by question id)
+decoding.py   batched greedy / seeded top-p decoding over any CausalLM
+runner.py     model + chat tokenizer (--hf or --load), multi-turn answering, progress
+cli.py        the command line
+"""
+
+from megatron_jreg.generate.config import ConfigError, GenerateConfig
+from megatron_jreg.generate.runner import generate
+
+__all__ = ["ConfigError", "GenerateConfig", "generate"]

@@ -1,0 +1,77 @@
+"""`megatron-jreg generate`: answers to a question file, in the answer format FastChat's MT-bench judge reads.
+
+megatron-jreg generate --load runs/sft-jreg --prompts examples/sft/data/wikitext_questions.jsonl \\
+    --output answers/sft-jreg.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_jreg.evaluate.models import DTYPES
+from megatron_jreg.evaluate.offline import force_offline
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-jreg generate", description=__doc__.split("\n")[0])
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--hf", type=Path, metavar="DIR", help="a Hugging Face model folder")
+    model.add_argument("--load", type=Path, metavar="CKPT", help="a Megatron-LM or megatron-jreg checkpoint")
+    p.add_argument("--iteration", type=int, help="checkpoint iteration for --load (default: the latest)")
+    p.add_argument("--tokenizer", type=Path, metavar="DIR",
+                   help="--load: a Hugging Face tokenizer folder instead of the run's --tokenizer-model")
+    p.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                   help='questions, FastChat MT-bench format: {"question_id", "category", "turns": [...]} a line')
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="answer JSONL (FastChat's model_answer/<model-id>.jsonl); an existing one is resumed")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1: the whole distribution)")
+    p.add_argument("--seed", type=int, default=0, help="sampling: draws depend on the seed and the question id only")
+    p.add_argument("--batch-size", type=int, default=8, help="questions answered together")
+    p.add_argument("--model-id", help="model name in the answers (default: the model folder's name)")
+    p.add_argument("--chat-template", metavar="NAME|FILE",
+                   help="replace the tokenizer's chat template (simple, or a .jinja file); default: the tokenizer's "
+                   "own, else simple")
+    p.add_argument("--device", help="torch device for --hf (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights dtype; auto = float32 on CPU")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    force_offline()  # before anything imports a Hugging Face library
+    from megatron_jreg.checkpoints.files import CheckpointError
+    from megatron_jreg.data.checks import DataError
+    from megatron_jreg.generate.config import ConfigError, GenerateConfig
+    from megatron_jreg.generate.questions import PromptFileError, read_answers, read_questions
+    from megatron_jreg.generate.runner import generate
+    from megatron_jreg.hub import ModelFileError
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = GenerateConfig(
+            prompts=args.prompts, output=args.output, hf=args.hf, load=args.load, iteration=args.iteration,
+            tokenizer=args.tokenizer, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+            model_id=args.model_id, device=args.device, dtype=args.dtype, progress=args.progress,
+        )
+        read_questions(cfg.prompts)  # the files first: a bad line costs no model load
+        read_answers(Path(cfg.output), cfg.name)
+        if cfg.chat_template is not None:
+            from megatron_jreg.data.chat import load_template
+
+            load_template(cfg.chat_template)
+        summary = generate(cfg)
+    except (ConfigError, PromptFileError, DataError, ModelFileError, CheckpointError) as e:
+        print(f"megatron-jreg generate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(summary.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""`megatron-jreg generate` settings: one dataclass, validated before any model is loaded."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_jreg.data.checks import DataError, check_output_folder
+from megatron_jreg.evaluate.models import DTYPES
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What to answer, with which model, how.
+
+    Exactly one model: `hf` (a Hugging Face folder) or `load` (a Megatron-LM / megatron-jreg checkpoint,
+    optionally at `iteration`). `temperature` 0 is greedy decoding; above it, sampling with `top_p`, drawn
+    from a generator seeded by `seed` and the question id. `chat_template` (a named template of
+    megatron_jreg.data.chat or a file) replaces the tokenizer's own; None uses the tokenizer's own, else
+    the named default `simple`.
+    """
+
+    prompts: Path
+    output: Path | str  # a str keeps a trailing "/" (a folder meant), which Path drops
+    hf: Path | None = None
+    load: Path | None = None
+    iteration: int | None = None
+    tokenizer: Path | None = None  # --load: a Hugging Face tokenizer folder instead of the run's own
+    chat_template: str | None = None
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 8
+    model_id: str | None = None  # default: the model folder's name (its parent's for ".../checkpoints")
+    device: str | None = None
+    dtype: str = "auto"
+    progress: bool | None = None  # None: when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if (self.hf is None) == (self.load is None):
+            raise ConfigError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM "
+                              "or megatron-jreg checkpoint)")
+        if self.hf is not None and not (Path(self.hf) / "config.json").is_file():
+            raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
+        if self.load is not None and not Path(self.load).is_dir():
+            raise ConfigError(f"--load {self.load}: no such checkpoint folder")
+        if self.iteration is not None and self.load is None:
+            raise ConfigError("--iteration selects a checkpoint of --load; use it with --load")
+        if self.tokenizer is not None:
+            if self.load is None:
+                raise ConfigError("--tokenizer replaces a checkpoint's tokenizer: use it with --load (an --hf folder "
+                                  "has its own)")
+            if not Path(self.tokenizer).is_dir():
+                raise ConfigError(f"--tokenizer {self.tokenizer}: no such folder (a Hugging Face tokenizer folder)")
+        if not Path(self.prompts).is_file():
+            what = "is a folder" if Path(self.prompts).is_dir() else "no such file"
+            raise ConfigError(f"--prompts {self.prompts}: {what}; give a question JSONL file (FastChat's MT-bench "
+                              "format, e.g. examples/sft/data/wikitext_questions.jsonl)")
+        for flag, value, least in (("--max-new-tokens", self.max_new_tokens, 1), ("--batch-size", self.batch_size, 1),
+                                   ("--seed", self.seed, 0), ("--iteration", self.iteration, 0)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} must be >= {least}, got {value}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.model_id is not None and not self.model_id.strip():
+            raise ConfigError("--model-id must not be empty (FastChat's judge names the model by it)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        self._check_output()
+
+    def _check_output(self) -> None:
+        out = Path(self.output)
+        if str(self.output).endswith(("/", os.sep)) or out.is_dir():
+            raise ConfigError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
+        if out.resolve() == Path(self.prompts).resolve():
+            raise ConfigError(f"--output {self.output} is the --prompts file; write the answers to another file")
+        try:
+            check_output_folder(out.parent, f"--output {self.output}")  # created, and proven writable
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def name(self) -> str:
+        """The model id written into every answer (FastChat's judge reports scores under it)."""
+        if self.model_id is not None:
+            return self.model_id
+        folder = Path(self.hf or self.load).resolve()
+        return folder.parent.name if folder.name in ("checkpoints", "checkpoint", "ckpt") else folder.name

@@ -1,0 +1,129 @@
+"""Question files in, answer files out: FastChat's MT-bench formats, read strictly and written atomically.
+
+A question file (FastChat `fastchat/llm_judge/data/<bench>/question.jsonl`) has one JSON object a line:
+`{"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]}`. An answer
+file (`data/<bench>/model_answer/<model_id>.jsonl`, what `gen_model_answer.py` writes and `gen_judgment.py`
+reads) has one line per question: `{"question_id", "answer_id", "model_id", "choices": [{"index": 0,
+"turns": [answer to turn 1, answer to turn 2, ...]}], "tstamp"}`.
+
+The answer file is rewritten whole after every batch, under a temporary name and renamed, so it always
+holds complete lines only, and a run started again skips the question ids it already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class PromptFileError(ValueError):
+    """A question or answer file that cannot be used; the message names the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value != "")
+
+
+def read_questions(path: Path, flag: str = "--prompts") -> list[Question]:
+    """Every question of a FastChat question file, in file order; the first bad line is a PromptFileError."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise PromptFileError(f"{flag} {path}: cannot read it ({e.strerror}); give a question JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{flag} {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL") from None
+    questions: list[Question] = []
+    seen: dict[int | str, int] = {}
+    fix = 'one {"question_id": 1, "category": "writing", "turns": ["..."]} a line'
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{flag} {path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise PromptFileError(f"{where}: not JSON ({e}); write {fix}") from None
+        if not isinstance(record, dict):
+            raise PromptFileError(f"{where}: a JSON {type(record).__name__}, not an object; write {fix}")
+        qid = record.get("question_id")
+        if not _valid_id(qid):
+            raise PromptFileError(f"{where}: 'question_id' must be an integer or a non-empty string, got {qid!r}")
+        if qid in seen:
+            raise PromptFileError(f"{where}: question_id {qid!r} again (first at line {seen[qid]}); ids must differ")
+        seen[qid] = lineno
+        turns = record.get("turns")
+        if not isinstance(turns, list) or not turns:
+            raise PromptFileError(f"{where}: 'turns' must be a non-empty list of user turns (question {qid!r})")
+        for k, turn in enumerate(turns):
+            if not isinstance(turn, str) or not turn.strip():
+                raise PromptFileError(f"{where}: turn {k} of question {qid!r} is empty or not a string")
+        category = record.get("category", "")
+        questions.append(Question(qid, category if isinstance(category, str) else str(category), tuple(turns)))
+    if not questions:
+        raise PromptFileError(f"{flag} {path}: no questions in it; write {fix}")
+    return questions
+
+
+def read_answers(path: Path, model_id: str, flag: str = "--output") -> dict[int | str, dict]:
+    """Answers already in `path` (an earlier, interrupted run), keyed by question id; {} when there is no file.
+
+    An answer file of another model, or a file that is not an answer file, is refused: a resumed run adds
+    to it and must not mix models or overwrite something else."""
+    if not path.exists():
+        return {}
+    answers: dict[int | str, dict] = {}
+    fix = "delete it or choose another --output"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(f"{flag} {path}: exists and cannot be read as an answer file ({e}); {fix}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        ok = isinstance(record, dict) and _valid_id(record.get("question_id")) and isinstance(
+            record.get("choices"), list)
+        if not ok:
+            raise PromptFileError(f"{flag} {path}:{lineno}: exists and is not a FastChat answer file; {fix}")
+        if record.get("model_id") != model_id:
+            raise PromptFileError(f"{flag} {path}: holds answers of model {record.get('model_id')!r}, not "
+                                  f"{model_id!r}; give --model-id {record.get('model_id')} to resume it, or {fix}")
+        answers[record["question_id"]] = record
+    return answers
+
+
+def answer_record(question: Question, model_id: str, turns: list[str], answer_id: str, tstamp: float) -> dict:
+    """One answer line, as FastChat's gen_model_answer.py writes it (one choice)."""
+    return {"question_id": question.question_id, "answer_id": answer_id, "model_id": model_id,
+            "choices": [{"index": 0, "turns": turns}], "tstamp": tstamp}
+
+
+def write_answers(path: Path, records: list[dict]) -> None:
+    """All `records`, one JSON line each, written under a temporary name in the same folder and renamed."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

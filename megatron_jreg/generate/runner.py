@@ -1,0 +1,228 @@
+"""The generate run: a model and its chat tokenizer, then every question answered turn by turn.
+
+Both model kinds go through the evaluator's `CausalLM` (megatron_jreg.evaluate.models): `load_hf_lm` for a
+Hugging Face folder, `MegatronCausalLM` over `load_megatron_model` for a checkpoint (any saved layout, run
+at TP=1/PP=1 in this process). The chat side is always a Hugging Face tokenizer — the folder's own, or the
+run's `--tokenizer-model` (HuggingFaceTokenizer or SFTTokenizer runs; Megatron-LM's SFTTokenizer renders
+conversations with it too) — so a conversation is tokenized the way `--sft` trained on it:
+`apply_chat_template(messages, add_generation_prompt=True)`, what SFTTokenizer's inference path calls.
+
+Multi-turn as FastChat's gen_model_answer.py: the answer to turn k (its text) joins the conversation before
+turn k + 1 is asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_jreg.generate.config import ConfigError, GenerateConfig
+from megatron_jreg.generate.decoding import Sampling, complete
+from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
+
+_HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
+
+
+@dataclass
+class ChatModel:
+    """A CausalLM with the Hugging Face tokenizer that renders its chats."""
+
+    lm: object  # megatron_jreg.evaluate.models.CausalLM
+    tokenizer: object  # transformers tokenizer
+    template: str | None  # None: the tokenizer's own
+    template_name: str
+    stop_ids: set[int]
+    stop_texts: tuple[str, ...] = ()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation so far plus the assistant header."""
+        ids = self.tokenizer.apply_chat_template(messages, chat_template=self.template, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(i) for i in ids]
+
+    def answer_text(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in self.stop_texts if s in text), default=len(text))
+        return text[:cut].strip()
+
+    def stopped(self, _row: int, ids: list[int]) -> bool:
+        if not self.stop_texts:
+            return False
+        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        return any(s in tail for s in self.stop_texts)
+
+
+def _template(cfg: GenerateConfig, tokenizer) -> tuple[str | None, str, tuple[str, ...]]:  # noqa: ANN001
+    """(template text or None for the tokenizer's own, its name, stop texts) for `cfg.chat_template`."""
+    from megatron_jreg.data.chat import SIMPLE_STOP_TEXTS, SIMPLE_TEMPLATE, load_template, own_template
+
+    if cfg.chat_template is not None:
+        text, name = load_template(cfg.chat_template)
+    elif own_template(tokenizer) is not None:
+        text, name = None, "the tokenizer's own"
+    else:
+        text, name = SIMPLE_TEMPLATE, "simple (the tokenizer has none)"
+    rendered = text or own_template(tokenizer)
+    return text, name, SIMPLE_STOP_TEXTS if rendered == SIMPLE_TEMPLATE else ()
+
+
+def _generation_eos(folder: Path) -> set[int]:
+    """eos_token_id(s) of a Hugging Face folder's generation_config.json (e.g. Llama-3's <|eot_id|>)."""
+    import json
+
+    path = folder / "generation_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    values = value if isinstance(value, list) else [value]
+    return {int(v) for v in values if isinstance(v, int)}
+
+
+def load_chat_model(cfg: GenerateConfig) -> ChatModel:
+    """The model and chat tokenizer of `cfg` (--hf or --load), ready to answer."""
+    from megatron_jreg.data.chat import load_hf_tokenizer
+
+    if cfg.hf is not None:
+        from megatron_jreg.evaluate.models import load_hf_lm
+
+        lm = load_hf_lm(cfg.hf, cfg.device, cfg.dtype)
+        tokenizer = lm.tokenizer
+        stop = {lm.eod} | _generation_eos(Path(cfg.hf))
+    else:
+        from megatron_jreg.checkpoints import load_megatron_model
+        from megatron_jreg.data.tokenizers import build_tokenizer
+        from megatron_jreg.evaluate.models import MegatronCausalLM
+
+        dtype = torch.float32 if cfg.dtype in ("auto", "float32") else getattr(torch, cfg.dtype)
+        loaded = load_megatron_model(cfg.load, cfg.iteration, dtype=dtype, load_tokenizer=False)
+        kind, folder = getattr(loaded.args, "tokenizer_type", None), getattr(loaded.args, "tokenizer_model", None)
+        if cfg.tokenizer is not None:
+            folder = str(cfg.tokenizer)
+        elif kind not in _HF_TOKENIZER_TYPES or not folder:
+            raise ConfigError(f"--load {cfg.load}: the run's tokenizer is {kind}; generate renders chats with a "
+                              "Hugging Face tokenizer: pass --tokenizer DIR (a Hugging Face folder, same vocabulary)")
+        elif not Path(folder).is_dir():
+            raise ConfigError(f"--load {cfg.load}: the run's tokenizer folder {folder} is gone; pass its current path "
+                              "with --tokenizer DIR")
+        tokenizer = load_hf_tokenizer(folder, "--tokenizer")
+        loaded.tokenizer = build_tokenizer("HuggingFaceTokenizer", folder)  # the vocabulary MegatronCausalLM reads
+        padded = int(getattr(loaded.args, "padded_vocab_size", 0) or 0)
+        if padded and len(tokenizer) > padded:
+            raise ConfigError(f"--tokenizer {folder}: {len(tokenizer)} tokens, more than the model's {padded} "
+                              "embedding rows; give the tokenizer the checkpoint was trained with")
+        lm = MegatronCausalLM(loaded)
+        stop = {lm.eod}
+    if tokenizer.eos_token_id is not None:
+        stop.add(int(tokenizer.eos_token_id))
+    template, name, stop_texts = _template(cfg, tokenizer)
+    for text in stop_texts:  # a turn marker reserved as one token: stop on its id too
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1:
+            stop.add(int(ids[0]))
+    return ChatModel(lm, tokenizer, template, name, stop, stop_texts)
+
+
+@dataclass
+class GenerateSummary:
+    answered: int = 0
+    resumed: int = 0
+    turns: int = 0
+    finish: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "window": 0})
+    truncated_prompts: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    template: str = ""
+    output: str = ""
+
+    def describe(self) -> str:
+        rate = self.new_tokens / self.seconds if self.seconds else 0.0
+        line = (f"wrote {self.output}: {self.answered} new answers ({self.resumed} already there), {self.turns} turns, "
+                f"{self.new_tokens} tokens in {self.seconds:.1f}s ({rate:.1f} tokens/s); ends: "
+                f"{self.finish['stop']} at a stop token, {self.finish['length']} at --max-new-tokens, "
+                f"{self.finish['window']} at the context window; chat template: {self.template}")
+        if self.truncated_prompts:
+            line += f"; {self.truncated_prompts} prompts cut on the left to fit the context window"
+        return line
+
+
+def question_generator(seed: int, question_id: int | str) -> torch.Generator:
+    """A generator seeded by (seed, question id) only: the same draws in any batch and after a resume."""
+    digest = hashlib.sha256(f"{seed}\0{question_id!r}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def answer_batch(
+    model: ChatModel, batch: list[Question], cfg: GenerateConfig, summary: GenerateSummary
+) -> list[list[str]]:
+    """Answers (one text per turn) to each question of `batch`, asking all of them turn by turn together."""
+    sampling = Sampling(cfg.temperature, cfg.top_p)
+    generators = [None if sampling.greedy else question_generator(cfg.seed, q.question_id) for q in batch]
+    history: list[list[dict]] = [[] for _ in batch]
+    answers: list[list[str]] = [[] for _ in batch]
+    window = int(model.lm.max_length)
+    for turn in range(max(len(q.turns) for q in batch)):
+        rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+        prompts = []
+        for i in rows:
+            history[i].append({"role": "user", "content": batch[i].turns[turn]})
+            ids = model.prompt_ids(history[i])
+            if len(ids) >= window:  # keep the end: the question just asked and the assistant header
+                ids = ids[len(ids) - window + 1:]
+                summary.truncated_prompts += 1
+            prompts.append(ids)
+        done = complete(model.lm.logits, prompts, max_new_tokens=cfg.max_new_tokens, window=window,
+                        vocab_size=int(model.lm.vocab_size), stop_ids=model.stop_ids, sampling=sampling,
+                        generators=[generators[i] for i in rows], stopped=model.stopped, pad_id=int(model.lm.eod))
+        for i, result in zip(rows, done):
+            text = model.answer_text(result.ids)
+            answers[i].append(text)
+            history[i].append({"role": "assistant", "content": text})
+            summary.finish[result.finish] += 1
+            summary.new_tokens += len(result.ids)
+            summary.turns += 1
+    return answers
+
+
+def _progress(cfg: GenerateConfig, total: int):  # noqa: ANN202 - a tqdm bar
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
+    return tqdm(total=total, unit="question", desc="generate", disable=not show, file=sys.stderr)
+
+
+def generate(cfg: GenerateConfig) -> GenerateSummary:
+    """Answer every question of cfg.prompts not yet in cfg.output; the file is rewritten after each batch."""
+    questions = read_questions(Path(cfg.prompts))
+    model_id = cfg.name
+    done = read_answers(Path(cfg.output), model_id)
+    todo = [q for q in questions if q.question_id not in done]
+    summary = GenerateSummary(resumed=len(done), output=str(cfg.output))
+    model = load_chat_model(cfg) if todo else None
+    summary.template = model.template_name if model else "-"
+    order = {q.question_id: k for k, q in enumerate(questions)}
+
+    def ordered() -> list[dict]:  # the question file's order; answers to other ids (kept) at the end
+        return sorted(done.values(), key=lambda r: (order.get(r["question_id"], len(order)), str(r["question_id"])))
+
+    start = time.perf_counter()
+    with _progress(cfg, len(todo)) as bar:
+        for b in range(0, len(todo), cfg.batch_size):
+            batch = todo[b: b + cfg.batch_size]
+            for question, turns in zip(batch, answer_batch(model, batch, cfg, summary)):
+                done[question.question_id] = answer_record(question, model_id, turns, uuid.uuid4().hex, time.time())
+                summary.answered += 1
+            write_answers(Path(cfg.output), ordered())
+            bar.update(len(batch))
+    summary.seconds = time.perf_counter() - start
+    return summary
