@@ -135,6 +135,11 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "eval-interval-missing": (_without(TINY, "--eval-interval"), "give --eval-interval N"),
         "fsdp-on-cpu": (TINY + ["--use-megatron-fsdp"], "--use-megatron-fsdp runs on GPUs only"),
         "nsys-profile-on-cpu": (TINY + ["--profile"], "--use-pytorch-profiler"),
+        "pretrained-missing": (TINY + ["--pretrained-checkpoint", str(tmp / "no-ckpt")],
+                               f"--pretrained-checkpoint {tmp / 'no-ckpt'}: no checkpoint there"),
+        "pretrained-hostile": (TINY + ["--pretrained-checkpoint", str(damaged["hostile-metadata"])],
+                               f"--pretrained-checkpoint: {damaged['hostile-metadata'] / 'iter_0000002' / '.metadata'}: "
+                               "refused to load (class posix.mkdir"),
     }
     needles = {
         "tracker-garbage": "expected an iteration number, found 'garbage!'",
@@ -194,7 +199,7 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "truncated-idx", "missing-tokenizer", "global-batch", "pp-bigger-than-world", "fp8-on-cpu",
     "te-default-without-te", "wandb-missing", "sft-without-chat-tokenizer", "sft-with-attention-mask",
     "sft-missing-file", "eval-interval-missing", "fsdp-on-cpu", "nsys-profile-on-cpu",
-    "tracker-garbage", "tracker-empty", "tracker-release",
+    "pretrained-missing", "pretrained-hostile", "tracker-garbage", "tracker-empty", "tracker-release",
     "tracker-missing-iter", "hostile-metadata", "truncated-metadata", "overwritten-shard",
     "truncated-shard-unverified", "partial-iteration",
 ])

@@ -21,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "examples" / "slurm"
 SMOKE = REPO / "examples" / "gpu_smoke.sh"
+SFT_SCRIPT = REPO / "examples" / "sft" / "sft-llama-3.4b.sbatch"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 JOB_ID = 4242
 # preset script → (tensor parallel size, sequence parallel, distributed optimizer)
@@ -164,7 +165,7 @@ def read_args(path: Path) -> list[str]:
 
 
 def shell_scripts() -> list[Path]:
-    return [*SCRIPTS, SLURM / "launch.sh", SMOKE]
+    return [*SCRIPTS, SFT_SCRIPT, SLURM / "launch.sh", SMOKE]
 
 
 def test_scripts_are_shellcheck_clean():
@@ -279,6 +280,26 @@ def test_dry_run_with_container_and_fp8(cluster):
     args = validated(argv, 16)
     assert (args.fp8, args.fp8_recipe, args.bf16) == ("hybrid", "delayed", True)
     assert not (cluster.out / "srun.args").exists() and not cluster.runs.exists()  # nothing ran, nothing made
+
+
+def test_sft_recipe_is_the_papers(cluster, tmp_path):
+    """examples/sft: the paper's SFT settings, starting from the pretrained run, resuming from its own folder."""
+    pretrained, chat, tok = tmp_path / "pre" / "checkpoints", tmp_path / "tulu.jsonl", tmp_path / "tok-chat"
+    result = cluster(SFT_SCRIPT, FAKE_ITERATION="957", PRETRAINED=str(pretrained), DATA_PATH=str(chat),
+                     TOKENIZER_MODEL=str(tok), JREG_LAMBDA="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "finished: checkpoint at iteration 957" in result.stdout
+    args = validated(read_args(cluster.out / "rank-0.args")[2:], 32)
+    assert args.sft and args.tokenizer_type == "SFTTokenizer" and args.tokenizer_model == str(tok)
+    assert args.sft_tokenizer_prompt_format == "default" and not args.create_attention_mask_in_dataloader
+    assert args.data_path == [str(chat)] and args.pretrained_checkpoint == str(pretrained)
+    assert (args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_style) == (2e-5, 0.0, 0, "linear")
+    assert (args.adam_beta1, args.adam_beta2, args.global_batch_size, args.train_iters) == (0.9, 0.95, 512, 957)
+    assert args.model_preset == "llama-3.4b" and args.jreg_lambda == 0.0
+    run_dir = cluster.runs / f"sft-llama-3.4b-{JOB_ID}"
+    assert args.save == args.load == str(run_dir / "checkpoints")
+    missing = cluster(SFT_SCRIPT, DATA_PATH=str(chat), TOKENIZER_MODEL=str(tok))
+    assert missing.returncode != 0 and "set PRETRAINED to the checkpoints folder of the pretrained run" in missing.stderr
 
 
 def test_launcher_outside_an_allocation_names_what_is_missing(tmp_path):

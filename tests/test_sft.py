@@ -69,6 +69,13 @@ def sft_suite(rank: int, world: int, tmp_dir: str) -> dict:
     ckpt = ["--save", str(tmp / "ckpt"), "--save-interval", "2", "--metrics-file", str(tmp / "resumed.jsonl")]
     out["exit"] = train(base + ckpt + ["--exit-interval", "2"])[0]
     out["resume"] = train(base + ckpt + ["--load", str(tmp / "ckpt")])[0]
+    # fine-tuning as on a preemptible cluster: start from --pretrained-checkpoint, save to and resume from --load
+    pre = ["--pretrained-checkpoint", str(tmp / "ckpt")]
+    out["ft_full"] = train(base + pre + ["--load", str(tmp / "ft-full"), "--metrics-file", str(tmp / "ft-full.jsonl")])[0]
+    ft = pre + ["--load", str(tmp / "ft"), "--save", str(tmp / "ft"), "--save-interval", "2",
+                "--metrics-file", str(tmp / "ft.jsonl")]
+    out["ft_exit"] = train(base + ft + ["--exit-interval", "2"])[0]
+    out["ft_resume"] = train(base + ft)[0]
     out["masking"] = _loss_ignores_user_targets(base)
     return out
 
@@ -199,3 +206,17 @@ def test_sft_run_resumes_exactly(suite, tmp_path_factory):
     for r in resumed:
         assert r["lm_loss"] == pytest.approx(full[r["iteration"]]["lm_loss"], rel=1e-6)
         assert r["jreg_loss"] == pytest.approx(full[r["iteration"]]["jreg_loss"], rel=1e-6)
+
+
+def test_fine_tuning_from_pretrained_checkpoint_resumes_from_load(suite, tmp_path_factory):
+    """--pretrained-checkpoint starts the run at iteration 1 from the pretrained weights; once --load holds a
+    checkpoint of the fine-tuning run, a requeued job continues it exactly."""
+    assert suite["ft_full"] == suite["ft_exit"] == suite["ft_resume"] == 0
+    base = Path(str(tmp_path_factory.getbasetemp())) / "sft0"
+    full = {r["iteration"]: r["lm_loss"] for r in records(base / "ft-full.jsonl") if "lm_loss" in r}
+    resumed = [r for r in records(base / "ft.jsonl") if "lm_loss" in r]
+    pretrain = {r["iteration"]: r["lm_loss"] for r in records(base / "full.jsonl") if "lm_loss" in r}
+    assert sorted(full) == [r["iteration"] for r in resumed] == [1, 2, 3, 4]
+    assert full[1] < pretrain[1]  # the pretrained weights were loaded
+    for r in resumed:
+        assert r["lm_loss"] == pytest.approx(full[r["iteration"]], rel=1e-6)

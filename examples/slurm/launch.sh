@@ -32,6 +32,7 @@
 : "${LR:=3e-4}"
 : "${MIN_LR:=3e-5}"
 : "${LR_WARMUP_ITERS:=2000}"
+: "${LR_DECAY_STYLE:=cosine}"
 : "${SAVE_INTERVAL:=1000}"
 : "${JREG_LAMBDA:=1.0}"       # 0 trains the plain baseline
 : "${JREG_ALPHA:=1.0}"
@@ -71,7 +72,7 @@ args=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
     --micro-batch-size "$MBS" --global-batch-size "$GBS"
     --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$LR_WARMUP_ITERS"
-    --lr-decay-style cosine --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+    --lr-decay-style "$LR_DECAY_STYLE" --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
     --bf16 --use-mcore-models --distributed-timeout-minutes 60
     --save "$CKPT" --load "$CKPT" --save-interval "$SAVE_INTERVAL"
     --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"

@@ -129,6 +129,8 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
     kind = getattr(args, "tokenizer_type", None)
     if kind in (None, "NullTokenizer"):
         return None
+    if kind == "SFTTokenizer":  # Megatron-LM's SFT wrapper is a HuggingFace tokenizer plus a prompt format
+        kind = "HuggingFaceTokenizer"
     model = tokenizer_model or getattr(args, "tokenizer_model", None)
     try:
         return build_tokenizer(kind, model, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),

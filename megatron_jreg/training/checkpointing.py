@@ -44,13 +44,29 @@ _originals: dict = {}
 
 
 def _load_dir(args: argparse.Namespace) -> str | None:
-    return args.load if args.load is not None else getattr(args, "pretrained_checkpoint", None)
+    """The folder Megatron-LM's load_checkpoint reads: --load when it holds a checkpoint, else
+    --pretrained-checkpoint (fine-tuning starts there; its requeued jobs resume from --load)."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and not _has_checkpoint(args.load):
+        return pretrained
+    return args.load
+
+
+def _has_checkpoint(root: str | None) -> bool:
+    try:
+        return root is not None and Path(root).is_dir() and read_tracker(root) is not None
+    except CheckpointError:
+        return True  # a damaged tracker: reported when it is read
 
 
 def check_load(args: argparse.Namespace) -> None:
     """--load names nothing yet (start from scratch, as Megatron-LM) or a checkpoint we can read safely."""
     install_safe_checkpoint_reader()
     root = _load_dir(args)
+    option = "--pretrained-checkpoint" if root is not None and root == args.pretrained_checkpoint else "--load"
+    if option == "--pretrained-checkpoint" and not _has_checkpoint(root):
+        raise UsageError(f"--pretrained-checkpoint {root}: no checkpoint there (a folder with "
+                         "latest_checkpointed_iteration.txt, as --save writes)")
     if root is None or not Path(root).is_dir():
         return
     try:
@@ -60,7 +76,7 @@ def check_load(args: argparse.Namespace) -> None:
         if (ckpt / ".metadata").is_file():
             load_metadata(ckpt / ".metadata")
     except CheckpointError as e:
-        raise UsageError(f"--load: {e}") from None
+        raise UsageError(f"{option}: {e}") from None
 
 
 def install(args: argparse.Namespace) -> None:
