@@ -138,8 +138,8 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "pretrained-missing": (TINY + ["--pretrained-checkpoint", str(tmp / "no-ckpt")],
                                f"--pretrained-checkpoint {tmp / 'no-ckpt'}: no checkpoint there"),
         "pretrained-hostile": (TINY + ["--pretrained-checkpoint", str(damaged["hostile-metadata"])],
-                               f"--pretrained-checkpoint: {damaged['hostile-metadata'] / 'iter_0000002' / '.metadata'}: "
-                               "refused to load (class posix.mkdir"),
+                               f"--pretrained-checkpoint: {damaged['hostile-metadata'] / 'iter_0000002'}"
+                               "/.metadata: refused to load (class posix.mkdir"),
     }
     needles = {
         "tracker-garbage": "expected an iteration number, found 'garbage!'",

@@ -299,7 +299,8 @@ def test_sft_recipe_is_the_papers(cluster, tmp_path):
     run_dir = cluster.runs / f"sft-llama-3.4b-{JOB_ID}"
     assert args.save == args.load == str(run_dir / "checkpoints")
     missing = cluster(SFT_SCRIPT, DATA_PATH=str(chat), TOKENIZER_MODEL=str(tok))
-    assert missing.returncode != 0 and "set PRETRAINED to the checkpoints folder of the pretrained run" in missing.stderr
+    assert missing.returncode != 0
+    assert "set PRETRAINED to the checkpoints folder of the pretrained run" in missing.stderr
 
 
 def test_launcher_outside_an_allocation_names_what_is_missing(tmp_path):

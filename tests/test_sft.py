@@ -71,7 +71,8 @@ def sft_suite(rank: int, world: int, tmp_dir: str) -> dict:
     out["resume"] = train(base + ckpt + ["--load", str(tmp / "ckpt")])[0]
     # fine-tuning as on a preemptible cluster: start from --pretrained-checkpoint, save to and resume from --load
     pre = ["--pretrained-checkpoint", str(tmp / "ckpt")]
-    out["ft_full"] = train(base + pre + ["--load", str(tmp / "ft-full"), "--metrics-file", str(tmp / "ft-full.jsonl")])[0]
+    out["ft_full"] = train(base + pre + ["--load", str(tmp / "ft-full"),
+                                         "--metrics-file", str(tmp / "ft-full.jsonl")])[0]
     ft = pre + ["--load", str(tmp / "ft"), "--save", str(tmp / "ft"), "--save-interval", "2",
                 "--metrics-file", str(tmp / "ft.jsonl")]
     out["ft_exit"] = train(base + ft + ["--exit-interval", "2"])[0]
