@@ -26,6 +26,7 @@ from megatron_jreg.training.arguments import UsageError, parse_args
 
 TINY = ["--model-preset", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
         "--train-iters", "1"]
+NO_FUSION = ["--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion"]
 RECIPES = ["delayed", "tensorwise", "mxfp8", "blockwise"]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
 
@@ -119,9 +120,13 @@ def test_default_implementation_is_megatron_lms(machine, te):
     if te is None:
         message = error_of()
         assert "Transformer Engine is not importable" in message and "--transformer-impl local" in message
+        # a GPU without TE or apex: the local spec runs once Megatron-LM's default-on fused kernels are off
+        message = error_of("--transformer-impl", "local")
+        assert "fused kernels need Transformer Engine or apex" in message and "--no-rope-fusion" in message
+        model.check_transformer_impl(args_of("--transformer-impl", "local", *NO_FUSION))
     else:
         model.check_transformer_impl(args_of())
-    model.check_transformer_impl(args_of("--transformer-impl", "local"))
+        model.check_transformer_impl(args_of("--transformer-impl", "local"))
 
 
 @pytest.mark.parametrize("recipe,cc,name", [("delayed", (9, 0), "NVIDIA H100"), ("tensorwise", (8, 9), "NVIDIA L40S"),

@@ -18,7 +18,6 @@ import copy
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,15 +261,13 @@ def init_process_group() -> None:
     apply_cpu_compat()
     if dist.is_initialized():
         return
-    if "MASTER_ADDR" not in os.environ or "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(dist_backend(), rank=int(os.environ.get("RANK", 0)),
-                            world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=datetime.timedelta(minutes=30))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    # a world of one rendezvouses in process: readers started side by side cannot race for a TCP port
+    store = dist.HashStore() if world == 1 else None
+    dist.init_process_group(dist_backend(), store=store, rank=int(os.environ.get("RANK", 0)), world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
 
 
 def _init_model_parallel(seed: int) -> None:

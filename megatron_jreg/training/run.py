@@ -22,6 +22,16 @@ def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return sorted(set(ranks))
 
 
+def _one_process_store():  # -> torch.distributed.Store | None
+    """A world of one needs no rendezvous: an in-process store, so that runs started side by side cannot race
+    for the TCP port each picked (torchrun and Slurm jobs of more ranks keep Megatron-LM's env:// store)."""
+    import torch
+
+    if os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
+        return torch.distributed.HashStore()
+    return None
+
+
 def run(argv: list[str]) -> int:
     """Train with Megatron-LM's loop; returns the process exit code. Raises UsageError before any work."""
     from megatron.core.datasets import utils as dataset_utils
@@ -62,7 +72,8 @@ def run(argv: list[str]) -> int:
         checkpointing.install(args)
         try:
             training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                              partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks)
+                              partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
+                              store=_one_process_store())
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         return 0
