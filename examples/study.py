@@ -376,6 +376,12 @@ def _record_attempt(job: Job, wall: float) -> None:
                             "from_iteration": job.from_iteration, "to_iteration": latest_iteration(job.run)}) + "\n")
 
 
+def _record_invocation(cfg: StudyConfig, invocation: dict) -> None:
+    """Appended when it starts (wall_s None) and again when it ends; readers keep the last line per start."""
+    with open(cfg.output / "invocations.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"wall_s": None, **invocation}) + "\n")
+
+
 def _report_failure(run: Run, log: str, rc: int) -> None:
     tail = (run.dir / log).read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
     print(f"[study] {run.name}: {log.split('.')[0]} failed (exit {rc}); the end of {run.dir / log}:\n  "
@@ -466,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                   "start": time.time(), "config": {k: str(v) if isinstance(v, Path) else v
                                                    for k, v in asdict(cfg).items()}, **git_state()}
     t0 = time.time()
+    _record_invocation(cfg, invocation)  # at the start too: an invocation killed outright still shows
     tokenizer, data = prepare_data(cfg.output, 4096)
     write_task(cfg.output)
     todo = [r for r in runs if not (r.dir / "post.done").exists()]
@@ -480,8 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         invocation["wall_s"] = time.time() - t0
-        with open(cfg.output / "invocations.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(invocation) + "\n")
+        _record_invocation(cfg, invocation)
     study_report.write_all(cfg, runs, report, code={**git_state(), "argv": argv_used})
     print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'results.json'}, {report}", flush=True)
     if failed:

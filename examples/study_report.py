@@ -111,6 +111,7 @@ def load_run(run, steps: int, save_interval: int) -> dict:
     attempts = _jsonl(run.dir / "attempts.jsonl")
     rec["wall_s"] = {kind: sum(a["wall_s"] for a in attempts if a["kind"] == kind) for kind in ("train", "post")}
     rec["resumed"] = any(a["kind"] == "train" and a["from_iteration"] > 0 for a in attempts)
+    rec["first_start"] = min((a["start"] for a in attempts), default=None)
     return rec
 
 
@@ -434,7 +435,7 @@ def _rel(path: Path, report: Path) -> str:
 def _provenance(cfg, records: list[dict], invocations: list[dict], done: int, code: dict) -> list[str]:
     commits = list(dict.fromkeys(i.get("commit") or "unknown" for i in invocations))
     dirty = sorted({f for i in invocations for f in i.get("dirty_files", [])})
-    wall = sum(i.get("wall_s", 0.0) for i in invocations)
+    wall = sum(i.get("wall_s") or 0.0 for i in invocations)
     train = sum(r["wall_s"]["train"] for r in records)
     post = sum(r["wall_s"]["post"] for r in records)
     cmds = list(dict.fromkeys(" ".join(["python", "examples/study.py", *i["argv"][1:]]) for i in invocations))
@@ -445,8 +446,18 @@ def _provenance(cfg, records: list[dict], invocations: list[dict], done: int, co
         out.append("- code that trained and measured: commit " + ", ".join(f"`{c}`" for c in commits) + (
             f" with local changes to {', '.join(dirty)}" if dirty else " (no local changes to the study, the demo "
                                                                        "or megatron_jreg)"))
+        killed = sum(i.get("wall_s") is None for i in invocations)
+        if killed:
+            out.append(f"- {killed} invocation(s) ended without recording their end (killed); their time is not "
+                       "in the wall time below")
     else:
-        out.append("- command: none recorded yet (an invocation is recorded when it ends)")
+        out.append("- command: none recorded yet")
+    first = min((i["start"] for i in invocations), default=math.inf)
+    unrecorded = [f"{r['arm']}/seed-{r['seed']}" for r in records if r["first_start"] and r["first_start"] < first]
+    if unrecorded:
+        out.append(f"- {len(unrecorded)} run(s) started under an invocation that is not recorded (killed before "
+                   "invocations were recorded at their start; its commit is not known): "
+                   + ", ".join(unrecorded))
     out.append(f"- this report: `{' '.join(['python', 'examples/study.py', *code.get('argv', [])[1:]])}` at commit "
                f"`{code.get('commit')}`"
                + (f" with local changes to {', '.join(code['dirty_files'])}" if code.get("dirty_files") else ""))
@@ -609,7 +620,7 @@ def write_all(cfg, runs: list, report: Path, code: dict) -> dict:
     tests = run_compare(cfg, records, out)
     report.parent.mkdir(parents=True, exist_ok=True)
     plots = plot_all(cfg, records, summary, report.parent)
-    invocations = _jsonl(out / "invocations.jsonl")
+    invocations = list({i["start"]: i for i in _jsonl(out / "invocations.jsonl")}.values())  # the last per start
     results = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
                "invocations": invocations, "runs": records, "summary": summary, "compare": tests,
                "plots": {k: str(v) for k, v in plots.items()}, "report": str(report)}

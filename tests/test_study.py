@@ -108,7 +108,10 @@ def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(qu
     resumed = next(r for r in results["runs"] if r["arm"] == "jreg-a1")
     assert resumed["resumed"] and resumed["series"]["steps"] == [3, 6]
     assert "- resumed from checkpoints: jreg-a1/seed-1" in (out / "report.md").read_text()
-    assert len((out / "invocations.jsonl").read_text().splitlines()) == 2
+    lines = [json.loads(x) for x in (out / "invocations.jsonl").read_text().splitlines()]
+    # each invocation is recorded when it starts (a killed one still shows) and again when it ends
+    assert [x["wall_s"] is None for x in lines] == [True, False, True, False]
+    assert len({x["start"] for x in lines}) == 2 and len(results["invocations"]) == 2
 
 
 def test_other_settings_on_an_existing_output_are_refused(quick):
