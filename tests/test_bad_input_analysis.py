@@ -58,8 +58,9 @@ class Inputs:
     def lambada(self, *records: object) -> Path:
         return self.file("lambada.jsonl", "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
 
-    def result(self, name: str, seed: int, acc: object = 0.5, shots: int | None = None) -> Path:
-        record = {"results": {"lambada": {"acc": acc}}, "seed": seed, "config": {"num_fewshot": shots}}
+    def result(self, name: str, seed: int | None, acc: object = 0.5, shots: int | None = None, fields=()) -> Path:
+        """A compare input; `fields` add top-level keys (samples, higher_is_better, n_shot, ...)."""
+        record = {"results": {"lambada": {"acc": acc}}, "seed": seed, "config": {"num_fewshot": shots}, **dict(fields)}
         return self.file(name, json.dumps(record))  # json writes NaN/Infinity as Python reads them back
 
 
@@ -170,7 +171,7 @@ def lambada_file(*records: object):
 
 
 def arms(baseline: list[tuple], jreg: list[tuple], *extra: str):
-    """compare --baseline/--jreg over result files given as (seed, acc[, num_fewshot])."""
+    """compare --baseline/--jreg over result files given as (seed, acc[, num_fewshot[, {top-level key: value}]])."""
 
     def build(i: Inputs) -> list[str]:
         b = [str(i.result(f"b{n}.json", *r)) for n, r in enumerate(baseline)]
@@ -332,6 +333,31 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     "compare/one-seed": ("compare", arms([(1, 0.5)], [(1, 0.6)]), ("at least 2 seeds",)),
     "compare/unequal-arms": ("compare", arms(GOOD, [*GOOD, (3, 0.1)]), ("--baseline has 2 files and --jreg 3",)),
     "compare/output-is-a-folder": ("compare", lambda i: arms(GOOD, GOOD, "--output", str(i.tmp))(i), ("is a folder",)),
+    "compare/no-seed": (
+        "compare", arms([(None, 0.5), (2, 0.6)], GOOD), ("b0.json", 'no "seed" field', "--pair-by-order")
+    ),
+    "compare/pair-by-order-other-seeds": (
+        "compare", arms(GOOD, [(2, 0.6), (1, 0.5)], "--pair-by-order"), ("--pair-by-order pairs", "b0.json (seed 1)")
+    ),
+    "compare/sample-counts-differ": (
+        "compare",
+        arms([(1, 0.5, None, {"samples": {"lambada": 5153}}), (2, 0.6)], [(1, 0.5, None, {"samples": {"lambada": 200}}),
+             (2, 0.6)]),  # fmt: skip
+        ("lambada", "numbers of examples", "b0.json: 5153", "j0.json: 200", "--limit"),
+    ),
+    "compare/lm-eval-shots-differ": (
+        "compare", arms(GOOD, [(1, 0.5, None, {"n_shot": {"lambada": 5}}), (2, 0.6, None, {"n_shot": {"lambada": 0}})]),
+        ("lambada", "few-shot counts", "j0.json: 5", "j1.json: 0"),
+    ),
+    "compare/directions-disagree": (
+        "compare",
+        arms([(1, 0.5, None, {"higher_is_better": {"lambada": {"acc": True}}}), (2, 0.6)],
+             [(1, 0.5, None, {"higher_is_better": {"lambada": {"acc": False}}}), (2, 0.6)]),  # fmt: skip
+        ("lambada acc", "b0.json: higher", "j0.json: lower", "--higher-is-better acc"),
+    ),
+    "compare/both-directions": (
+        "compare", arms(GOOD, GOOD, "--higher-is-better", "acc", "--lower-is-better", "acc"), ("both name acc",)
+    ),
     "compare/missing-file": (
         "compare", lambda i: ["--baseline", "/nonexistent.json", str(i.result("b.json", 2)),
                               "--jreg", str(i.result("j.json", 1)), str(i.result("k.json", 2))],  # fmt: skip

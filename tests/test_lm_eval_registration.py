@@ -111,6 +111,9 @@ def test_lm_eval_command_line_runs_our_model(model_dir, tasks_dir, builtin, tmp_
     saved = json.loads(result_file.read_text())
     assert saved["config"]["model"] == "megatron-jreg"
     assert saved["results"]["lambada_local"]["acc,none"] == builtin["acc"]
+    read = EvalResults.read(result_file)  # lm-eval's own file as `compare` reads it
+    assert read.results["lambada_local"]["acc"] == builtin["acc"] and read.samples == {"lambada_local": LIMIT}
+    assert read.higher_is_better == {"lambada_local": {"perplexity": False, "acc": True}}
 
 
 def test_load_reaches_the_megatron_loader(model_dir, tmp_path, monkeypatch):

@@ -1,11 +1,13 @@
-"""`megatron-jreg compare`: did JREG beat the baseline, per task and on average, across seeds?
+"""`megatron-jreg compare`: did JREG beat the baseline (or do worse), per task and on average, across seeds?
 
     megatron-jreg compare --baseline base-s1.json base-s2.json base-s3.json \\
                           --jreg jreg-s1.json jreg-s2.json jreg-s3.json
 
-Runs are paired by their "seed" field when every file has one, else by position on the command line.
-Each task's score is one metric ("acc" unless --metric / --task-metric say otherwise); the "average"
-row is the one-sided paired t-test (stats.py) on each seed's mean over the compared tasks.
+Inputs are `evaluate --output` files or lm-eval's own results files. Runs are paired by their "seed" field;
+a file without one is refused unless --pair-by-order says the two arms list their seeds in the same order.
+Each task's score is one metric ("acc" unless --metric / --task-metric say otherwise), better higher or
+lower as lm-eval's `higher_is_better` in the files says, else as its name says (perplexity, loss, bits per
+byte: lower). The "average" row is the paired t-test (stats.py) on each seed's mean over the compared tasks.
 """
 
 from __future__ import annotations
@@ -14,13 +16,25 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from scipy import stats
+
 from megatron_jreg.evaluate.results import EvalResults
-from megatron_jreg.evaluate.stats import PairedTest, paired_one_sided
+from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided
 
 AVERAGE = "average"
+# Metric directions by name where no file says (lm-eval writes `higher_is_better`; our built-in tasks do not).
+LOWER_IS_BETTER = frozenset(
+    {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "bits-per-byte", "bpb", "loss", "ppl",
+     "nll", "cross_entropy", "ter"}
+)  # fmt: skip
+HIGHER_IS_BETTER = frozenset(
+    {"acc", "acc_norm", "acc_mutual_info", "f1", "exact_match", "em", "mcc", "bleu", "chrf", "rouge1", "rouge2",
+     "rougeL"}
+)  # fmt: skip
+ASSUMED = "assumed"
 
 
 @dataclass(frozen=True)
@@ -29,135 +43,252 @@ class Row:
     baseline_mean: float
     jreg_mean: float
     test: PairedTest
+    direction_from: str  # "--higher-is-better"/"--lower-is-better", "lm-eval", "name" or "assumed"
+    p_holm: float | None = None  # Holm-adjusted p (JREG better) over the task rows, when there are several
+
+
+@dataclass
+class Comparison:
+    rows: dict[str, Row]
+    skipped: list[str]  # tasks missing from some file or without the metric
+    average_of: list[str]  # the tasks the average row is over (empty: no average row)
+    notes: list[str] = field(default_factory=list)
+
+
+def metric_name(metric: str) -> str:
+    """lm-eval's "acc,none" is our "acc" (results.py); other filters keep their suffix."""
+    return metric.removesuffix(",none")
+
+
+def metric_direction(
+    task: str, metric: str, runs: dict[Path, EvalResults], overrides: dict[str, bool]
+) -> tuple[bool, str]:
+    """(higher is better, where that came from): the command line, the files' lm-eval `higher_is_better`,
+    the metric's name, or assumed higher."""
+    base = metric.partition(",")[0]
+    for key in (metric, base):
+        if key in overrides:
+            return overrides[key], "--higher-is-better" if overrides[key] else "--lower-is-better"
+    said = {p: flag for p, run in runs.items() if (flag := run.higher_is_better.get(task, {}).get(base)) is not None}
+    if len(set(said.values())) > 1:
+        listed = ", ".join(f"{p}: {'higher' if f else 'lower'}" for p, f in said.items())
+        raise ValueError(
+            f"the files disagree on whether {task} {base} is better higher or lower ({listed}); "
+            f"say which with --higher-is-better {base} or --lower-is-better {base}"
+        )
+    if said:
+        return next(iter(said.values())), "lm-eval"
+    if base in LOWER_IS_BETTER or base.endswith(("_loss", "_perplexity", "_ppl")):
+        return False, "name"
+    if base in HIGHER_IS_BETTER:
+        return True, "name"
+    return True, ASSUMED
 
 
 def pair_runs(
-    baseline: list[EvalResults], jreg: list[EvalResults]
-) -> tuple[list[tuple[EvalResults, EvalResults]], str]:
-    """(baseline, jreg) pairs of the same seed, and how they were paired ("seed" or "order")."""
+    baseline: list[Path], jreg: list[Path], runs: dict[Path, EvalResults], by_order: bool = False
+) -> tuple[list[tuple[Path, Path]], str]:
+    """(baseline, jreg) file pairs of the same seed, and how they were paired ("seed" or "order").
+
+    By seed unless `by_order`; a file without a seed is refused then: pairing by position would silently
+    pair different seeds whenever the two lists are in different orders."""
     if len(baseline) != len(jreg):
-        raise ValueError(
-            f"--baseline has {len(baseline)} files and --jreg {len(jreg)}; give one per seed in each arm"
-        )
-    seeds_b, seeds_j = [r.seed for r in baseline], [r.seed for r in jreg]
-    if None in seeds_b or None in seeds_j:
+        raise ValueError(f"--baseline has {len(baseline)} files and --jreg {len(jreg)}; give one per seed in each arm")
+    seed = {path: runs[path].seed for path in [*baseline, *jreg]}
+    if by_order:
+        for b, j in zip(baseline, jreg):
+            if None not in (seed[b], seed[j]) and seed[b] != seed[j]:
+                raise ValueError(
+                    f"--pair-by-order pairs {b} (seed {seed[b]}) with {j} (seed {seed[j]}); list both arms in the "
+                    "same seed order, or leave out --pair-by-order to pair by seed"
+                )
         return list(zip(baseline, jreg)), "order"
+    if unseeded := next((path for path, s in seed.items() if s is None), None):
+        raise ValueError(
+            f'{unseeded}: no "seed" field, so it cannot be paired with its seed\'s run in the other arm; write it '
+            'with `megatron-jreg evaluate --seed N` (or add "seed": N to the file), or pass --pair-by-order '
+            "if --baseline and --jreg list the seeds in the same order"
+        )
+    seeds_b, seeds_j = [seed[p] for p in baseline], [seed[p] for p in jreg]
     if len(set(seeds_b)) != len(seeds_b) or sorted(seeds_b) != sorted(seeds_j):
         raise ValueError(
-            f"seeds do not pair up: --baseline {seeds_b}, --jreg {seeds_j}; "
-            "each seed must appear once per arm"
+            f"seeds do not pair up: --baseline {seeds_b}, --jreg {seeds_j}; each seed must appear once per arm"
         )
-    by_seed = {r.seed: r for r in jreg}
-    return [(b, by_seed[b.seed]) for b in baseline], "seed"
+    by_seed = {seed[p]: p for p in jreg}
+    return [(b, by_seed[seed[b]]) for b in baseline], "seed"
+
+
+def _agree(task: str, what: str, values: dict[Path, int | None], fix: str) -> None:
+    """Refuse a task whose known `values` (example counts, few-shot counts) differ between files."""
+    known = {path: v for path, v in values.items() if v is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{path}: {v}" for path, v in known.items())
+        raise ValueError(f"{task} was scored with different {what} ({listed}); {fix}")
 
 
 def compare_runs(
-    pairs: list[tuple[EvalResults, EvalResults]],
+    pairs: list[tuple[Path, Path]],
+    runs: dict[Path, EvalResults],
     metric_for: dict[str, str],
     default_metric: str,
     confidence: float = 0.95,
-) -> tuple[dict[str, Row], list[str]]:
-    """({task or "average": Row}, tasks left out because some file lacks them or their metric)."""
-    runs = [run for pair in pairs for run in pair]
-    candidates = list(dict.fromkeys(task for run in runs for task in run.results))
+    directions: dict[str, bool] | None = None,
+) -> Comparison:
+    """Per-task rows and the average row over the tasks every file has with its metric.
+
+    Refuses a compared task scored on different numbers of examples or few-shot counts in different files,
+    and files that disagree on its metric's direction. The average leaves out lm-eval groups whose subtasks
+    are compared too (they would count twice) and is not given when the tasks mix directions."""
+    directions = directions or {}
+    paths = [path for pair in pairs for path in pair]
+    candidates = list(dict.fromkeys(task for path in paths for task in runs[path].results))
     tasks, skipped = [], []
     for task in candidates:
         metric = metric_for.get(task, default_metric)
-        ok = all(isinstance(run.results.get(task, {}).get(metric), int | float) for run in runs)
+        ok = all(isinstance(runs[p].results.get(task, {}).get(metric), int | float) for p in paths)
         (tasks if ok else skipped).append(task)
     if not tasks:
         raise ValueError(f"no task has metric {default_metric!r} in every file; choose another with --metric")
+    notes: list[str] = []
     rows: dict[str, Row] = {}
-    per_seed_b: list[list[float]] = [[] for _ in pairs]
-    per_seed_j: list[list[float]] = [[] for _ in pairs]
+    per_task: dict[str, tuple[list[float], list[float]]] = {}
     for task in tasks:
+        _agree(task, "numbers of examples", {p: runs[p].samples.get(task) for p in paths},
+               "evaluate every model on the same examples (same data and --limit)")  # fmt: skip
+        _agree(task, "few-shot counts", {p: runs[p].n_shot.get(task) for p in paths},
+               "evaluate every model with the same --num-fewshot")  # fmt: skip
         metric = metric_for.get(task, default_metric)
-        b = [float(base.results[task][metric]) for base, _ in pairs]
-        j = [float(jr.results[task][metric]) for _, jr in pairs]
-        for i in range(len(pairs)):
-            per_seed_b[i].append(b[i])
-            per_seed_j[i].append(j[i])
-        rows[task] = Row(metric, sum(b) / len(b), sum(j) / len(j), paired_one_sided(j, b, confidence))
-    avg_b = [sum(v) / len(v) for v in per_seed_b]
-    avg_j = [sum(v) / len(v) for v in per_seed_j]
-    metrics = sorted({metric_for.get(t, default_metric) for t in tasks})
-    rows[AVERAGE] = Row(
-        "/".join(metrics),
-        sum(avg_b) / len(avg_b),
-        sum(avg_j) / len(avg_j),
-        paired_one_sided(avg_j, avg_b, confidence),
-    )
-    return rows, skipped
+        higher, source = metric_direction(task, metric, {p: runs[p] for p in paths}, directions)
+        if source == ASSUMED:
+            notes.append(
+                f"{task} {metric}: direction unknown, taken as higher is better "
+                f"(--lower-is-better {metric} if lower is better)"
+            )
+        b = [float(runs[base].results[task][metric]) for base, _ in pairs]
+        j = [float(runs[jr].results[task][metric]) for _, jr in pairs]
+        per_task[task] = (b, j)
+        rows[task] = Row(metric, _mean(b), _mean(j), paired_one_sided(j, b, confidence, higher), source)
+    if len(rows) > 1:
+        adjusted = holm([row.test.p_value for row in rows.values()])
+        rows = {task: replace(row, p_holm=p) for (task, row), p in zip(rows.items(), adjusted)}
+        notes.append(
+            f'{len(rows)} tasks, each tested at {_level(confidence)}: the chance of some false "better" is '
+            'higher; "p better (Holm)" adjusts for it'
+        )
+    groups = {g: s for path in paths for g, s in runs[path].groups.items()}
+    average_of = [t for t in tasks if not any(sub in rows for sub in groups.get(t, ()))]
+    if left := [t for t in tasks if t not in average_of]:
+        notes.append(f"average over the subtasks, not the groups {', '.join(left)} (they would count twice)")
+    if len({rows[t].test.higher_is_better for t in average_of}) > 1:
+        notes.append("no average: the tasks mix higher- and lower-is-better metrics")
+        average_of = []
+    if average_of:
+        avg_b = [_mean([per_task[t][0][i] for t in average_of]) for i in range(len(pairs))]
+        avg_j = [_mean([per_task[t][1][i] for t in average_of]) for i in range(len(pairs))]
+        higher = rows[average_of[0]].test.higher_is_better
+        rows[AVERAGE] = Row(
+            "/".join(sorted({rows[t].metric for t in average_of})),
+            _mean(avg_b),
+            _mean(avg_j),
+            paired_one_sided(avg_j, avg_b, confidence, higher),
+            "tasks",
+        )
+    return Comparison(rows, skipped, average_of, notes)
 
 
-def format_rows(rows: dict[str, Row]) -> str:
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _level(confidence: float) -> str:
+    return f"{round((1 - confidence) * 100, 6):g}%"
+
+
+def _verdict(test: PairedTest) -> str:
+    if not test.defined:
+        return "undefined (no spread)"
+    return "JREG better" if test.significant else "JREG worse" if test.worse else "not significant"
+
+
+def format_rows(comparison: Comparison) -> str:
+    rows = comparison.rows
     confidence = next(iter(rows.values())).test.confidence
-    level = f"{round((1 - confidence) * 100, 6):g}%"
-    header = (
-        "task",
-        "metric",
-        "n",
-        "baseline",
-        "jreg",
-        "diff",
-        "p (one-sided)",
-        f"{round(confidence * 100, 6):g}% lower",
-        f"JREG better at {level}",
-    )
+    level = _level(confidence)
+    with_holm = any(row.p_holm is not None for row in rows.values())
+    header = ["task", "metric", "better", "n", "baseline", "jreg", "diff", "p better", "p worse", "p two-sided"]
+    header += ["p better (Holm)"] * with_holm + [f"{round(confidence * 100, 6):g}% bound", f"at {level}"]
     table = [header]
     for task, row in rows.items():
         t = row.test
-        table.append(
-            (
-                task,
-                row.metric,
-                str(t.n),
-                f"{row.baseline_mean:.4f}",
-                f"{row.jreg_mean:.4f}",
-                f"{t.mean_diff:+.4f}",
-                _fmt(t.p_value, "{:.4g}"),
-                _fmt(t.lower_bound, "{:+.4f}"),
-                "yes" if t.significant else "no",
-            )
-        )
+        cells = [task, row.metric, "higher" if t.higher_is_better else "lower", str(t.n), _value(row.baseline_mean),
+                 _value(row.jreg_mean), _value(t.mean_diff, "+"), _p(t.p_value), _p(t.p_worse),
+                 _p(t.p_two_sided)]  # fmt: skip
+        if with_holm:
+            cells.append("" if row.p_holm is None else _p(row.p_holm))
+        bound = "-" if math.isnan(t.bound) else (">= " if t.higher_is_better else "<= ") + _value(t.bound, "+")
+        table.append([*cells, bound, _verdict(t)])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    avg = rows[AVERAGE].test
-    verdict = "yes" if avg.significant else "no"
-    lines.append(
-        f"Average over {len(rows) - 1} task(s), {avg.n} seeds: JREG better at {level}: {verdict} "
-        f"(mean difference {avg.mean_diff:+.4f}, p = {_fmt(avg.p_value, '{:.4g}')}, "
-        f"{round(confidence * 100, 6):g}% lower bound {_fmt(avg.lower_bound, '{:+.4f}')})"
-    )
+    if AVERAGE in rows:
+        avg = rows[AVERAGE].test
+        direction, side = ("higher", "lower") if avg.higher_is_better else ("lower", "upper")
+        lines.append(
+            f"Average over {len(comparison.average_of)} task(s), {avg.n} seeds: JREG better at {level}: "
+            f"{'yes' if avg.significant else 'no'}; JREG worse at {level}: {'yes' if avg.worse else 'no'} "
+            f"(mean difference {_value(avg.mean_diff, '+')}, {direction} is better, p better = {_p(avg.p_value)}, "
+            f"p worse = {_p(avg.p_worse)}, two-sided p = {_p(avg.p_two_sided)}, "
+            f"{round(confidence * 100, 6):g}% {side} bound {_value(avg.bound, '+')}"
+            + ("" if avg.defined else "; undefined: every seed's difference is the same")
+            + ")"
+        )
     return "\n".join(lines)
 
 
-def _fmt(value: float, spec: str) -> str:
-    return "-" if math.isnan(value) else spec.format(value)
+def _value(value: float, sign: str = "") -> str:
+    """A score or difference: 4 decimals, or 4 significant digits past 1e5 (perplexities); NaN as "-"."""
+    if math.isnan(value):
+        return "-"
+    return f"{value:{sign}.4f}" if abs(value) < 1e5 else f"{value:{sign}.4e}"
+
+
+def _p(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4g}"
 
 
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def rows_to_json(rows: dict[str, Row], pairing: str, skipped: list[str]) -> dict:
+def rows_to_json(comparison: Comparison, pairing: str) -> dict:
+    """The comparison as JSON; NaN (an undefined test) is null. The bound is "lower_bound" on the
+    difference when higher is better, "upper_bound" when lower is."""
     return {
         "pairing": pairing,
-        "skipped_tasks": skipped,
+        "skipped_tasks": comparison.skipped,
+        "average_of": comparison.average_of,
+        "notes": comparison.notes,
         "rows": {
             task: {
                 "metric": r.metric,
+                "higher_is_better": r.test.higher_is_better,
+                "direction_from": r.direction_from,
                 "n": r.test.n,
                 "baseline_mean": r.baseline_mean,
                 "jreg_mean": r.jreg_mean,
                 "mean_diff": r.test.mean_diff,
+                "sd_diff": r.test.sd_diff,
                 "t": _finite(r.test.t),
                 "p_value": _finite(r.test.p_value),
-                "lower_bound": _finite(r.test.lower_bound),
+                "p_worse": _finite(r.test.p_worse),
+                "p_two_sided": _finite(r.test.p_two_sided),
+                "p_holm": None if r.p_holm is None else _finite(r.p_holm),
+                "lower_bound" if r.test.higher_is_better else "upper_bound": _finite(r.test.bound),
                 "confidence": r.test.confidence,
+                "defined": r.test.defined,
                 "jreg_better": r.test.significant,
+                "jreg_worse": r.test.worse,
             }
-            for task, r in rows.items()
+            for task, r in comparison.rows.items()
         },
     }
 
@@ -167,11 +298,15 @@ def _metric_overrides(values: list[str]) -> dict[str, str]:
     for value in values:
         task, sep, metric = value.partition("=")
         if not sep or not task or not metric:
-            raise ValueError(
-                f"--task-metric {value}: write TASK=METRIC, e.g. --task-metric hellaswag=acc_norm"
-            )
-        out[task] = metric
+            raise ValueError(f"--task-metric {value}: write TASK=METRIC, e.g. --task-metric hellaswag=acc_norm")
+        out[task] = metric_name(metric)
     return out
+
+
+def _direction_overrides(higher: list[str], lower: list[str]) -> dict[str, bool]:
+    if both := sorted(set(map(metric_name, higher)) & set(map(metric_name, lower))):
+        raise ValueError(f"--higher-is-better and --lower-is-better both name {', '.join(both)}; give one direction")
+    return {**{metric_name(m): True for m in higher}, **{metric_name(m): False for m in lower}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,15 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         required=True,
         metavar="FILE",
-        help="result files (evaluate --output) of the baseline arm, one per seed",
+        help="result files (evaluate --output, or lm-eval's results_*.json) of the baseline arm, one per seed",
     )
     p.add_argument(
-        "--jreg",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="FILE",
-        help="result files of the JREG arm, one per seed",
+        "--jreg", nargs="+", type=Path, required=True, metavar="FILE", help="result files of the JREG arm, one per seed"
     )
     p.add_argument("--metric", default="acc", help="metric compared for every task (default: acc)")
     p.add_argument(
@@ -201,8 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="another metric for one task, e.g. hellaswag=acc_norm (repeatable)",
     )
     p.add_argument(
-        "--confidence", type=float, default=0.95, help="one-sided confidence level (default: 0.95)"
+        "--higher-is-better",
+        action="append",
+        default=[],
+        metavar="METRIC",
+        help="a metric whose direction the files do not give and its name does not tell (repeatable)",
     )
+    p.add_argument("--lower-is-better", action="append", default=[], metavar="METRIC", help="the same, lower is better")
+    p.add_argument(
+        "--pair-by-order",
+        action="store_true",
+        help="pair the i-th --baseline file with the i-th --jreg file (for files without a seed, e.g. lm-eval's)",
+    )
+    p.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence level (default: 0.95)")
     p.add_argument("--output", type=Path, metavar="FILE", help="also write the comparison as JSON")
     return p
 
@@ -230,6 +371,17 @@ def check_settings(runs: dict[Path, EvalResults]) -> None:
         raise ValueError(f"the files were evaluated with different --num-fewshot ({listed}); evaluate them alike")
 
 
+def _few_seeds_warning(n: int, confidence: float) -> str | None:
+    """One line when n < 3 pairs: on 1 degree of freedom a t-test has almost no power."""
+    if n >= 3:
+        return None
+    critical = float(stats.t.ppf(confidence, n - 1))
+    return (
+        f"megatron-jreg compare: warning: only {n} seed pairs: with {n - 1} degree of freedom a one-sided "
+        f"p < {_level(confidence)} needs t > {critical:.2f}; use at least 3 seeds per arm"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -238,27 +390,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.output is not None and args.output.is_dir():
             raise ValueError(f"--output {args.output}: is a folder; pass a file name, e.g. {args.output}/compare.json")
         overrides = _metric_overrides(args.task_metric)
+        directions = _direction_overrides(args.higher_is_better, args.lower_is_better)
+        metric = metric_name(args.metric)
         runs = {p: EvalResults.read(p) for p in [*args.baseline, *args.jreg]}
         if len(runs) < len(args.baseline) + len(args.jreg):
             raise ValueError("a result file is given twice; each seed's file belongs to one arm, once")
-        check_scores(runs, overrides, args.metric)
+        check_scores(runs, overrides, metric)
         check_settings(runs)
-        baseline = [runs[p] for p in args.baseline]
-        jreg = [runs[p] for p in args.jreg]
-        pairs, pairing = pair_runs(baseline, jreg)
-        rows, skipped = compare_runs(pairs, overrides, args.metric, args.confidence)
+        pairs, pairing = pair_runs(args.baseline, args.jreg, runs, args.pair_by_order)
+        if len(pairs) < 2:
+            raise ValueError(f"a t-test needs at least 2 seeds per arm, got {len(pairs)}")
+        comparison = compare_runs(pairs, runs, overrides, metric, args.confidence, directions)
     except ValueError as e:
         print(f"megatron-jreg compare: error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(pairs)} seed pairs, paired by {pairing}")
-    if skipped:
-        print(f"left out (missing from some file or without the metric): {', '.join(skipped)}")
-    print(format_rows(rows))
+    if warning := _few_seeds_warning(len(pairs), args.confidence):
+        print(warning, file=sys.stderr)
+    print(f"{len(pairs)} seed pairs, paired by {pairing}" + (" (--pair-by-order)" if pairing == "order" else ""))
+    if comparison.skipped:
+        print(f"left out (missing from some file or without the metric): {', '.join(comparison.skipped)}")
+    print(format_rows(comparison))
+    for note in comparison.notes:
+        print(f"note: {note}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(
-            json.dumps(rows_to_json(rows, pairing, skipped), indent=2) + "\n", encoding="utf-8"
-        )
+        args.output.write_text(json.dumps(rows_to_json(comparison, pairing), indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -6,7 +6,10 @@
 
 Built-in tasks and lm-eval tasks land in the same shape: lm-eval's "acc,none" / "acc_stderr,none" keys
 become "acc" / "acc_stderr" (a filter other than "none" stays as "acc,filter"), and its "N/A" stderr
-becomes null.
+becomes null. What lm-eval knows about its tasks is kept beside them, so that `compare` can use it:
+    "higher_is_better": {task: {metric: bool}}, "n_shot": {task: k}, "groups": {group: [subtask, ...]}
+`EvalResults.read` also reads lm-eval's own results files (`lm_eval --output_path`, results_*.json) into
+this shape; they carry no training seed unless one is added as a top-level "seed".
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ class EvalResults:
     seed: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # task -> {reason: examples not scored}
+    higher_is_better: dict[str, dict[str, bool]] = field(default_factory=dict)  # lm-eval's, per task and metric
+    n_shot: dict[str, int] = field(default_factory=dict)  # lm-eval's few-shot count per task
+    groups: dict[str, list[str]] = field(default_factory=dict)  # lm-eval group -> its subtasks
 
-    def add(self, task: str, metrics: Metrics, n: int) -> None:
+    def add(self, task: str, metrics: Metrics, n: int | None) -> None:
+        """One task's metrics, scored on n examples (None: not known, e.g. an lm-eval group)."""
         self.results[task] = metrics
-        self.samples[task] = n
+        if n is not None:
+            self.samples[task] = n
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,9 +52,12 @@ class EvalResults:
 
     @classmethod
     def read(cls, path: str | Path) -> EvalResults:
-        """A result file written by `evaluate --output`; anything else fails naming the file."""
+        """A result file written by `evaluate --output` or by lm-eval (recognised by its "n-samples");
+        anything else fails naming the file."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if "n-samples" in data:
+                return cls.from_harness(data)
             return cls(
                 results={task: dict(metrics) for task, metrics in data["results"].items()},
                 samples=dict(data.get("samples", {})),
@@ -54,9 +65,23 @@ class EvalResults:
                 seed=data.get("seed"),
                 config=dict(data.get("config", {})),
                 skipped={task: dict(counts) for task, counts in data.get("skipped", {}).items()},
+                higher_is_better={task: dict(m) for task, m in data.get("higher_is_better", {}).items()},
+                n_shot=dict(data.get("n_shot", {})),
+                groups={group: list(tasks) for group, tasks in data.get("groups", {}).items()},
             )
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-            raise ValueError(f"{path}: not a result file of `megatron-jreg evaluate --output` ({e})") from e
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ValueError(
+                f"{path}: not a result file of `megatron-jreg evaluate --output` or lm-eval --output_path ({e})"
+            ) from e
+
+    @classmethod
+    def from_harness(cls, raw: dict[str, Any]) -> EvalResults:
+        """lm-eval's results file (`simple_evaluate`'s output as lm-eval saves it) in this shape."""
+        config = dict(raw.get("config") or {})
+        model = {"kind": "lm-eval", "model": config.get("model"), "model_args": config.get("model_args")}
+        results = cls(model=model, seed=raw.get("seed"), config=config)
+        add_harness(results, raw)
+        return results
 
     def table(self) -> str:
         """task | metric | value | stderr, one row per metric, tasks in the order they ran."""
@@ -82,19 +107,29 @@ def _number(value: float | None) -> str:
 
 
 def harness_metrics(task_results: dict[str, Any]) -> Metrics:
-    """One task's lm-eval results in our metric naming."""
+    """One task's lm-eval results in our metric naming (a boolean stays one, for `compare` to refuse)."""
     metrics: Metrics = {}
     for key, value in task_results.items():
         if key in _NOT_METRICS:
             continue
         name, _, filter_name = key.partition(",")
         out = name if filter_name in ("", "none") else key
-        metrics[out] = float(value) if isinstance(value, int | float) else None
+        metrics[out] = value if isinstance(value, bool) else float(value) if isinstance(value, int | float) else None
     return metrics
 
 
 def add_harness(results: EvalResults, raw: dict[str, Any]) -> None:
-    """Add every task of an lm-eval `simple_evaluate` output to `results`."""
+    """Add every task of an lm-eval `simple_evaluate` output to `results`, with lm-eval's metric directions,
+    few-shot counts and groups (a group's example count is its subtasks', so none is recorded for it)."""
+    counts = raw.get("n-samples") or {}
     for task, task_results in raw["results"].items():
-        n = raw.get("n-samples", {}).get(task, {}).get("effective", 0)
-        results.add(task, harness_metrics(task_results), int(n))
+        n = (counts.get(task) or {}).get("effective")
+        results.add(task, harness_metrics(task_results), None if n is None else int(n))
+        directions = (raw.get("higher_is_better") or {}).get(task) or {}
+        if known := {metric: flag for metric, flag in directions.items() if isinstance(flag, bool)}:
+            results.higher_is_better[task] = known
+        if isinstance(shots := (raw.get("n-shot") or {}).get(task), int):
+            results.n_shot[task] = shots
+    for group, subtasks in (raw.get("group_subtasks") or {}).items():
+        if subtasks:
+            results.groups[group] = list(subtasks)

@@ -1,10 +1,25 @@
-"""The significance test of the paper's Appendix G: a one-sided paired t-test over training seeds.
+"""The significance test of the paper's Appendix G: a paired t-test over training seeds, read on both tails.
 
 With per-seed scores b_i (baseline) and j_i (JREG) of the same seed i, d_i = j_i - b_i, n seeds:
     mean = (1/n) sum d_i,  s = sqrt(sum (d_i - mean)^2 / (n - 1)),  se = s / sqrt(n),  t = mean / se
-    p = P(T_{n-1} >= t)                       (H0: mean <= 0, H1: JREG is better)
-    lower = mean - t_{n-1, confidence} * se   (lower end of the one-sided confidence interval)
-JREG is better at level 1 - confidence exactly when p < 1 - confidence, i.e. when lower > 0.
+    higher is better:  p = P(T_{n-1} >= t)  (H0: mean <= 0, H1: JREG better),  p_worse = P(T_{n-1} <= t)
+    lower is better:   p = P(T_{n-1} <= t)  (H1: JREG better, i.e. lower),   p_worse = P(T_{n-1} >= t)
+    p_two_sided = 2 P(T_{n-1} >= |t|)       (H1: the arms differ, either way)
+    bound = mean -+ t_{n-1, confidence} se  (one-sided confidence bound on the JREG side: a lower bound on
+                                             mean when higher is better, an upper bound when lower is)
+JREG is better at level 1 - confidence exactly when p < 1 - confidence, i.e. when the bound is past 0 on
+JREG's side; it is significantly worse when p_worse < 1 - confidence.
+
+The test is undefined when the differences have no spread (s = 0, or s within float rounding of 0, e.g.
+0.4 - 0.3 vs 0.3 - 0.2): t would be +-inf and p 0 whatever n, a "significant" result from two seeds
+that happen to move by the same amount. Such a test reports t, p and bound as NaN and is never
+significant either way.
+
+Multiplicity: every test here is at level 1 - confidence on its own. Testing several α values, metrics
+or tasks at 5% each gives a family-wise chance of a false "better" well above 5% (about 1 - 0.95^k for
+k independent tests). Either fix one primary endpoint before the runs, or judge the family with
+`holm(p_values)` (Holm-Bonferroni: controls the family-wise error at the nominal level under any
+dependence between the tests).
 """
 
 from __future__ import annotations
@@ -15,46 +30,105 @@ from dataclasses import dataclass
 
 from scipy import stats
 
+# Differences whose spread is at most this fraction of the scores' magnitude are equal up to rounding:
+# float32 rounding of equal values leaves up to 2^-23 ≈ 1.2e-7 of them, far below any evaluation's
+# resolution (one example in LAMBADA's 5,153 is 2e-4 of accuracy).
+TIE_RTOL = 1e-6
+
 
 @dataclass(frozen=True)
 class PairedTest:
+    """One paired test of JREG against the baseline; `mean_diff` is JREG - baseline in the metric's own units
+    (negative is better when `higher_is_better` is False). t, p_* and bound are NaN when the test is
+    undefined (`defined` False)."""
+
     n: int
     mean_diff: float
+    sd_diff: float
     t: float
-    p_value: float
-    lower_bound: float
+    p_value: float  # one-sided, H1: JREG better
+    p_worse: float  # one-sided, H1: JREG worse
+    p_two_sided: float
+    bound: float  # one-sided `confidence` bound on mean_diff: lower if higher_is_better, else upper
     confidence: float
+    higher_is_better: bool = True
+
+    @property
+    def defined(self) -> bool:
+        return not math.isnan(self.t)
 
     @property
     def significant(self) -> bool:
-        """JREG better at level 1 - confidence (False when the test is undefined: no variation, mean 0)."""
+        """JREG better at level 1 - confidence (False when the test is undefined)."""
         return self.p_value < 1.0 - self.confidence
+
+    @property
+    def worse(self) -> bool:
+        """JREG significantly worse at level 1 - confidence (False when the test is undefined)."""
+        return self.p_worse < 1.0 - self.confidence
+
+
+def _check_scores(name: str, values: Sequence[float]) -> None:
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(
+                f"{name} score {i} is {value!r}, not a finite number; leave that seed out of both arms or re-evaluate"
+            )
 
 
 def paired_one_sided(
-    jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95
+    jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95, higher_is_better: bool = True
 ) -> PairedTest:
-    """One-sided paired t-test of jreg > baseline over paired seeds (formulas in the module docstring).
+    """Paired t-test of JREG against the baseline over paired seeds (formulas in the module docstring).
 
-    Equal differences on every seed have no spread: t is +-inf (p 0 or 1) unless they are all zero,
-    where the test is undefined (t and p NaN), as in scipy.
+    Refuses (ValueError) arms of different lengths, fewer than 2 pairs, a NaN/infinite/boolean score and a
+    confidence outside (0, 1): each would give a p-value that means nothing.
     """
     if len(jreg) != len(baseline):
-        raise ValueError(
-            f"paired test needs as many JREG as baseline scores, got {len(jreg)} and {len(baseline)}"
-        )
+        raise ValueError(f"paired test needs as many JREG as baseline scores, got {len(jreg)} and {len(baseline)}")
     n = len(jreg)
     if n < 2:
         raise ValueError(f"a t-test needs at least 2 seeds per arm, got {n}")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence {confidence}: must be between 0 and 1")
-    diffs = [j - b for j, b in zip(jreg, baseline)]
-    mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n)
-    if se > 0.0:
-        t = mean / se
+    _check_scores("JREG", jreg)
+    _check_scores("baseline", baseline)
+    diffs = [float(j) - float(b) for j, b in zip(jreg, baseline)]
+    mean = math.fsum(diffs) / n
+    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (n - 1))
+    scale = max(abs(float(x)) for x in [*jreg, *baseline])
+    if sd <= TIE_RTOL * scale:
+        nan = math.nan
+        return PairedTest(n, mean, sd, nan, nan, nan, nan, nan, confidence, higher_is_better)
+    se = sd / math.sqrt(n)
+    t = mean / se
+    df = n - 1
+    upper_tail, lower_tail = float(stats.t.sf(t, df)), float(stats.t.cdf(t, df))
+    p_two = min(1.0, 2.0 * float(stats.t.sf(abs(t), df)))
+    margin = float(stats.t.ppf(confidence, df)) * se
+    if higher_is_better:
+        p, p_worse, bound = upper_tail, lower_tail, mean - margin
     else:
-        t = math.copysign(math.inf, mean) if mean != 0.0 else math.nan
-    p = float(stats.t.sf(t, n - 1))
-    lower = mean - float(stats.t.ppf(confidence, n - 1)) * se
-    return PairedTest(n=n, mean_diff=mean, t=t, p_value=p, lower_bound=lower, confidence=confidence)
+        p, p_worse, bound = lower_tail, upper_tail, mean + margin
+    return PairedTest(n, mean, sd, t, p, p_worse, p_two, bound, confidence, higher_is_better)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values, in the input order: reject hypothesis i at family-wise level α
+    when adjusted[i] < α. With p sorted ascending, adjusted_(k) = max_{i <= k} min(1, (m - i + 1) p_(i)).
+
+    A NaN p (an undefined test) stays NaN and still counts in m, as a hypothesis that cannot be rejected.
+    """
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
+    adjusted = [math.nan] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        p = p_values[i]
+        if math.isnan(p):
+            break
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p-value {p!r} at position {i}: must be in [0, 1] or NaN")
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[i] = running
+    return adjusted
