@@ -1,38 +1,46 @@
-"""`python examples/study.py`: the paper's experiments at laptop scale, in one resumable command.
+"""`python examples/study.py`: a laptop-scale study designed to confirm or refute the paper's claims.
 
-For each seed s = 1..N it trains the baseline (λ = 0) and JREG (λ = 1) for each α of the sweep with
-`megatron-jreg train` (Megatron-LM's loop; `make demo`'s 6 × 192 Llama on the bundled WikiText-2; with
-`--init-mode layout-independent` and the same `--seed` every arm of a seed starts from the same weights and
-reads the same batches), keeping a checkpoint series per run. Then, per run, `megatron-jreg analyze` on the
-series (Ψ_ℓ and ζ on held-out WikiText-2 test paragraphs at every checkpoint) and `megatron-jreg evaluate`
-(lm-eval's `wikitext` task over the local WikiText-2 test, LAMBADA top-1); per α, `megatron-jreg compare`
-(one-sided paired t-test over the seeds, per metric). Writes results.json, report.md (the paper's
-Tables 3, 5 and 13 at this scale) and study_*.png (study_report.py).
+Design (fixed here, before any run; docs/study.md reports whatever comes out):
+- Arms at one **fixed token budget** (the paper's §3.4 compares 20K with 200K steps by changing the batch size):
+  `baseline-large` (global batch 40, N steps), `baseline-small` (batch 4, 10·N steps) and `jreg-a1` (JREG
+  λ = 1, α = 1, angular, at the small batch); `--alphas` adds JREG arms at the small batch. Every arm of a seed
+  starts from the same weights (`--init-mode layout-independent --seed s`).
+- Model: a 12-layer Llama (12 × 128), so that α means what it means for the paper's 12-layer 170M
+  (α = 1 puts 0.58 of the weight on the top layer, as for the paper's 170M model). Data: WikiText-2 split by
+  article (examples/laptop_scale.py); every evaluation reads the held-out articles.
+- Measurement (examples/study_measure.py): held-out cross-entropy, Ψ_ℓ and ζ of every checkpoint on the same
+  tokens; the final checkpoint also on training windows (the train–held-out gap).
+- Endpoints (ENDPOINTS, study_report.py): primary (ii) ζ_L(baseline-small) − ζ_L(baseline-large) > 0,
+  (iii) ζ_L(jreg-a1) − ζ_L(baseline-small) < 0, (iv) held-out CE(jreg-a1) − CE(baseline-small) < 0; one-sided
+  paired t-tests over seeds at 5 %, Holm-adjusted over the three, two-sided p and "significantly worse" beside.
+  Secondary: ζ_{L−1}, ζ_{L−2}, Ψ_L / median middle-layer Ψ, within-run Spearman ρ(step, ζ_L) with a sign test
+  over seeds, an iso-loss comparison, the train–held-out gap, the minimum detectable effect from the measured
+  paired SD.
+- Pilot gate: seed 1 of the two baselines runs first. The study goes on only if that baseline-small run has a
+  jump to remove (final held-out ζ_L ≥ --gate, 0.5), otherwise it stops and reports that this regime cannot
+  test (iii)/(iv) (`--ignore-gate` goes on anyway). The gate looks at one baseline run, never at JREG.
+- SFT analogue (the paper's §5.3, whose SFT is plain cross-entropy): for seeds 1..3 the final baseline-small
+  and jreg-a1 models are fine-tuned with λ = 0 on the vendored chat data (Megatron-LM's `--sft`); ζ and Ψ
+  before and after on the same held-out windows.
 
-    python examples/study.py                          # the default study: about an hour on 2 cores
-    python examples/study.py --quick                  # pipeline smoke test: tiny model, 1 seed, α ∈ {0, 1}
-    python examples/study.py --seeds 5 --alphas 0 0.1 0.3 0.5 1 3 --steps 600 --jobs 4
-    python examples/study.py --report-only --report docs/study.md   # tables and plots from what is there
+    python examples/study.py                     # the default study (docs/study.md): ~2 h on 2 cores
+    python examples/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
+    python examples/study.py --report-only       # report from what is there
+    python examples/study_report.py --raw study_output/raw --report docs/study.md   # from committed raw files
 
-Resumable: a finished run is skipped (train.done / post.done in its folder); an interrupted one continues
-from its last checkpoint (`--load` = `--save`, Megatron-LM's exact resume). Ctrl-C or SIGTERM asks every
-training to save a checkpoint and stop (Megatron-LM's exit-signal handler); run the same command to go on.
-More seeds or α on an existing --output reuse the runs already there; other settings are refused.
+Resumable: finished runs are skipped (train.done / post.done); an interrupted training continues from its
+last checkpoint (Megatron-LM's exact resume). Ctrl-C / SIGTERM makes every training save and stop; run the
+same command again to go on. Other settings on an existing --output are refused.
 
-Output folder:
-    data/                      tokenizer and indexed datasets (examples/demo.py's prepare_data)
-    tasks/                     the lm-eval task over the local WikiText-2 test
-    runs/<arm>/seed-<s>/       spec.json, command.txt, train.log, metrics.jsonl, checkpoints/iter_*,
-                               analysis/results.json, eval.json, post.log, train.done, post.done
-    compare/<arm>/<metric>/    the score files given to `compare` and its output (compare.json)
-    results.json, report.md, study_*.png, invocations.jsonl
+Output folder: data/ (tokenizer, datasets, chat data), runs/<arm>/seed-<s>/ (command.txt, train.log,
+metrics.jsonl, checkpoints/, measures.json, attempts.jsonl), raw/ (one small JSON per run: what the report is
+made from, and what docs/study/raw holds), gate.json, invocations.jsonl, report.md, study_*.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib.util
 import json
 import math
 import os
@@ -46,13 +54,31 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's megatron_jreg and demo.py, whatever is installed
+sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's megatron_jreg and laptop_scale.py, whatever is installed
 
-from demo import WIKITEXT, prepare_data, train_args  # noqa: E402
+from laptop_scale import SEQ_LENGTH, Data, Model, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
 
-# the tiny model of --quick, as Megatron-LM flags appended to the demo's (later flags win)
-QUICK_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128")
-TASK = "wikitext2_local"
+CHAT = HERE / "sft" / "data" / "wikitext_chat.jsonl"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training setting: {global batch, steps, λ, α}; every pretraining arm has the same token budget."""
+
+    name: str
+    batch: int
+    steps: int
+    lam: float = 0.0
+    alpha: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.steps * SEQ_LENGTH
+
+    def jreg_flags(self, distance: str) -> list[str]:
+        if self.lam == 0:
+            return ["--jreg-lambda", "0"]
+        return ["--jreg-lambda", f"{self.lam:g}", "--jreg-alpha", f"{self.alpha:g}", "--jreg-distance", distance]
 
 
 @dataclass(frozen=True)
@@ -60,32 +86,45 @@ class StudyConfig:
     """What the study trains and measures. The defaults are the committed study (docs/study.md)."""
 
     output: Path
-    seeds: int = 3
-    alphas: tuple[float, ...] = (0.0, 0.3, 1.0, 3.0)
-    steps: int = 300
-    checkpoints: int = 10  # the series: one checkpoint every steps / checkpoints iterations
+    seeds: int = 4
+    large_batch: int = 40
+    small_batch: int = 4
+    large_steps: int = 200  # the token budget: large_batch × large_steps × 128 tokens (1.02M, ~1.8 epochs)
+    alphas: tuple[float, ...] = (1.0,)
+    checkpoints: int = 10  # per run, evenly spaced; the last is the final model
     jobs: int = 2
     lam: float = 1.0
-    distance: str = "angular"  # JREG's training distance; Ψ and ζ are always reported angular
-    batch_size: int = 16
-    eval_iters: int = 20  # Megatron-LM's validation at the end: eval_iters × batch_size sequences
-    log_interval: int = 10
-    analysis_samples: int = 256  # WikiText-2 test paragraphs given to analyze per checkpoint
-    eval_limit: int = 300  # evaluate --limit: LAMBADA passages (and wikitext articles, of which there are 62)
-    model_flags: tuple[str, ...] = ()
+    distance: str = "angular"
+    model: Model = Model(layers=12, hidden=128, heads=4, ffn=352)
+    core_windows: int = 256  # held-out windows measured at every checkpoint
+    train_windows: int = 512  # training windows measured at the final checkpoint
+    eval_sequences: int = 160  # Megatron-LM's own validation at the end: this many held-out sequences
+    gate: float = 0.5  # pilot gate: final held-out ζ_L of baseline-small seed 1
+    ignore_gate: bool = False
+    sft_seeds: int = 3
+    sft_steps: int = 300
+    sft_batch: int = 8
+    sft_lr: float = 1e-4
     quick: bool = False
 
     @property
-    def save_interval(self) -> int:
-        return max(1, self.steps // self.checkpoints)
+    def small_steps(self) -> int:
+        return self.large_steps * self.large_batch // self.small_batch
 
-    def arms(self) -> list[tuple[str, float | None]]:
-        """(name, α) of every arm; α None is the baseline."""
-        return [("baseline", None)] + [(arm_name(a), a) for a in self.alphas]
+    def arms(self) -> list[Arm]:
+        arms = [Arm("baseline-large", self.large_batch, self.large_steps),
+                Arm("baseline-small", self.small_batch, self.small_steps)]
+        return arms + [Arm(arm_name(a), self.small_batch, self.small_steps, self.lam, a) for a in self.alphas]
+
+    @property
+    def jreg_arm(self) -> str:
+        """The JREG arm of the primary endpoints and of the SFT analogue: α = 1 when in the sweep."""
+        return arm_name(1.0 if 1.0 in self.alphas else self.alphas[0])
 
 
-QUICK = dict(seeds=1, alphas=(0.0, 1.0), steps=6, checkpoints=2, batch_size=4, eval_iters=2, log_interval=1,
-             analysis_samples=16, eval_limit=8, model_flags=QUICK_MODEL, quick=True)
+QUICK = dict(seeds=2, large_batch=4, small_batch=2, large_steps=4, alphas=(1.0,), checkpoints=2,
+             model=Model(layers=4, hidden=64, heads=4, ffn=128), core_windows=8, train_windows=8, eval_sequences=4,
+             gate=0.0, sft_seeds=1, sft_steps=3, sft_batch=2, quick=True)
 
 
 def arm_name(alpha: float) -> str:
@@ -95,51 +134,81 @@ def arm_name(alpha: float) -> str:
 @dataclass(frozen=True)
 class Run:
     arm: str
-    alpha: float | None
     seed: int
     dir: Path
+    batch: int
+    steps: int
+    lam: float = 0.0
+    alpha: float | None = None
+    parent: Run | None = None  # SFT runs: the pretrained run they fine-tune
 
     @property
     def name(self) -> str:
         return f"{self.arm}/seed-{self.seed}"
 
+    @property
+    def sft(self) -> bool:
+        return self.parent is not None
 
-def plan(cfg: StudyConfig) -> list[Run]:
-    """Every run, seed-major so that complete seed pairs finish early."""
-    return [Run(arm, alpha, seed, cfg.output / "runs" / arm / f"seed-{seed}")
-            for seed in range(1, cfg.seeds + 1) for arm, alpha in cfg.arms()]
+
+def pretrain_runs(cfg: StudyConfig) -> list[Run]:
+    """Seed-major, so that complete seeds finish early."""
+    return [Run(a.name, s, cfg.output / "runs" / a.name / f"seed-{s}", a.batch, a.steps, a.lam, a.alpha)
+            for s in range(1, cfg.seeds + 1) for a in cfg.arms()]
+
+
+def sft_runs(cfg: StudyConfig, pretrained: list[Run]) -> list[Run]:
+    parents = [r for r in pretrained if r.seed <= cfg.sft_seeds and r.arm in ("baseline-small", cfg.jreg_arm)]
+    return [Run(f"sft-{p.arm}", p.seed, cfg.output / "runs" / f"sft-{p.arm}" / f"seed-{p.seed}", cfg.sft_batch,
+                cfg.sft_steps, parent=p) for p in parents]
+
+
+def save_interval(cfg: StudyConfig, run: Run) -> int:
+    return run.steps if run.sft else max(1, run.steps // cfg.checkpoints)
 
 
 def run_spec(cfg: StudyConfig, run: Run) -> dict:
     """Everything that makes a run's results; a run folder started with another spec is refused."""
-    return {
-        "arm": run.arm, "seed": run.seed, "lambda": 0.0 if run.alpha is None else cfg.lam, "alpha": run.alpha,
-        "distance": None if run.alpha is None else cfg.distance, "steps": cfg.steps,
-        "save_interval": cfg.save_interval, "batch_size": cfg.batch_size, "eval_iters": cfg.eval_iters,
-        "log_interval": cfg.log_interval, "model_flags": list(cfg.model_flags),
-        "analysis_samples": cfg.analysis_samples, "eval_limit": cfg.eval_limit,
-    }
+    spec = {"arm": run.arm, "seed": run.seed, "batch": run.batch, "steps": run.steps, "tokens": run.batch *
+            run.steps * SEQ_LENGTH, "lambda": run.lam, "alpha": run.alpha,
+            "distance": cfg.distance if run.lam else None, "model": asdict(cfg.model),
+            "save_interval": save_interval(cfg, run), "core_windows": cfg.core_windows,
+            "train_windows": cfg.train_windows, "eval_sequences": cfg.eval_sequences}
+    if run.sft:
+        spec.update(parent=run.parent.name, lr=cfg.sft_lr)
+    return spec
 
 
-def train_command(cfg: StudyConfig, run: Run, tokenizer: str, data: Path) -> list[str]:
-    """`megatron-jreg train` with the demo's model and recipe, this run's seed, JREG setting and checkpoints."""
-    demo = argparse.Namespace(batch_size=cfg.batch_size, train_iters=cfg.steps, eval_iters=cfg.eval_iters,
-                              log_interval=cfg.log_interval)
-    jreg = (["--jreg-lambda", "0"] if run.alpha is None else
-            ["--jreg-lambda", f"{cfg.lam:g}", "--jreg-alpha", f"{run.alpha:g}", "--jreg-distance", cfg.distance])
-    return [
-        sys.executable, "-m", "megatron_jreg.train", *train_args(demo, tokenizer, data, run.dir), *cfg.model_flags,
-        "--seed", str(run.seed), "--init-mode", "layout-independent",
-        "--save-interval", str(cfg.save_interval), "--load", str(run.dir / "checkpoints"),
-        # validation once, on the final weights (Megatron-LM's end-of-training evaluation)
-        "--eval-interval", str(cfg.steps + 1), *jreg,
+def train_command(cfg: StudyConfig, run: Run, data: Data) -> list[str]:
+    """`megatron-jreg train`: the model, our recipe, this arm's batch, steps and JREG setting, this seed."""
+    ckpt = str(run.dir / "checkpoints")
+    log_interval = max(1, run.steps // 100)
+    common = [
+        "--seed", str(run.seed), "--log-interval", str(log_interval),
+        # Megatron-LM's validation once, on the final weights (its end-of-training evaluation)
+        "--eval-interval", str(run.steps + 1), "--eval-iters", str(max(1, cfg.eval_sequences // run.batch)),
+        "--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval(cfg, run)),
+        "--metrics-file", str(run.dir / "metrics.jsonl"), "--no-progress",
     ]
+    if not run.sft:
+        return [sys.executable, "-m", "megatron_jreg.train", *cfg.model.flags(), *recipe_flags(run.batch, run.steps),
+                *data_flags(data), "--init-mode", "layout-independent", *common,
+                *Arm(run.arm, run.batch, run.steps, run.lam, run.alpha).jreg_flags(cfg.distance)]
+    # the paper's SFT is plain cross-entropy (Hugging Face transformers, its A.3): λ = 0 for both models
+    return [sys.executable, "-m", "megatron_jreg.train", *cfg.model.flags(),
+            *recipe_flags(run.batch, run.steps, lr=cfg.sft_lr, min_lr=0.0), "--lr-warmup-iters", "0",
+            "--lr-decay-style", "linear", "--sft", "--tokenizer-type", "SFTTokenizer",
+            "--sft-tokenizer-prompt-format", "default", "--tokenizer-model", str(data.root / "chat_tokenizer"),
+            "--data-path", str(data.root / "chat.jsonl"), "--split", "95,5,0",
+            "--no-create-attention-mask-in-dataloader", "--num-workers", "0",
+            # weights only, iteration 0, a fresh optimizer; an interrupted SFT resumes from its own --load
+            "--pretrained-checkpoint", str(run.parent.dir / "checkpoints"), *common,
+            "--jreg-lambda", "0"]
 
 
 def latest_iteration(run: Run) -> int:
-    tracker = run.dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     try:
-        return int(tracker.read_text().strip())
+        return int((run.dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
     except (OSError, ValueError):
         return 0
 
@@ -176,56 +245,35 @@ def check_spec(cfg: StudyConfig, run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the lm-eval task over local files, and the per-run analysis/evaluation worker
-
-
-def write_task(out: Path) -> Path:
-    """lm-eval's own `wikitext` task (loglikelihood_rolling; word perplexity, byte perplexity, bits per byte)
-    over the local WikiText-2 test articles, kept in the training text's format (the task's detokenizer
-    would turn the text into a form the models never saw)."""
-    from megatron_jreg.data.text import wikitext_articles
-
-    tasks = out / "tasks"
-    tasks.mkdir(parents=True, exist_ok=True)
-    docs = tasks / "wikitext2_test.jsonl"
-    if not docs.exists():
-        tmp = docs.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"page": a}) + "\n" for a in wikitext_articles(WIKITEXT / "test.txt")))
-        tmp.replace(docs)
-    spec = importlib.util.find_spec("lm_eval")
-    base = Path(spec.origin).parent / "tasks" / "wikitext" / "wikitext.yaml"
-    (tasks / f"{TASK}.yaml").write_text(
-        f"include: {base}\ntask: {TASK}\ndataset_path: json\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {docs}\n"
-        "training_split: null\nvalidation_split: null\ndoc_to_target: \"{{page}}\"\n"
-    )
-    return tasks
+# the per-run measurement worker (one process: one import of torch and megatron-core)
 
 
 def post_process(run_dir: Path) -> int:
-    """Analyze the run's checkpoint series and evaluate its final checkpoint, in one process (one import
-    of torch and megatron-core): analysis/results.json and eval.json, then post.done."""
-    from megatron_jreg.cli import main as cli
+    """Measure the run's checkpoints (study_measure.py) into measures.json, then post.done."""
+    import study_measure
 
     spec = json.loads((run_dir / "spec.json").read_text())
-    out = run_dir.parent.parent.parent
+    data = json.loads((run_dir.parents[2] / "data.json").read_text())
     t0 = time.time()
-    rc = cli(["analyze", "--checkpoints", str(run_dir / "checkpoints" / "iter_*"),
-              "--data", f"text:{WIKITEXT / 'test.txt'}", "--num-samples", str(spec["analysis_samples"]),
-              "--output", str(run_dir / "analysis"), "--no-progress"])
-    if rc != 0:
-        return rc
-    rc = cli(["evaluate", "--load", str(run_dir / "checkpoints"), "--tasks", f"{TASK},lambada",
-              "--limit", str(spec["eval_limit"]), "--include-path", str(out / "tasks"),
-              "--seed", str(spec["seed"]), "--output", str(run_dir / "eval.json")])
-    if rc != 0:
-        return rc
+    checkpoints = sorted((run_dir / "checkpoints").glob("iter_*"), key=lambda p: int(p.name.split("_")[1]))
+    checkpoints = [c for c in checkpoints if int(c.name.split("_")[1]) % spec["save_interval"] == 0]
+    if not checkpoints or int(checkpoints[-1].name.split("_")[1]) != spec["steps"]:
+        print(f"{run_dir}: no final checkpoint at step {spec['steps']}", file=sys.stderr)
+        return 1
+    heldout = study_measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
+    core = heldout[: spec["core_windows"]]
+    train = study_measure.token_windows(Path(data["train_prefix"]), SEQ_LENGTH, limit=spec["train_windows"])
+    series = study_measure.measure_series(checkpoints, core, heldout, train)
+    tmp = run_dir / "measures.json.tmp"
+    tmp.write_text(json.dumps({"windows": {"core": len(core), "heldout": len(heldout), "train": len(train)},
+                               "series": series}, indent=1) + "\n")
+    tmp.replace(run_dir / "measures.json")
     (run_dir / "post.done").write_text(json.dumps({"wall_s": time.time() - t0}) + "\n")
     return 0
 
 
 # ----------------------------------------------------------------------------------------------------------
-# scheduling: at most --jobs processes at once, analyses before new trainings
+# scheduling: at most --jobs processes at once, measurements before new trainings
 
 
 @dataclass
@@ -236,52 +284,29 @@ class Job:
     log: object
     start: float
     from_iteration: int = 0
+    cpu_s: float | None = None
 
 
 @dataclass
 class Progress:
     runs: list[Run]
-    cfg: StudyConfig
+    jobs: int
     start: float = field(default_factory=time.time)
-    train_walls: list[float] = field(default_factory=list)
-    post_walls: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)  # seconds per token of finished trainings
 
     def line(self, running: list[Job]) -> str:
         trained = sum((r.dir / "train.done").exists() for r in self.runs)
         posted = sum((r.dir / "post.done").exists() for r in self.runs)
         parts = [f"{_clock(time.time() - self.start)}  trained {trained}/{len(self.runs)}, "
-                 f"analysed {posted}/{len(self.runs)}"]
+                 f"measured {posted}/{len(self.runs)}"]
         for job in running:
-            if job.kind == "train":
-                parts.append(f"{job.run.name} step {last_logged_iteration(job.run)}/{self.cfg.steps}")
-            else:
-                parts.append(f"{job.run.name} analyse+evaluate")
-        eta = self.eta(running)
-        if eta is not None:
-            parts.append(f"ETA {_clock(eta)}")
+            parts.append(f"{job.run.name} step {last_logged_iteration(job.run)}/{job.run.steps}"
+                         if job.kind == "train" else f"{job.run.name} measuring")
+        if self.rates:
+            left = sum((r.steps - latest_iteration(r)) * r.batch * SEQ_LENGTH for r in self.runs
+                       if not (r.dir / "train.done").exists())
+            parts.append(f"ETA {_clock(left * sum(self.rates) / len(self.rates) / self.jobs)} (training)")
         return "[study] " + " | ".join(parts)
-
-    def eta(self, running: list[Job]) -> float | None:
-        """Remaining work / jobs, from the walls measured so far in this invocation."""
-        if not self.train_walls and not any(j.kind == "train" for j in running):
-            return None
-        per_step = None
-        if self.train_walls:
-            per_step = sum(self.train_walls) / len(self.train_walls) / self.cfg.steps
-        else:
-            job = next(j for j in running if j.kind == "train")
-            done = last_logged_iteration(job.run) - job.from_iteration
-            if done < max(2, self.cfg.log_interval):
-                return None
-            per_step = (time.time() - job.start) / done
-        post = sum(self.post_walls) / len(self.post_walls) if self.post_walls else 0.3 * per_step * self.cfg.steps
-        left = 0.0
-        for run in self.runs:
-            if not (run.dir / "train.done").exists():
-                left += per_step * (self.cfg.steps - latest_iteration(run))
-            if not (run.dir / "post.done").exists():
-                left += post
-        return left / max(1, self.cfg.jobs)
 
 
 def _clock(seconds: float) -> str:
@@ -290,23 +315,17 @@ def _clock(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def _child_env(cfg: StudyConfig) -> dict[str, str]:
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, cfg.jobs)))
-    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-            "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
 class Stop(Exception):
     pass
 
 
-def execute(cfg: StudyConfig, runs: list[Run], tokenizer: str, data: Path) -> list[str]:
-    """Train and post-process every run not done yet; returns the names of the runs that failed."""
+def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[str]:
+    """Train and measure every run not done yet; returns the names of the runs that failed."""
     trains = deque(r for r in runs if not (r.dir / "train.done").exists())
     posts = deque(r for r in runs if (r.dir / "train.done").exists() and not (r.dir / "post.done").exists())
     running: list[Job] = []
     failed: list[str] = []
-    progress = Progress(runs, cfg)
+    progress = Progress(runs, cfg.jobs)
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -316,8 +335,8 @@ def execute(cfg: StudyConfig, runs: list[Run], tokenizer: str, data: Path) -> li
                 job.proc.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    env = _child_env(cfg)
-    interval = 5.0 if cfg.quick else 30.0
+    env = child_env()
+    interval = 5.0 if cfg.quick else 60.0
     last_print = 0.0
     try:
         while trains or posts or running:
@@ -329,7 +348,7 @@ def execute(cfg: StudyConfig, runs: list[Run], tokenizer: str, data: Path) -> li
                     kind, from_it = "post", 0
                 else:
                     run = trains.popleft()
-                    cmd = train_command(cfg, run, tokenizer, data)
+                    cmd = train_command(cfg, run, data)
                     (run.dir / "command.txt").write_text(" ".join(cmd) + "\n")
                     log = open(run.dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed on exit
                     kind, from_it = "train", latest_iteration(run)
@@ -339,26 +358,20 @@ def execute(cfg: StudyConfig, runs: list[Run], tokenizer: str, data: Path) -> li
                                         start_new_session=True)  # Ctrl-C reaches them through on_signal only
                 running.append(Job(run, kind, proc, log, time.time(), from_it))
             time.sleep(0.5)
-            for job in [j for j in running if j.proc.poll() is not None]:
+            for job in [j for j in running if _reap(j)]:
                 running.remove(job)
                 job.log.close()
                 wall = time.time() - job.start
-                _record_attempt(job, wall)
-                if job.kind == "train":
-                    reached = latest_iteration(job.run)
-                    if job.proc.returncode == 0 and reached >= cfg.steps:
-                        (job.run.dir / "train.done").write_text(json.dumps({"wall_s": wall}) + "\n")
-                        if job.from_iteration == 0:
-                            progress.train_walls.append(wall)
-                        posts.append(job.run)
-                    elif stopping["signal"] is None:
-                        failed.append(job.run.name)
-                        _report_failure(job.run, "train.log", job.proc.returncode)
-                elif job.proc.returncode == 0:
-                    progress.post_walls.append(wall)
-                elif stopping["signal"] is None:
+                _record_attempt(job, wall, code)
+                ok = job.proc.returncode == 0
+                if job.kind == "train" and ok and latest_iteration(job.run) >= job.run.steps:
+                    (job.run.dir / "train.done").write_text(json.dumps({"wall_s": wall}) + "\n")
+                    done = (job.run.steps - job.from_iteration) * job.run.batch * SEQ_LENGTH
+                    progress.rates.append(wall / max(1, done))
+                    posts.append(job.run)
+                elif (job.kind == "train" or not ok) and stopping["signal"] is None:
                     failed.append(job.run.name)
-                    _report_failure(job.run, "post.log", job.proc.returncode)
+                    _report_failure(job.run, f"{job.kind}.log", job.proc.returncode)
             if stopping["signal"] is not None and not running:
                 raise Stop
             if time.time() - last_print >= interval and running:
@@ -370,10 +383,24 @@ def execute(cfg: StudyConfig, runs: list[Run], tokenizer: str, data: Path) -> li
     return failed
 
 
-def _record_attempt(job: Job, wall: float) -> None:
+def _reap(job: Job) -> bool:
+    """Whether the job's process ended; reaps it with wait4 to keep its CPU time (user + system, its own
+    children included): the study's cost in core-seconds, whatever else the machine was running."""
+    pid, status, usage = os.wait4(job.proc.pid, os.WNOHANG)
+    if pid == 0:
+        return False
+    job.proc.returncode = os.waitstatus_to_exitcode(status)
+    job.cpu_s = usage.ru_utime + usage.ru_stime
+    return True
+
+
+def _record_attempt(job: Job, wall: float, code: dict) -> None:
     with open(job.run.dir / "attempts.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"kind": job.kind, "start": job.start, "wall_s": wall, "rc": job.proc.returncode,
-                            "from_iteration": job.from_iteration, "to_iteration": latest_iteration(job.run)}) + "\n")
+        f.write(json.dumps({"kind": job.kind, "start": job.start, "wall_s": wall, "cpu_s": job.cpu_s,
+                            "rc": job.proc.returncode,
+                            "from_iteration": job.from_iteration, "to_iteration": latest_iteration(job.run),
+                            "commit": code.get("commit"), "dirty_files": code.get("dirty_files"),
+                            "argv": code.get("argv")}) + "\n")
 
 
 def _record_invocation(cfg: StudyConfig, invocation: dict) -> None:
@@ -388,6 +415,19 @@ def _report_failure(run: Run, log: str, rc: int) -> None:
           + "\n  ".join(tail), file=sys.stderr, flush=True)
 
 
+def prepare_chat(data: Data) -> None:
+    """The vendored chat data checked for Megatron-LM's SFTDataset, and the tokenizer with a chat template."""
+    if (data.root / "chat.jsonl").exists() and (data.root / "chat_tokenizer").is_dir():
+        return
+    from megatron_jreg.cli import main as cli
+
+    rc = cli(["prepare-chat", "--input", str(CHAT), "--output", str(data.root / "chat.jsonl"),
+              "--tokenizer", data.tokenizer, "--tokenizer-output", str(data.root / "chat_tokenizer"),
+              "--seq-length", str(SEQ_LENGTH)])
+    if rc != 0:
+        raise SystemExit(f"study.py: error: prepare-chat failed ({rc})")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # command line
 
@@ -398,8 +438,7 @@ def git_state() -> dict:
         r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
         return r.stdout.rstrip("\n") if r.returncode == 0 else ""
 
-    dirty = git("status", "--porcelain", "--", "examples/study.py", "examples/study_report.py",
-                "examples/demo.py", "megatron_jreg")
+    dirty = git("status", "--porcelain", "--", "examples", "megatron_jreg")
     return {"commit": git("rev-parse", "HEAD").strip() or None,
             "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
@@ -410,17 +449,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None,
                    help="where everything is written (default: study_output, or study_quick with --quick)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test of the pipeline: tiny 4 × 64 model, 1 seed, α ∈ {0, 1}, 6 steps")
+    p.add_argument("--quick", action="store_true", help="smoke test of the pipeline: tiny model, a few steps")
     p.add_argument("--seeds", type=int, help=f"training seeds 1..N (default {d.seeds})")
-    p.add_argument("--alphas", type=float, nargs="+", help=f"JREG's α values (default {' '.join(map(str, d.alphas))})")
-    p.add_argument("--steps", type=int, help=f"training iterations per run (default {d.steps})")
-    p.add_argument("--checkpoints", type=int, help=f"checkpoints kept per run (default {d.checkpoints})")
-    p.add_argument("--jobs", type=int, help="processes at once, one core each (default 2)")
-    p.add_argument("--lam", type=float, help=f"JREG's λ (default {d.lam:g})")
-    p.add_argument("--distance", choices=("angular", "cosine"), help=f"JREG's training distance (default {d.distance})")
+    p.add_argument("--alphas", type=float, nargs="+",
+                   help=f"α of the JREG arms at the small batch (default {' '.join(f'{a:g}' for a in d.alphas)})")
+    p.add_argument("--large-steps", type=int,
+                   help=f"steps of baseline-large; the small-batch arms take {d.large_batch // d.small_batch}× "
+                        f"as many (default {d.large_steps})")
+    p.add_argument("--jobs", type=int, help=f"processes at once, one core each (default {d.jobs})")
+    p.add_argument("--gate", type=float, help=f"pilot gate: least ζ_L of baseline-small seed 1 (default {d.gate:g})")
+    p.add_argument("--ignore-gate", action="store_true", help="go on after a failed pilot gate")
+    p.add_argument("--sft-seeds", type=int, help=f"seeds fine-tuned in the SFT analogue (default {d.sft_seeds})")
     p.add_argument("--report", type=Path, help="write the report here, plots beside it (default OUTPUT/report.md)")
-    p.add_argument("--report-only", action="store_true", help="no training: tables and plots from what is there")
+    p.add_argument("--report-only", action="store_true", help="no training: report from what is there")
     p.add_argument("--_post", type=Path, help=argparse.SUPPRESS)
     return p
 
@@ -429,19 +470,35 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
     base = StudyConfig(output=Path("study_quick" if args.quick else "study_output"))
     if args.quick:
         base = replace(base, **QUICK)
-    chosen = {k: v for k, v in dict(seeds=args.seeds, steps=args.steps, checkpoints=args.checkpoints,
-                                    jobs=args.jobs, lam=args.lam, distance=args.distance).items() if v is not None}
+    chosen = {k: v for k, v in dict(seeds=args.seeds, large_steps=args.large_steps, jobs=args.jobs,
+                                    gate=args.gate, sft_seeds=args.sft_seeds).items() if v is not None}
     if args.alphas is not None:
         chosen["alphas"] = tuple(dict.fromkeys(args.alphas))
-    cfg = replace(base, **chosen, output=(args.output or base.output).resolve())
-    for name in ("seeds", "steps", "checkpoints", "jobs"):
+    cfg = replace(base, **chosen, ignore_gate=args.ignore_gate, output=(args.output or base.output).resolve())
+    for name in ("seeds", "large_steps", "jobs"):
         if getattr(cfg, name) < 1:
-            raise SystemExit(f"study.py: error: --{name} {getattr(cfg, name)}: must be at least 1")
-    if cfg.checkpoints > cfg.steps:
-        raise SystemExit(f"study.py: error: --checkpoints {cfg.checkpoints} exceeds --steps {cfg.steps}")
-    if not all(math.isfinite(a) for a in cfg.alphas) or not math.isfinite(cfg.lam) or cfg.lam <= 0:
-        raise SystemExit("study.py: error: --alphas must be finite numbers and --lam a positive number")
+            raise SystemExit(f"study.py: error: --{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if not 0 <= cfg.sft_seeds <= cfg.seeds:
+        raise SystemExit(f"study.py: error: --sft-seeds {cfg.sft_seeds}: must lie in 0..--seeds ({cfg.seeds})")
+    if not all(math.isfinite(a) for a in cfg.alphas) or not math.isfinite(cfg.gate):
+        raise SystemExit("study.py: error: --alphas and --gate must be finite numbers")
+    if cfg.large_steps < cfg.checkpoints:
+        raise SystemExit(f"study.py: error: --large-steps {cfg.large_steps}: at least {cfg.checkpoints} "
+                         "(one per checkpoint)")
+    if cfg.large_steps % cfg.checkpoints:
+        raise SystemExit(f"study.py: error: --large-steps {cfg.large_steps}: must be a multiple of "
+                         f"{cfg.checkpoints}, so every arm saves at the same fractions of its budget")
     return cfg
+
+
+def gate_result(cfg: StudyConfig, pilot: Run) -> dict:
+    """The pilot gate, from baseline-small seed 1's final held-out ζ_L (written to gate.json)."""
+    measures = json.loads((pilot.dir / "measures.json").read_text())
+    value = measures["series"][-1]["heldout"]["zeta_L"]
+    result = {"run": pilot.name, "zeta_L": value, "threshold": cfg.gate, "passed": value >= cfg.gate,
+              "ignored": cfg.ignore_gate and value < cfg.gate}
+    (cfg.output / "gate.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,10 +509,13 @@ def main(argv: list[str] | None = None) -> int:
     import study_report
 
     report = (args.report or cfg.output / "report.md").resolve()
-    runs = plan(cfg)
+    pretrain = pretrain_runs(cfg)
+    sft = sft_runs(cfg, pretrain)
     argv_used = [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
+    code = {**git_state(), "argv": argv_used}
     if args.report_only:
-        study_report.write_all(cfg, runs, report, code={**git_state(), "argv": argv_used})
+        study_report.export_raw(cfg, pretrain + sft)
+        study_report.write_report(cfg.output / "raw", report)
         return 0
     cfg.output.mkdir(parents=True, exist_ok=True)
     ignore = cfg.output / ".gitignore"  # checkpoints (GBs) never end up in a commit, wherever --output is
@@ -466,35 +526,56 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         raise SystemExit(f"study.py: error: another study is running in {cfg.output}") from None
-    for run in runs:
+    for run in pretrain + sft:
         check_spec(cfg, run)
-    invocation = {"argv": argv_used,
-                  "start": time.time(), "config": {k: str(v) if isinstance(v, Path) else v
-                                                   for k, v in asdict(cfg).items()}, **git_state()}
+    invocation = {"argv": argv_used, "start": time.time(),
+                  "config": json.loads(json.dumps(asdict(cfg), default=str)), **git_state()}
     t0 = time.time()
     _record_invocation(cfg, invocation)  # at the start too: an invocation killed outright still shows
-    tokenizer, data = prepare_data(cfg.output, 4096)
-    write_task(cfg.output)
-    todo = [r for r in runs if not (r.dir / "post.done").exists()]
-    alphas = ", ".join(f"{a:g}" for a in cfg.alphas)
-    print(f"[study] {len(runs)} runs ({cfg.seeds} seed(s) × baseline + α ∈ {{{alphas}}}, {cfg.steps} steps, "
-          f"--jobs {cfg.jobs}); {len(runs) - len(todo)} already done", flush=True)
+    data = prepare_data(cfg.output)
+    (cfg.output / "data.json").write_text(json.dumps({k: str(v) for k, v in asdict(data).items()}, indent=1) + "\n")
+    budget = pretrain[0].batch * pretrain[0].steps * SEQ_LENGTH
+    print(f"[study] {len(pretrain)} pretraining runs ({cfg.seeds} seed(s) × {', '.join(a.name for a in cfg.arms())}; "
+          f"{budget:,} tokens each) + {len(sft)} SFT runs, --jobs {cfg.jobs}", flush=True)
+    pilot = [r for r in pretrain if r.seed == 1 and r.arm.startswith("baseline")]
+    phases = [("pilot", pilot), ("study", [r for r in pretrain if r not in pilot]), ("sft", sft)]
     failed: list[str] = []
+    status = 0
     try:
-        failed = execute(cfg, todo, tokenizer, data)
+        for phase, runs in phases:
+            todo = [r for r in runs if not (r.dir / "post.done").exists()]
+            if todo:
+                print(f"[study] {phase}: {len(todo)} run(s) to do", flush=True)
+                if phase == "sft":
+                    prepare_chat(data)
+                failed += execute(cfg, todo, data, code)
+            if failed:
+                break
+            if phase == "pilot":
+                gate = gate_result(cfg, pilot[1])
+                verdict = "passed" if gate["passed"] else ("failed, ignored (--ignore-gate)" if gate["ignored"]
+                                                           else "failed")
+                print(f"[study] pilot gate {verdict}: {gate['run']} final held-out ζ_L {gate['zeta_L']:.2f} "
+                      f"(threshold {cfg.gate:g})", flush=True)
+                if not gate["passed"] and not cfg.ignore_gate:
+                    print("[study] stopping: this regime has no jump for JREG to remove; the report says so. "
+                          "--ignore-gate goes on anyway.", flush=True)
+                    status = 3
+                    break
     except Stop:
         print("[study] stopped; the runs saved checkpoints. Run the same command again to resume.", flush=True)
         return 130
     finally:
         invocation["wall_s"] = time.time() - t0
         _record_invocation(cfg, invocation)
-    study_report.write_all(cfg, runs, report, code={**git_state(), "argv": argv_used})
-    print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'results.json'}, {report}", flush=True)
+    study_report.export_raw(cfg, pretrain + sft)
+    study_report.write_report(cfg.output / "raw", report)
+    print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'raw'}, {report}", flush=True)
     if failed:
         print(f"[study] failed: {', '.join(failed)} (logs above); run the same command again to retry them",
               file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

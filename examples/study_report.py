@@ -1,629 +1,689 @@
-"""The study's results: per-run numbers collected from its folders, `compare` per α and metric, plots, and a
-markdown report with the paper's Tables 3, 5 and 13 at this scale (examples/study.py runs it).
+"""The study's report, made only from its raw results files (one small JSON per run + study.json).
 
-Sources per run (runs/<arm>/seed-<s>/):
-- analysis/results.json (`megatron-jreg analyze` on the checkpoint series, held-out WikiText-2 test
-  paragraphs): Ψ_ℓ and ζ_L, ζ_{L−1}, ζ_{L−2} at every checkpoint; the last one is the final model;
-- metrics.jsonl (`--metrics-file`): ζ_L on each logged training batch, the final lm loss, and Megatron-LM's
-  validation loss of the final weights on the WikiText-2 test split;
-- eval.json (`megatron-jreg evaluate`): lm-eval's wikitext task on the local WikiText-2 test (word perplexity,
-  bits per byte) and LAMBADA top-1.
-Every number in the tables is a mean over seeds with its per-seed values; Δ is JREG − baseline of the same seed.
+    python examples/study_report.py --raw docs/study/raw --report docs/study.md
+
+`export_raw` (called by examples/study.py) collects each finished run's numbers from its folder into
+OUTPUT/raw/; `write_report` reads nothing else, so the committed docs/study.md can be regenerated from the
+committed docs/study/raw (tests/test_study.py does). The endpoints and the rule that turns tests into verdicts
+are fixed in ENDPOINTS and `verdict` below, before the runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import argparse
 import json
 import math
 import statistics
-import time
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# the paper's numbers quoted by the report (Shibata et al. 2026; issue 14)
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+LEVEL = 0.05
+POWER = 0.80
+
+# the paper's numbers quoted by the report (Shibata et al. 2026)
 PAPER = {
-    "alphas": (0.0, 0.1, 0.3, 0.5, 1.0, 3.0),
-    "growth": "170M: ζ_L 1.93 at 20K steps → 7.24 at 200K",
-    "removal": "1B: baseline ζ_L 6.42 → 0.00 with JREG (λ = 1, α = 1)",
-    "significance": "10 seeds: mean downstream gain +0.41 points, one-sided paired t-test p = 0.034",
+    "ii": "170M at a fixed 100B-token budget: ζ_L 1.93 with 20K steps, 7.24 with 200K steps (10× smaller batch)",
+    "iii": "1B: baseline ζ_L 6.42 → 0.00 with JREG (λ = 1, α = 1); removed for every α of {0, 0.1, 0.3, 0.5, 1, 3}",
+    "iv": "10 seeds: mean downstream gain +0.41 points, one-sided paired t-test p = 0.034",
+    "sft": "3.4B after SFT on Tulu-v1: baseline ζ_L 5.14, JREG 0.0",
 }
 
 
 @dataclass(frozen=True)
-class Metric:
+class Endpoint:
+    """A paired contrast over seeds: value(arm) − value(reference); the paper predicts `sign` (+1 or −1)."""
+
     key: str
+    claim: str
+    arm: str
+    reference: str
+    metric: str  # a key of a final held-out measurement ("zeta_L", "ce", ...)
+    sign: int
     label: str
-    lower_better: bool
-    fmt: str
-    tested: bool  # given to `compare` (one-sided paired t-test)
 
 
-METRICS = (
-    Metric("zeta_L", "ζ_L", True, "{:.2f}", True),
-    Metric("zeta_L-1", "ζ_L−1", True, "{:.2f}", False),
-    Metric("zeta_L-2", "ζ_L−2", True, "{:.2f}", False),
-    Metric("val_loss", "val loss", True, "{:.3f}", True),
-    Metric("word_perplexity", "word ppl", True, "{:.1f}", False),
-    Metric("bits_per_byte", "bits/byte", True, "{:.4f}", True),
-    Metric("lambada_acc", "LAMBADA acc", False, "{:.4f}", True),
+# Fixed before the runs. "jreg" stands for the study's JREG arm (α = 1 by default).
+ENDPOINTS = (
+    Endpoint("ii", "(ii) more steps at a fixed token budget make the jump larger", "baseline-small",
+             "baseline-large", "zeta_L", +1, "ζ_L(baseline-small) − ζ_L(baseline-large)"),
+    Endpoint("iii", "(iii) JREG removes the jump", "jreg", "baseline-small", "zeta_L", -1,
+             "ζ_L(JREG) − ζ_L(baseline-small)"),
+    Endpoint("iv", "(iv) JREG improves held-out language modelling", "jreg", "baseline-small", "ce", -1,
+             "held-out CE(JREG) − CE(baseline-small), nats/token"),
 )
-BY_KEY = {m.key: m for m in METRICS}
+SECONDARY_METRICS = (("zeta_L-1", "ζ_L−1"), ("zeta_L-2", "ζ_L−2"), ("psi_L_over_mid", "Ψ_L / median middle Ψ"))
+SECONDARY_FOR = ("ii", "iii")  # the jump endpoints; (iv)'s companion is the train–held-out gap per arm
 
 
 # ----------------------------------------------------------------------------------------------------------
-# collecting
+# raw results: one JSON per run, written from the run folders
 
 
 def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
     return out
 
 
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
+def _portable(text: str, cfg) -> str:
+    """Commands with the output folder as $OUT and this checkout as ., so they read the same anywhere."""
+    return text.replace(str(cfg.output), "$OUT").replace(str(ROOT) + "/", "./").replace(sys.executable, "python")
 
 
-def load_run(run, steps: int, save_interval: int) -> dict:
-    """One run's numbers; missing pieces stay None (an unfinished run shows up as missing in the tables)."""
-    rec: dict = {"arm": run.arm, "alpha": run.alpha, "seed": run.seed, "dir": str(run.dir),
-                 "trained": (run.dir / "train.done").exists(), "analysed": (run.dir / "post.done").exists()}
-    records = _jsonl(run.dir / "metrics.jsonl")
-    train = {r["iteration"]: r for r in records if "lm_loss" in r}  # a resume repeats steps: the last wins
-    steps_logged = sorted(train)
-    rec["train_curve"] = {"steps": steps_logged, "zeta_L": [train[s].get("zeta_L") for s in steps_logged],
-                          "lm_loss": [train[s]["lm_loss"] for s in steps_logged]}
-    valid = [r for r in records if r.get("split") == "valid" and r.get("iteration") == steps]
-    final: dict = {k: None for k in BY_KEY}
-    final.update(lm_loss=train[steps]["lm_loss"] if steps in train else None, val_loss=None, psi=None)
-    if valid:
-        final["val_loss"] = valid[-1]["val_loss"]
-    analysis = _json(run.dir / "analysis" / "results.json")
-    series = {"steps": [], "zeta_L": [], "zeta_L-1": [], "zeta_L-2": [], "psi": []}
-    if analysis:
-        models = sorted((m for m in analysis["models"] if m.get("step") is not None), key=lambda m: m["step"])
-        for m in models:  # the series at the save interval (a SIGTERM'd run also keeps an odd-step checkpoint)
-            if m["step"] % save_interval == 0 or m["step"] == steps:
-                series["steps"].append(m["step"])
-                for key in ("zeta_L", "zeta_L-1", "zeta_L-2", "psi"):
-                    series[key].append(m[key])
-        if series["steps"] and series["steps"][-1] == steps:
-            for key in ("zeta_L", "zeta_L-1", "zeta_L-2", "psi"):
-                final[key] = series[key][-1]
-    rec["series"] = series
-    ev = _json(run.dir / "eval.json")
-    if ev:
-        wiki = ev["results"].get("wikitext2_local", {})
-        lam = ev["results"].get("lambada", {})
-        final.update(word_perplexity=wiki.get("word_perplexity"), bits_per_byte=wiki.get("bits_per_byte"),
-                     lambada_acc=lam.get("acc"), lambada_perplexity=lam.get("perplexity"))
-        rec["eval_samples"] = ev.get("samples", {})
-    rec["final"] = final
-    attempts = _jsonl(run.dir / "attempts.jsonl")
-    rec["wall_s"] = {kind: sum(a["wall_s"] for a in attempts if a["kind"] == kind) for kind in ("train", "post")}
-    rec["resumed"] = any(a["kind"] == "train" and a["from_iteration"] > 0 for a in attempts)
-    rec["first_start"] = min((a["start"] for a in attempts), default=None)
-    return rec
+def export_raw(cfg, runs: list) -> Path:
+    """OUTPUT/raw/<arm>__seed-<s>.json for every measured run, and OUTPUT/raw/study.json."""
+    raw = cfg.output / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        if not (run.dir / "post.done").exists():
+            continue
+        records = _jsonl(run.dir / "metrics.jsonl")
+        train = {r["iteration"]: r for r in records if "lm_loss" in r}  # a resume repeats steps: the last wins
+        valid = [r for r in records if r.get("split") == "valid"]
+        rec = {
+            "run": run.name, "arm": run.arm, "seed": run.seed,
+            "spec": json.loads((run.dir / "spec.json").read_text()),
+            "command": _portable((run.dir / "command.txt").read_text().strip(), cfg),
+            "attempts": [{**a, "argv": a.get("argv")} for a in _jsonl(run.dir / "attempts.jsonl")],
+            "train_curve": [[it, train[it]["lm_loss"], train[it].get("zeta_L")] for it in sorted(train)],
+            "megatron_validation": ({k: valid[-1].get(k) for k in ("iteration", "val_loss", "zeta_L")}
+                                    if valid else None),
+            "measures": json.loads((run.dir / "measures.json").read_text()),
+        }
+        (raw / f"{run.arm}__seed-{run.seed}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    gate = cfg.output / "gate.json"
+    data = json.loads((cfg.output / "data.json").read_text()) if (cfg.output / "data.json").exists() else {}
+    study = {
+        "config": json.loads(json.dumps(_asdict(cfg), default=str)),
+        "arms": [{"name": a.name, "batch": a.batch, "steps": a.steps, "tokens": a.tokens, "lambda": a.lam,
+                  "alpha": a.alpha} for a in cfg.arms()],
+        "jreg_arm": cfg.jreg_arm,
+        "gate": json.loads(gate.read_text()) if gate.exists() else None,
+        "invocations": _invocations(cfg.output / "invocations.jsonl", cfg),
+        "data": _data_summary(data),
+    }
+    (raw / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    return raw
 
 
-def _stats(values: dict[int, float | None]) -> dict:
-    """{mean, sd, seeds: {seed: value}} over the seeds that have a value."""
-    got = {s: v for s, v in values.items() if v is not None}
-    vals = list(got.values())
-    return {"mean": statistics.fmean(vals) if vals else None,
-            "sd": statistics.stdev(vals) if len(vals) > 1 else None, "seeds": got}
+def _asdict(cfg) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(cfg)
+    d.pop("output")
+    return d
 
 
-def summarize(cfg, records: list[dict]) -> dict:
-    arms = [a for a, _ in cfg.arms()]
-    by = {(r["arm"], r["seed"]): r for r in records}
-    seeds = sorted({r["seed"] for r in records})
-    summary = {arm: {m.key: _stats({s: by[arm, s]["final"][m.key] for s in seeds if (arm, s) in by})
-                     for m in METRICS} for arm in arms}
+def _invocations(path: Path, cfg) -> list[dict]:
+    """The last record of each invocation (one is written at its start and one at its end)."""
+    by_start: dict[float, dict] = {}
+    for rec in _jsonl(path):
+        by_start[rec["start"]] = {"argv": rec["argv"], "start": rec["start"], "wall_s": rec.get("wall_s"),
+                                  "commit": rec.get("commit"), "dirty_files": rec.get("dirty_files")}
+    return [by_start[k] for k in sorted(by_start)]
+
+
+def _data_summary(data: dict) -> dict:
+    if not data:
+        return {}
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    out = {}
+    for split in ("train", "heldout"):
+        ds = IndexedDataset(data[f"{split}_prefix"])
+        out[split] = {"documents": len(ds), "tokens": int(sum(int(n) for n in ds.sequence_lengths))}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# statistics
+
+
+def paired(diffs: list[float], sign: int) -> dict:
+    """Paired t-test of mean(diffs) on the paper's side (`sign`), the other side and two-sided
+    (`megatron_jreg.evaluate.stats`), and the minimum detectable effect at LEVEL/POWER from the measured SD."""
+    from scipy import stats as sp
+
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
+    n = len(diffs)
+    out: dict = {"n": n, "diffs": diffs, "mean": statistics.fmean(diffs) if diffs else None}
+    if n < 2:
+        out["note"] = "fewer than 2 seeds: no test"
+        return out
+    test = paired_one_sided(diffs, [0.0] * n, confidence=1 - LEVEL, higher_is_better=sign > 0)
+    out["sd"] = test.sd_diff
+    if not test.defined:
+        out["note"] = "every seed gives the same difference: no spread, the test is undefined"
+        return out
+    out.update(p_paper=test.p_value, p_other=test.p_worse, p_two_sided=test.p_two_sided,
+               mde=(sp.t.ppf(1 - LEVEL, n - 1) + sp.t.ppf(POWER, n - 1)) * test.sd_diff / math.sqrt(n))
+    return out
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm's adjustment over the primary endpoints (family-wise error at LEVEL), by endpoint key."""
+    from megatron_jreg.evaluate.stats import holm as holm_list
+
+    keys = list(pvalues)
+    return dict(zip(keys, holm_list([pvalues[k] for k in keys])))
+
+
+def verdict(test: dict, adjusted_paper: float | None, adjusted_other: float | None) -> str:
+    """confirmed: the paper's direction at LEVEL after Holm; contradicted: the opposite direction at LEVEL after
+    Holm; inconclusive otherwise (with the minimum detectable effect beside it)."""
+    if "p_paper" not in test:
+        return "not testable (" + test.get("note", "no data") + ")"
+    if adjusted_paper is not None and adjusted_paper < LEVEL:
+        return "confirmed"
+    if adjusted_other is not None and adjusted_other < LEVEL:
+        return "contradicted"
+    return "inconclusive"
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    from scipy import stats as sp
+
+    if len(x) < 3 or len(set(y)) < 2:
+        return math.nan
+    return float(sp.spearmanr(x, y).statistic)
+
+
+def sign_test(values: list[float]) -> dict:
+    """How many of the seeds have ρ > 0, and the one-sided binomial p of that many or more under p = 1/2."""
+    from scipy import stats as sp
+
+    vals = [v for v in values if not math.isnan(v) and v != 0]
+    k = sum(v > 0 for v in vals)
+    p = float(sp.binomtest(k, len(vals), 0.5, alternative="greater").pvalue) if vals else math.nan
+    return {"positive": k, "n": len(vals), "p": p}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading the raw files
+
+
+@dataclass
+class Raw:
+    study: dict
+    runs: dict[tuple[str, int], dict]  # (arm, seed) → run record
+
+    @classmethod
+    def load(cls, folder: Path) -> Raw:
+        study = json.loads((folder / "study.json").read_text())
+        runs = {}
+        for path in sorted(folder.glob("*__seed-*.json")):
+            rec = json.loads(path.read_text())
+            runs[rec["arm"], rec["seed"]] = rec
+        return cls(study, runs)
+
+    @property
+    def jreg(self) -> str:
+        return self.study["jreg_arm"]
+
+    def arm(self, name: str) -> str:
+        return self.jreg if name == "jreg" else name
+
+    def seeds(self, *arms: str) -> list[int]:
+        want = [self.arm(a) for a in arms]
+        common = None
+        for a in want:
+            have = {s for (arm, s) in self.runs if arm == a}
+            common = have if common is None else common & have
+        return sorted(common or [])
+
+    def final(self, arm: str, seed: int, split: str = "heldout") -> dict:
+        return self.runs[self.arm(arm), seed]["measures"]["series"][-1][split]
+
+    def series(self, arm: str, seed: int) -> list[dict]:
+        return self.runs[self.arm(arm), seed]["measures"]["series"]
+
+
+def contrast(raw: Raw, ep: Endpoint, metric: str | None = None) -> dict:
+    metric = metric or ep.metric
+    seeds = raw.seeds(ep.arm, ep.reference)
+    diffs = [raw.final(ep.arm, s)[metric] - raw.final(ep.reference, s)[metric] for s in seeds]
+    return {"seeds": seeds, **paired(diffs, ep.sign)}
+
+
+def iso_loss(raw: Raw) -> dict:
+    """Per seed: the first baseline-small checkpoint whose core held-out CE is at most baseline-large's final
+    one, and ζ_L there against baseline-large's final ζ_L (both on the core windows)."""
+    rows = {}
+    for s in raw.seeds("baseline-small", "baseline-large"):
+        target = raw.series("baseline-large", s)[-1]["core"]
+        hit = next((c for c in raw.series("baseline-small", s) if c["core"]["ce"] <= target["ce"]), None)
+        if hit is not None:
+            rows[s] = {"iteration": hit["iteration"], "ce": hit["core"]["ce"], "zeta_L": hit["core"]["zeta_L"],
+                       "large_ce": target["ce"], "large_zeta_L": target["zeta_L"]}
+    diffs = [r["zeta_L"] - r["large_zeta_L"] for r in rows.values()]
+    return {"rows": rows, "test": paired(diffs, +1)}
+
+
+def growth(raw: Raw, arm: str) -> dict:
+    """Within-run Spearman ρ(step, core ζ_L) per seed and the sign test over seeds."""
+    rho = {}
+    for s in raw.seeds(arm):
+        series = raw.series(arm, s)
+        rho[s] = spearman([c["iteration"] for c in series], [c["core"]["zeta_L"] for c in series])
+    return {"rho": rho, "sign": sign_test(list(rho.values()))}
+
+
+def analyse(raw: Raw) -> dict:
+    """Every number the report prints, in one dict (also written beside the report as results.json)."""
+    primary = {ep.key: contrast(raw, ep) for ep in ENDPOINTS}
+    paper_side = holm({k: t["p_paper"] for k, t in primary.items() if "p_paper" in t})
+    other_side = holm({k: t["p_other"] for k, t in primary.items() if "p_other" in t})
+    for key, test in primary.items():
+        test["p_paper_holm"] = paper_side.get(key)
+        test["p_other_holm"] = other_side.get(key)
+        test["verdict"] = verdict(test, paper_side.get(key), other_side.get(key))
+    secondary = {ep.key: {m: contrast(raw, ep, m) for m, _ in SECONDARY_METRICS}
+                 for ep in ENDPOINTS if ep.key in SECONDARY_FOR}
+    arms = [a["name"] for a in raw.study["arms"]]
+    finals = {}
     for arm in arms:
-        summary[arm]["val_ppl"] = _stats({s: math.exp(v) for s, v in summary[arm]["val_loss"]["seeds"].items()})
-    psi = {arm: {s: by[arm, s]["final"]["psi"] for s in seeds if (arm, s) in by and by[arm, s]["final"]["psi"]}
-           for arm in arms}
-    delta = {}
-    for arm in arms[1:]:
-        per_seed = {s: [j - b for j, b in zip(psi[arm][s], psi["baseline"][s])]
-                    for s in psi[arm] if s in psi["baseline"]}
-        delta[arm] = {"seeds": per_seed, "mean": _mean_lists(list(per_seed.values()))}
-    psi_summary = {arm: {"seeds": psi[arm], "mean": _mean_lists(list(psi[arm].values())),
-                         "sd": _sd_lists(list(psi[arm].values()))} for arm in arms}
-    return {"final": summary, "psi": psi_summary, "delta": delta}
+        seeds = raw.seeds(arm)
+        finals[arm] = {key: {s: raw.final(arm, s)[key] for s in seeds}
+                       for key in ("ce", "zeta_L", "zeta_L-1", "zeta_L-2", "psi_L_over_mid")}
+        finals[arm]["train_ce"] = {s: raw.final(arm, s, "train")["ce"] for s in seeds}
+        finals[arm]["gap"] = {s: raw.final(arm, s)["ce"] - raw.final(arm, s, "train")["ce"] for s in seeds}
+    return {"primary": primary, "secondary": secondary, "finals": finals, "iso_loss": iso_loss(raw),
+            "growth": {arm: growth(raw, arm) for arm in ("baseline-small", "baseline-large") if arm in arms},
+            "sft": sft_summary(raw)}
 
 
-def _mean_lists(rows: list[list[float]]) -> list[float] | None:
-    return [statistics.fmean(col) for col in zip(*rows)] if rows else None
+def sft_summary(raw: Raw) -> dict:
+    """ζ and Ψ before (the pretrained final) and after SFT (λ = 0) on the same held-out windows, per seed."""
+    out = {}
+    for parent in ("baseline-small", raw.jreg):
+        arm = f"sft-{parent}"
+        seeds = raw.seeds(arm, parent)
+        if not seeds:
+            continue
+        out[parent] = {s: {"before": _pick(raw.final(parent, s)), "after": _pick(raw.final(arm, s)),
+                           "chat_val_loss": (raw.runs[arm, s]["megatron_validation"] or {}).get("val_loss")}
+                       for s in seeds}
+    if len(out) == 2:
+        seeds = sorted(set(out["baseline-small"]) & set(out[raw.jreg]))
+        diffs = [out[raw.jreg][s]["after"]["zeta_L"] - out["baseline-small"][s]["after"]["zeta_L"] for s in seeds]
+        out["test_after"] = paired(diffs, -1)
+    return out
 
 
-def _sd_lists(rows: list[list[float]]) -> list[float] | None:
-    return [statistics.stdev(col) for col in zip(*rows)] if len(rows) > 1 else None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# significance: `megatron-jreg compare` per α and metric
-
-
-def run_compare(cfg, records: list[dict], out: Path) -> dict:
-    """One-sided paired t-test (H1: JREG better) of every tested metric, JREG α vs baseline, over the seeds
-    where both runs are finished: `megatron-jreg compare` on score files in `evaluate`'s format, one task
-    per file. Lower-is-better metrics are given to it negated, and turned back here: `diff` is always
-    JREG − baseline in the metric's own sense, `bound` the 95% one-sided bound on that difference."""
-    from megatron_jreg.evaluate import compare
-    from megatron_jreg.evaluate.results import EvalResults
-
-    by = {(r["arm"], r["seed"]): r for r in records}
-    results: dict = {}
-    for arm, _ in cfg.arms()[1:]:
-        results[arm] = {}
-        for m in (m for m in METRICS if m.tested):
-            pairs = sorted(s for (a, s), r in by.items() if a == arm and r["final"][m.key] is not None
-                           and ("baseline", s) in by and by["baseline", s]["final"][m.key] is not None)
-            base = [by["baseline", s]["final"][m.key] for s in pairs]
-            jreg = [by[arm, s]["final"][m.key] for s in pairs]
-            entry = {"n": len(pairs), "seeds": pairs, "baseline": base, "jreg": jreg,
-                     "diffs": [j - b for j, b in zip(jreg, base)]}
-            results[arm][m.key] = entry
-            if len(pairs) < 2:
-                entry["skipped"] = "fewer than 2 seed pairs: no t-test"
-                continue
-            if m.key == "lambada_acc" and not any(base + jreg):
-                entry["skipped"] = "LAMBADA top-1 is 0 in every run: nothing to test"
-                continue
-            folder = out / "compare" / arm / m.key
-            folder.mkdir(parents=True, exist_ok=True)
-            sign = -1.0 if m.lower_better else 1.0
-            files = {"baseline": [], "jreg": []}
-            for s, b, j in zip(pairs, base, jreg):
-                for side, value in (("baseline", b), ("jreg", j)):
-                    path = folder / f"{side}-seed-{s}.json"
-                    EvalResults(results={m.key: {"score": sign * value}}, samples={m.key: 1}, seed=s,
-                                config={"num_fewshot": None}).write(path)
-                    files[side].append(str(path))
-            text = io.StringIO()
-            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-                rc = compare.main(["--baseline", *files["baseline"], "--jreg", *files["jreg"], "--metric", "score",
-                                   "--output", str(folder / "compare.json")])
-            (folder / "compare.txt").write_text(text.getvalue())
-            if rc != 0:
-                entry["skipped"] = f"compare failed: {text.getvalue().strip()}"
-                continue
-            row = json.loads((folder / "compare.json").read_text())["rows"][m.key]
-            entry.update(diff=sign * row["mean_diff"], p_value=row["p_value"], t=row["t"],
-                         bound=None if row["lower_bound"] is None else sign * row["lower_bound"],
-                         jreg_better=row["jreg_better"], compare=str(folder / "compare.json"))
-    return results
+def _pick(m: dict) -> dict:
+    return {k: m[k] for k in ("zeta_L", "zeta_L-1", "zeta_L-2", "psi_L_over_mid", "ce")}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# plots
+# the report
 
 
-def _arm_label(arm: str, alpha: float | None) -> str:
-    return "baseline (λ = 0)" if alpha is None else f"JREG α = {alpha:g}"
+def _f(v: float | None, spec: str = "{:.2f}") -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
 
 
-def plot_all(cfg, records: list[dict], summary: dict, folder: Path) -> dict[str, Path]:
+def _p(p: float | None) -> str:
+    return "—" if p is None or math.isnan(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _cell(values: dict, spec: str = "{:.2f}") -> str:
+    vals = [v for v in values.values() if v is not None]
+    if not vals:
+        return "—"
+    sd = f" ± {spec.format(statistics.stdev(vals))}" if len(vals) > 1 else ""
+    return f"{spec.format(statistics.fmean(vals))}{sd}<br>({', '.join(spec.format(v) for v in vals)})"
+
+
+def _inline(values: dict, spec: str = "{:.2f}") -> str:
+    """mean (seed values) for a sentence."""
+    vals = [v for v in values.values() if v is not None]
+    return f"{spec.format(statistics.fmean(vals))} ({', '.join(spec.format(v) for v in vals)})" if vals else "—"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _label(raw: Raw, arm: str) -> str:
+    spec = next(a for a in raw.study["arms"] if a["name"] == arm)
+    what = "baseline (λ = 0)" if not spec["lambda"] else f"JREG λ = {spec['lambda']:g}, α = {spec['alpha']:g}"
+    return f"{arm}: {what}, batch {spec['batch']} × {spec['steps']} steps"
+
+
+def render(raw: Raw, results: dict, plots: dict[str, str], command: str) -> str:
+    """The markdown report; `plots` names the figure files and the raw folder relative to the report."""
+    st = raw.study
+    cfg = st["config"]
+    arms = [a["name"] for a in st["arms"]]
+    seeds = sorted({s for (_, s) in raw.runs})
+    tokens = st["arms"][0]["tokens"]
+    lines = ["# JREG at laptop scale: a study designed to test the paper's claims", "",
+             f"Generated by `{command}` from the raw results in `{plots.get('raw', 'raw/')}` (one JSON per run, "
+             "with its command and the commit that trained it); `examples/study.py` wrote them. The design, "
+             "endpoints and verdict rule were fixed in `examples/study.py` and `examples/study_report.py` before "
+             "the runs.", ""]
+    lines += ["## Design", ""]
+    model = cfg["model"]
+    train, heldout = st["data"].get("train", {}), st["data"].get("heldout", {})
+    lines += [
+        f"- Model: a Llama of {model['layers']} layers × {model['hidden']} ({model['heads']} heads, FFN "
+        f"{model['ffn']}, RoPE, RMSNorm, SwiGLU, untied embeddings, context 128), BPE vocabulary 4,096; "
+        "Megatron-LM's training loop on one CPU core per run.",
+        f"- Data: WikiText-2 split by article (`examples/laptop_scale.py`): {_f(train.get('tokens'), '{:,}')} "
+        f"training tokens ({train.get('documents', '—')} articles); {_f(heldout.get('tokens'), '{:,}')} held-out "
+        f"tokens ({heldout.get('documents', '—')} articles never trained on), which every evaluation reads.",
+        f"- Arms, one fixed budget of {tokens:,} tokens each (the paper's §3.4 changes the batch size at a fixed "
+        "token budget):", *[f"  - {_label(raw, a)}" for a in arms],
+        "- Recipe (ours; the paper does not state it): AdamW lr 1e-3 → 1e-4 cosine, 5 % warm-up, weight decay 0.1, "
+        "β = (0.9, 0.95), clip 1.0, the same for every arm; `--init-mode layout-independent --seed s`: the arms "
+        "of a seed start from the same weights.",
+        f"- Seeds: {', '.join(map(str, seeds))}. Measurement: held-out cross-entropy (nats/token), Ψ_ℓ (angular) "
+        f"and ζ on the same {cfg['core_windows']} held-out windows of 128 tokens at each of the "
+        f"{cfg['checkpoints']} checkpoints, and on every held-out window at the final one; the train–held-out "
+        f"gap from {cfg['train_windows']} training windows.",
+        f"- Primary endpoints (paired over seeds, one-sided t-test in the paper's direction at {LEVEL:g}, "
+        "Holm-adjusted over the three; the other side is tested the same way): "
+        + "; ".join(f"{ep.claim}: {ep.label} {'> 0' if ep.sign > 0 else '< 0'}" for ep in ENDPOINTS) + ".",
+        "- Verdicts: *confirmed* when the paper's side is significant after Holm, *contradicted* when the "
+        "opposite side is, *inconclusive* otherwise; the minimum detectable effect (MDE, "
+        f"{LEVEL:g} one-sided, power {POWER:g}, from the measured paired SD) says how large an effect the seeds "
+        "could have seen.",
+    ]
+    gate = st.get("gate")
+    if gate:
+        state = "passed" if gate["passed"] else ("failed; the study went on (--ignore-gate)" if gate.get("ignored")
+                                                 else "failed: the study stopped after the pilot")
+        lines += [f"- Pilot gate ({gate['run']} first, with baseline-large seed 1): final held-out ζ_L "
+                  f"{gate['zeta_L']:.2f} against the threshold {gate['threshold']:g}: {state}."]
+    lines += [""]
+
+    prim = results["primary"]
+    lines += ["## What came out", ""]
+    for ep in ENDPOINTS:
+        t = prim[ep.key]
+        if "p_paper" not in t:
+            lines += [f"- **{ep.claim}**: {t.get('note', 'no data')} (n = {t['n']})."]
+            continue
+        lines += [f"- **{ep.claim}** — **{t['verdict']}**. {ep.label}: mean {_f(t['mean'], '{:+.4f}')} "
+                  f"(per seed {', '.join(_f(d, '{:+.3f}') for d in t['diffs'])}; n = {t['n']}); one-sided p "
+                  f"{_p(t['p_paper'])} (Holm {_p(t['p_paper_holm'])}), opposite side {_p(t['p_other'])} "
+                  f"(Holm {_p(t['p_other_holm'])}), two-sided {_p(t['p_two_sided'])}; MDE {_f(t['mde'], '{:.4f}')}. "
+                  f"Paper: {PAPER[ep.key]}."]
+    iso = results["iso_loss"]
+    if iso["rows"]:
+        it = iso["test"]
+        lines += [f"- Iso-loss (secondary): at the first baseline-small checkpoint whose held-out CE reaches "
+                  f"baseline-large's final CE, ζ_L − ζ_L(baseline-large) = {_f(it.get('mean'), '{:+.3f}')} "
+                  f"(per seed {', '.join(_f(d, '{:+.2f}') for d in it['diffs'])}; one-sided p "
+                  f"{_p(it.get('p_paper'))}). This separates 'more steps' from 'lower loss'."]
+    for arm, g in results["growth"].items():
+        rho = ", ".join(_f(r, "{:+.2f}") for r in g["rho"].values())
+        lines += [f"- Growth within a run ({arm}, secondary): Spearman ρ(step, ζ_L) per seed {rho}; ρ > 0 in "
+                  f"{g['sign']['positive']} of {g['sign']['n']} seeds (sign test p {_p(g['sign']['p'])})."]
+    sft = results["sft"]
+    if "test_after" in sft:
+        t = sft["test_after"]
+        b, j = sft["baseline-small"], sft[raw.jreg]
+        lines += [f"- SFT analogue (λ = 0 in SFT for both, the paper's plain cross-entropy SFT): ζ_L after SFT, "
+                  f"baseline {_inline({s: v['after']['zeta_L'] for s, v in b.items()})} (before "
+                  f"{_inline({s: v['before']['zeta_L'] for s, v in b.items()})}), JREG "
+                  f"{_inline({s: v['after']['zeta_L'] for s, v in j.items()})} (before "
+                  f"{_inline({s: v['before']['zeta_L'] for s, v in j.items()})}); JREG − baseline after SFT "
+                  f"{_f(t.get('mean'), '{:+.3f}')}, one-sided p {_p(t.get('p_paper'))} (n = {t['n']}). "
+                  f"Paper: {PAPER['sft']}."]
+    lines += ["", "### Where this differs from the paper", ""]
+    lines += _differences(raw, results)
+    lines += [""]
+
+    lines += ["## Primary and secondary contrasts", "",
+              "Paired differences over seeds (final checkpoints, every held-out window). p (paper): one-sided in the "
+              "paper's direction; p (other): the opposite side; Holm over the three primary endpoints.", ""]
+    rows = []
+    for ep in ENDPOINTS:
+        t = prim[ep.key]
+        rows.append([f"**{ep.label}**", _f(t.get("mean"), "{:+.4f}"), _f(t.get("sd"), "{:.4f}"),
+                     _p(t.get("p_paper")), _p(t.get("p_paper_holm")), _p(t.get("p_other")), _p(t.get("p_two_sided")),
+                     _f(t.get("mde"), "{:.4f}"), t["verdict"]])
+        for metric, name in SECONDARY_METRICS if ep.key in SECONDARY_FOR else ():
+            s = results["secondary"][ep.key][metric]
+            rows.append([f"&nbsp;&nbsp;{name} (secondary)", _f(s.get("mean"), "{:+.4f}"), _f(s.get("sd"), "{:.4f}"),
+                         _p(s.get("p_paper")), "", _p(s.get("p_other")), _p(s.get("p_two_sided")),
+                         _f(s.get("mde"), "{:.4f}"), ""])
+    lines += _table(["contrast", "mean", "sd", "p (paper)", "Holm", "p (other)", "p two-sided", "MDE", "verdict"],
+                    rows)
+    lines += [""]
+
+    fin = results["finals"]
+    lines += ["## Final checkpoints per arm", "",
+              "Mean ± sd over seeds, then each seed. Held-out: every held-out window; train: training windows; "
+              "gap = held-out − train cross-entropy.", ""]
+    rows = [[a, _cell(fin[a]["ce"], "{:.4f}"), _cell(fin[a]["train_ce"], "{:.4f}"), _cell(fin[a]["gap"], "{:.4f}"),
+             _cell(fin[a]["zeta_L"]), _cell(fin[a]["zeta_L-1"]), _cell(fin[a]["zeta_L-2"]),
+             _cell(fin[a]["psi_L_over_mid"], "{:.3f}")] for a in arms]
+    lines += _table(["arm", "held-out CE", "train CE", "gap", "ζ_L", "ζ_L−1", "ζ_L−2", "Ψ_L / mid Ψ"], rows)
+    lines += [""]
+
+    lines += ["## ζ_L through training", "", f"![ζ_L against tokens]({plots['zeta']})", "",
+              "Core held-out windows at each checkpoint (fraction of the token budget), mean over seeds and each seed.",
+              ""]
+    fractions = None
+    rows = []
+    for a in arms:
+        per = [raw.series(a, s) for s in raw.seeds(a)]
+        if not per:
+            continue
+        fractions = [c["iteration"] / raw.runs[a, raw.seeds(a)[0]]["spec"]["steps"] for c in per[0]]
+        rows.append([a] + [_cell({s: raw.series(a, s)[i]["core"]["zeta_L"] for s in raw.seeds(a)})
+                           for i in range(len(fractions))])
+    if fractions:
+        lines += _table(["arm"] + [f"{f:.0%}" for f in fractions], rows)
+    lines += [""]
+
+    lines += ["## Displacement per layer (the paper's Table 5 at this scale)", "",
+              f"![Ψ per layer]({plots['psi']})", "",
+              "Ψ_ℓ at the final checkpoints (every held-out window), mean over seeds; Δ_ℓ = Ψ_ℓ(JREG) − "
+              "Ψ_ℓ(baseline-small) of the same seed; w_ℓ = softmax(α·ℓ), the weight JREG puts on layer ℓ.", ""]
+    L = len(raw.final(arms[0], raw.seeds(arms[0])[0])["psi"])
+    weights = _weights(L, next(a["alpha"] for a in st["arms"] if a["name"] == raw.jreg))
+    rows = []
+    for layer in range(L):
+        cells = [str(layer + 1)]
+        for a in arms:
+            cells.append(_f(statistics.fmean(raw.final(a, s)["psi"][layer] for s in raw.seeds(a)), "{:.4f}"))
+        d = {s: raw.final(raw.jreg, s)["psi"][layer] - raw.final("baseline-small", s)["psi"][layer]
+             for s in raw.seeds(raw.jreg, "baseline-small")}
+        cells += [_cell(d, "{:+.4f}"), f"{weights[layer]:.3f}"]
+        rows.append(cells)
+    lines += _table(["ℓ", *[f"Ψ_ℓ {a}" for a in arms], "Δ_ℓ (JREG − baseline-small)", "w_ℓ"], rows)
+    lines += [""]
+
+    if iso["rows"]:
+        lines += ["## Iso-loss comparison", "", f"![held-out CE against steps]({plots['ce']})", "",
+                  "Per seed: baseline-large's final core-window CE and ζ_L, and the first baseline-small checkpoint "
+                  "that reaches that CE.", ""]
+        lines += _table(["seed", "baseline-large final CE", "ζ_L", "baseline-small step", "CE", "ζ_L", "Δζ_L"],
+                        [[str(s), f"{r['large_ce']:.4f}", f"{r['large_zeta_L']:.2f}", str(r["iteration"]),
+                          f"{r['ce']:.4f}", f"{r['zeta_L']:.2f}", f"{r['zeta_L'] - r['large_zeta_L']:+.2f}"]
+                         for s, r in iso["rows"].items()])
+        lines += [""]
+
+    if sft.get("baseline-small"):
+        lines += ["## SFT analogue", "",
+                  "Both pretrained models fine-tuned with λ = 0 (the paper's SFT is plain cross-entropy; JREG during "
+                  "SFT stays available with `--jreg-lambda` but is not compared here), "
+                  f"{cfg['sft_steps']} steps × {cfg['sft_batch']} packed conversations of the vendored chat data "
+                  f"(examples/sft/data, built from WikiText-2 valid articles only), lr {cfg['sft_lr']:g} linear to 0. "
+                  "Before/after on the same held-out windows; chat val loss: Megatron-LM's validation on the chat "
+                  "data's held-out 5 %.", ""]
+        rows = []
+        for parent in ("baseline-small", raw.jreg):
+            for s, v in sft.get(parent, {}).items():
+                rows.append([parent, str(s), f"{v['before']['zeta_L']:.2f} → {v['after']['zeta_L']:.2f}",
+                             f"{v['before']['zeta_L-1']:.2f} → {v['after']['zeta_L-1']:.2f}",
+                             f"{v['before']['zeta_L-2']:.2f} → {v['after']['zeta_L-2']:.2f}",
+                             f"{v['before']['psi_L_over_mid']:.3f} → {v['after']['psi_L_over_mid']:.3f}",
+                             f"{v['before']['ce']:.4f} → {v['after']['ce']:.4f}", _f(v["chat_val_loss"], "{:.4f}")])
+        lines += _table(["pretrained", "seed", "ζ_L", "ζ_L−1", "ζ_L−2", "Ψ_L / mid Ψ", "held-out CE",
+                         "chat val loss"], rows)
+        lines += [""]
+
+    lines += ["## Provenance and cost", ""]
+    lines += _provenance(raw)
+    return "\n".join(lines) + "\n"
+
+
+def _differences(raw: Raw, results: dict) -> list[str]:
+    out = []
+    for ep in ENDPOINTS:
+        t = results["primary"][ep.key]
+        if t["verdict"] != "confirmed":
+            out.append(f"- {ep.claim}: {t['verdict']} here (mean {_f(t.get('mean'), '{:+.4f}')}, MDE "
+                       f"{_f(t.get('mde'), '{:.4f}')}), where the paper reports it.")
+    model = raw.study["config"]["model"]
+    out.append(f"- Scale: a {model['layers']} × {model['hidden']} model ({_params(model) / 1e6:.1f}M parameters) on "
+               f"{raw.study['arms'][0]['tokens']:,} tokens against 170M–3.4B models on 100B tokens; the "
+               "downstream claim is tested as held-out cross-entropy (benchmarks are at chance at this scale).")
+    return out
+
+
+def _params(model: dict, vocab: int = 4096) -> int:
+    """Parameters of the study's Llama: attention 4h², SwiGLU 3·h·ffn, two norms per layer, untied embeddings."""
+    h = model["hidden"]
+    return model["layers"] * (4 * h * h + 3 * h * model["ffn"] + 2 * h) + 2 * vocab * h + h
+
+
+def _weights(num_layers: int, alpha: float) -> list[float]:
+    from megatron_jreg import jreg
+
+    return jreg.layer_weights(num_layers, alpha).tolist()
+
+
+def _provenance(raw: Raw) -> list[str]:
+    commits: dict[str, list[str]] = {}
+    cpu = {"train": 0.0, "post": 0.0}
+    wall = 0.0
+    for (arm, seed), rec in sorted(raw.runs.items()):
+        for a in rec["attempts"]:
+            key = (a.get("commit") or "unknown")[:12] + (" (with local changes)" if a.get("dirty_files") else "")
+            commits.setdefault(key, []).append(f"{arm}/seed-{seed} {a['kind']}")
+            cpu[a["kind"]] += a.get("cpu_s") or 0.0
+    invocations = raw.study.get("invocations", [])
+    wall = sum(i.get("wall_s") or 0.0 for i in invocations)
+    out = [f"- Cost: {cpu['train'] / 60:.0f} core-minutes of training and {cpu['post'] / 60:.0f} of measurement "
+           f"(CPU time of the processes, whatever else the machine ran); {wall / 3600:.1f} h wall over "
+           f"{len(invocations)} invocation(s).",
+           "- Code of each attempt (commit → attempts):"]
+    for key, what in sorted(commits.items()):
+        out.append(f"  - `{key}`: {len(what)} attempt(s) ({', '.join(sorted(set(what))[:6])}"
+                   f"{', …' if len(set(what)) > 6 else ''})")
+    for inv in invocations:
+        out.append(f"- invocation `{' '.join(inv['argv'])}` at `{(inv.get('commit') or 'unknown')[:12]}`"
+                   f"{' (with local changes)' if inv.get('dirty_files') else ''}: "
+                   f"{_f((inv.get('wall_s') or 0) / 60, '{:.0f}')} min")
+    out.append("- Each run's exact command is in its raw file (`command`), with `$OUT` for the output folder.")
+    return out
+
+
+def plot(raw: Raw, folder: Path, stem: str) -> dict[str, str]:
+    """ζ_L against tokens, Ψ per layer and held-out CE against tokens; returns {name: file name}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_jreg.jreg import layer_weights
-
-    arms = cfg.arms()
-    colors = {arm: plt.cm.tab10(i) for i, (arm, _) in enumerate(arms)}
-    files = {name: folder / f"study_{name}.png" for name in ("zeta_steps", "psi", "delta", "weights")}
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
-    for arm, alpha in arms:
-        runs = [r for r in records if r["arm"] == arm]
-        for key, ax in (("series", ax1), ("train_curve", ax2)):
-            curves = [(r[key]["steps"], r[key]["zeta_L"]) for r in runs if r[key]["steps"]]
-            for steps, z in curves:
-                ax.plot(steps, z, color=colors[arm], alpha=0.25, lw=0.8)
-            common = sorted(set.intersection(*(set(s) for s, _ in curves))) if curves else []
-            if common:
-                mean = [statistics.fmean(dict(zip(s, z))[t] for s, z in curves) for t in common]
-                ax.plot(common, mean, color=colors[arm], lw=2, marker="o" if key == "series" else None, ms=3,
-                        label=_arm_label(arm, alpha))
-    ax1.set_title("ζ_L on held-out WikiText-2 (analyze, checkpoint series)")
-    ax2.set_title("ζ_L on the logged training batches (metrics file)")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("training step")
-        ax.set_ylabel("ζ_L")
+    arms = [a["name"] for a in raw.study["arms"]]
+    names = {"zeta": f"{stem}_zeta.png", "psi": f"{stem}_psi.png", "ce": f"{stem}_ce.png"}
+    for key, ylabel, pick in (("zeta", "held-out ζ_L (core windows)", lambda c: c["core"]["zeta_L"]),
+                              ("ce", "held-out CE, nats/token (core windows)", lambda c: c["core"]["ce"])):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, a in enumerate(arms):
+            for j, s in enumerate(raw.seeds(a)):
+                series = raw.series(a, s)
+                tok = [c["iteration"] * raw.runs[a, s]["spec"]["batch"] * 128 / 1e6 for c in series]
+                ax.plot(tok, [pick(c) for c in series], color=f"C{i}", alpha=0.8, marker=".",
+                        label=a if j == 0 else None)
+        ax.set_xlabel("tokens (M)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
-    fig.suptitle("Jump rate against training steps: mean over seeds (thick), each seed (thin)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(files["zeta_steps"], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm, alpha in arms:
-        p = summary["psi"][arm]
-        if p["mean"]:
-            layers = range(1, len(p["mean"]) + 1)
-            ax.errorbar(layers, p["mean"], yerr=p["sd"], color=colors[arm], marker="o", ms=4, capsize=3,
-                        label=_arm_label(arm, alpha))
-    _finish(fig, ax, "Ψ_ℓ (angular)", "Displacement per layer, final checkpoints (mean ± sd over seeds)", files["psi"])
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm, alpha in arms[1:]:
-        d = summary["delta"].get(arm)
-        if d and d["mean"]:
-            layers = list(range(1, len(d["mean"]) + 1))
-            ax.plot(layers, d["mean"], color=colors[arm], marker="o", ms=4, label=_arm_label(arm, alpha))
-            for values in d["seeds"].values():
-                ax.scatter(layers, values, color=colors[arm], s=8, alpha=0.4)
-    ax.axhline(0, color="k", lw=0.8)
-    _finish(fig, ax, "Δ_ℓ = Ψ_ℓ(JREG) − Ψ_ℓ(baseline)", "Change of each layer's displacement (mean; dots: seeds)",
-            files["delta"])
-
-    num_layers = _num_layers(records)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    shown = sorted(set(PAPER["alphas"]) | set(cfg.alphas))
-    for alpha in shown:
-        trained = alpha in cfg.alphas
-        w = layer_weights(num_layers, alpha).tolist()
-        color = colors[f"jreg-a{alpha:g}"] if trained else "0.6"
-        ax.plot(range(1, num_layers + 1), w, color=color, marker="o", ms=4, lw=2 if trained else 1,
-                ls="-" if trained else "--", label=f"α = {alpha:g}" + ("" if trained else " (not trained)"))
-    _finish(fig, ax, "w_ℓ = softmax(α·ℓ)", f"JREG's layer weights, L = {num_layers}", files["weights"])
-    return files
-
-
-def _finish(fig, ax, ylabel: str, title: str, path: Path) -> None:
-    """Label a per-layer plot, save it and free it."""
-    import matplotlib.pyplot as plt
-
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / names[key], dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, a in enumerate(arms):
+        rows = [raw.final(a, s)["psi"] for s in raw.seeds(a)]
+        if rows:
+            ax.plot(range(1, len(rows[0]) + 1), [statistics.fmean(c) for c in zip(*rows)], marker="o",
+                    color=f"C{i}", label=a)
     ax.set_xlabel("layer ℓ")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("Ψ_ℓ (angular), held-out, mean over seeds")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(folder / names["psi"], dpi=110)
     plt.close(fig)
+    return names
 
 
-def _num_layers(records: list[dict]) -> int:
-    for r in records:
-        if r["final"]["psi"]:
-            return len(r["final"]["psi"])
-    return 6
+def _shown(path: Path) -> str:
+    """A path as the report prints it: relative to this checkout when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the markdown report
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else spec.format(value)
-
-
-def _cell(stats: dict, spec: str, seeds: bool = True) -> str:
-    """`mean ± sd` and, below it, the per-seed values in seed order."""
-    if stats["mean"] is None:
-        return "–"
-    head = _fmt(stats["mean"], spec) + (f" ± {_fmt(stats['sd'], spec)}" if stats["sd"] is not None else "")
-    if not seeds or len(stats["seeds"]) < 2:
-        return head
-    return head + "<br>(" + ", ".join(_fmt(stats["seeds"][s], spec) for s in sorted(stats["seeds"])) + ")"
-
-
-def _p(p: float | None) -> str:
-    return "–" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def render(cfg, records: list[dict], summary: dict, tests: dict, plots: dict[str, Path], report: Path,
-           invocations: list[dict], code: dict) -> str:
-    arms = cfg.arms()
-    seeds = sorted({r["seed"] for r in records})
-    final = summary["final"]
-    L = _num_layers(records)
-    done = sum(r["analysed"] for r in records)
-    lines = ["# JREG at laptop scale: α sweep over seeds, ζ against training steps, per-layer Δ, significance", ""]
-    lines += _provenance(cfg, records, invocations, done, code)
-    lines += ["", "## What came out", ""] + _findings(cfg, records, summary, tests) + [""]
-
-    lines += ["## ζ_L against training steps (the paper's §3 growth, at this scale)", "",
-              f"![ζ_L against steps]({_rel(plots['zeta_steps'], report)})", "",
-              "ζ_L measured by `megatron-jreg analyze` on held-out WikiText-2 test paragraphs at each checkpoint; "
-              "mean over seeds, the seeds below.", ""]
-    steps = sorted({t for r in records for t in r["series"]["steps"]})
-    rows = []
-    for t in steps:
-        row = [str(t)]
-        for arm, _ in arms:
-            vals = {r["seed"]: dict(zip(r["series"]["steps"], r["series"]["zeta_L"])).get(t)
-                    for r in records if r["arm"] == arm}
-            row.append(_cell(_stats(vals), "{:.2f}"))
-        rows.append(row)
-    lines += _table(["step"] + [_arm_label(a, al) for a, al in arms], rows) + [""]
-
-    lines += ["## Table 3 at this scale: every α against the baseline", "",
-              "Final checkpoints. ζ from `analyze` (held-out WikiText-2 test paragraphs); val loss: Megatron-LM's "
-              "validation of the final weights on the WikiText-2 test split; word ppl and bits/byte: lm-eval's "
-              "`wikitext` task over the local WikiText-2 test (rolling windows of the model's 128-token context); "
-              "LAMBADA: top-1 on its first passages. Mean ± sd over seeds, then each seed "
-              f"({', '.join(map(str, seeds))}).", ""]
-    cols = [m for m in METRICS]
-    rows = [[_arm_label(arm, alpha)] + [_cell(final[arm][m.key], m.fmt) for m in cols] for arm, alpha in arms]
-    lines += _table(["setting"] + [m.label for m in cols], rows) + [""]
-
-    lines += ["## Table 5 at this scale: displacement per layer and its change under JREG", "",
-              f"![Ψ per layer]({_rel(plots['psi'], report)}) ![Δ per layer]({_rel(plots['delta'], report)})", "",
-              "Ψ_ℓ of the baseline (angular, final checkpoints, held-out text) and Δ_ℓ = Ψ_ℓ(JREG) − Ψ_ℓ(baseline) "
-              "of the same seed, mean over seeds and each seed; w_ℓ: the weight JREG puts on layer ℓ.", ""]
-    header = ["ℓ", "Ψ_ℓ baseline"] + [f"Δ_ℓ α = {al:g} (w_ℓ)" for _, al in arms[1:]]
-    weights = _weights(cfg, L)
-    rows = []
-    for i in range(L):
-        row = [str(i + 1), _cell(_col(summary["psi"]["baseline"], i), "{:.4f}")]
-        for arm, alpha in arms[1:]:
-            d = summary["delta"].get(arm)
-            cell = "–"
-            if d and d["mean"]:
-                per = {s: v[i] for s, v in d["seeds"].items()}
-                cell = _fmt(d["mean"][i], "{:+.4f}") + (
-                    "<br>(" + ", ".join(_fmt(per[s], "{:+.4f}") for s in sorted(per)) + ")" if len(per) > 1 else "")
-            row.append(cell + f"<br>w = {weights[alpha][i]:.3f}")
-        rows.append(row)
-    lines += _table(header, rows) + ["", f"![w_ℓ against ℓ]({_rel(plots['weights'], report)})", ""]
-
-    lines += ["## Table 13 at this scale: per-seed scores and the one-sided paired t-test", "",
-              "`megatron-jreg compare` per α and metric (H1: JREG better, i.e. lower ζ_L / loss / bits per byte, "
-              "higher LAMBADA accuracy), paired by seed. Δ = JREG − baseline (mean over seeds); 95% bound: the "
-              "one-sided confidence bound on Δ (for ζ_L, loss and bits per byte Δ lies below it with 95% "
-              "confidence, for accuracy above it): JREG is better at 5% when the bound is on JREG's side of 0.", ""]
-    for m in (m for m in METRICS if m.tested):
-        lines += [f"**{m.label}**", ""]
-        rows = []
-        for arm, alpha in arms:
-            vals = final[arm][m.key]
-            row = [_arm_label(arm, alpha)] + [_fmt(vals["seeds"].get(s), m.fmt) for s in seeds]
-            row.append(_fmt(vals["mean"], m.fmt))
-            t = tests.get(arm, {}).get(m.key) if alpha is not None else None
-            if t is None:
-                row += ["", "", "", ""]
-            elif "skipped" in t:
-                row += [_fmt(statistics.fmean(t["diffs"]) if t["diffs"] else None, "{:+.4f}"), t["skipped"], "", ""]
-            else:
-                row += [_fmt(t["diff"], "{:+.4f}"), _p(t["p_value"]), _fmt(t["bound"], "{:+.4f}"),
-                        "yes" if t["jreg_better"] else "no"]
-            rows.append(row)
-        lines += _table(["setting"] + [f"seed {s}" for s in seeds] + ["mean", "Δ", "p (one-sided)", "95% bound",
-                                                                         "JREG better at 5%"], rows) + [""]
-    lines += _setup(cfg, records)
-    return "\n".join(lines) + "\n"
-
-
-def _col(stats: dict, i: int) -> dict:
-    per = {s: v[i] for s, v in stats["seeds"].items()}
-    return _stats(per)
-
-
-def _weights(cfg, num_layers: int) -> dict[float, list[float]]:
-    from megatron_jreg.jreg import layer_weights
-
-    return {alpha: layer_weights(num_layers, alpha).tolist() for alpha in cfg.alphas}
-
-
-def _rel(path: Path, report: Path) -> str:
-    try:
-        return str(path.relative_to(report.parent))
-    except ValueError:
-        return str(path)
-
-
-def _provenance(cfg, records: list[dict], invocations: list[dict], done: int, code: dict) -> list[str]:
-    commits = list(dict.fromkeys(i.get("commit") or "unknown" for i in invocations))
-    dirty = sorted({f for i in invocations for f in i.get("dirty_files", [])})
-    wall = sum(i.get("wall_s") or 0.0 for i in invocations)
-    train = sum(r["wall_s"]["train"] for r in records)
-    post = sum(r["wall_s"]["post"] for r in records)
-    cmds = list(dict.fromkeys(" ".join(["python", "examples/study.py", *i["argv"][1:]]) for i in invocations))
-    out = ["Generated by `examples/study.py` (report: `examples/study_report.py`) from the runs in "
-           f"`{cfg.output.name}/`.", ""]
-    if cmds:
-        out.append("- command: " + "; then ".join(f"`{c}`" for c in cmds))
-        out.append("- code that trained and measured: commit " + ", ".join(f"`{c}`" for c in commits) + (
-            f" with local changes to {', '.join(dirty)}" if dirty else " (no local changes to the study, the demo "
-                                                                       "or megatron_jreg)"))
-        killed = sum(i.get("wall_s") is None for i in invocations)
-        if killed:
-            out.append(f"- {killed} invocation(s) ended without recording their end (killed); their time is not "
-                       "in the wall time below")
-    else:
-        out.append("- command: none recorded yet")
-    first = min((i["start"] for i in invocations), default=math.inf)
-    unrecorded = [f"{r['arm']}/seed-{r['seed']}" for r in records if r["first_start"] and r["first_start"] < first]
-    if unrecorded:
-        out.append(f"- {len(unrecorded)} run(s) started under an invocation that is not recorded (killed before "
-                   "invocations were recorded at their start; its commit is not known): "
-                   + ", ".join(unrecorded))
-    out.append(f"- this report: `{' '.join(['python', 'examples/study.py', *code.get('argv', [])[1:]])}` at commit "
-               f"`{code.get('commit')}`"
-               + (f" with local changes to {', '.join(code['dirty_files'])}" if code.get("dirty_files") else ""))
-    out.append(f"- runs: {done} of {len(records)} finished ({cfg.seeds} seed(s) × baseline + "
-               f"{len(cfg.alphas)} α); wall time {wall / 60:.0f} min over {len(invocations)} invocation(s) with "
-               f"--jobs {cfg.jobs} on {_cores()} cores (training {train / 60:.0f} core-min, analysis + evaluation "
-               f"{post / 60:.0f} core-min)")
-    if any(r["resumed"] for r in records):
-        out.append("- resumed from checkpoints: " + ", ".join(f"{r['arm']}/seed-{r['seed']}" for r in records
-                                                               if r["resumed"]))
-    out.append(f"- generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    return out
-
-
-def _cores() -> int:
+def report_text(raw_dir: Path, report: Path) -> tuple[str, dict]:
+    """(markdown, results) of the report that `write_report` writes at `report`: a function of raw_dir only."""
     import os
 
-    return os.cpu_count() or 1
+    raw = Raw.load(raw_dir)
+    if not raw.runs:
+        return "# JREG at laptop scale\n\nNo measured runs yet.\n", {}
+    stem = report.stem
+    names = {"zeta": f"{stem}_zeta.png", "psi": f"{stem}_psi.png", "ce": f"{stem}_ce.png",
+             "raw": os.path.relpath(raw_dir.resolve(), report.parent.resolve())}
+    results = analyse(raw)
+    command = f"python examples/study_report.py --raw {_shown(raw_dir)} --report {_shown(report)}"
+    return render(raw, results, names, command), results
 
 
-def _setup(cfg, records: list[dict]) -> list[str]:
-    samples = next((r.get("eval_samples") for r in records if r.get("eval_samples")), {})
-    model = "the 4 × 64 Llama of --quick" if cfg.quick else "`make demo`'s Llama: 6 layers × 192, 6 heads, FFN 512"
-    return [
-        "## Setup", "",
-        f"- model: {model}, RoPE, RMSNorm, SwiGLU, untied embeddings, context 128, BPE vocabulary 4,096 "
-        "trained on WikiText-2 valid (examples/demo.py);",
-        f"- training: WikiText-2 valid (307K tokens), {cfg.steps} steps × {cfg.batch_size} × 128 tokens, AdamW "
-        "lr 1e-3 → 1e-4 cosine, 5% warm-up, weight decay 0.1, clip 1.0 (the demo's recipe), Megatron-LM's loop, "
-        "one core per run; `--seed s --init-mode layout-independent`, so the arms of a seed share initial weights "
-        "and batches;",
-        f"- JREG: λ = {cfg.lam:g}, α ∈ {{{', '.join(f'{a:g}' for a in cfg.alphas)}}}, `--jreg-distance "
-        f"{cfg.distance}`; the baseline is `--jreg-lambda 0`. Ψ and ζ are always the paper's angular ones;",
-        f"- checkpoints every {cfg.save_interval} steps; `analyze` on each with {cfg.analysis_samples} WikiText-2 "
-        "test paragraphs (`--data text:`, held out: never trained on);",
-        f"- evaluation of the final checkpoint: Megatron-LM's validation ({cfg.eval_iters} batches of the WikiText-2 "
-        f"test split), lm-eval's `wikitext` task over the local WikiText-2 test ({samples.get('wikitext2_local', '?')} "
-        f"articles), LAMBADA top-1 ({samples.get('lambada', '?')} passages).",
-    ]
-
-
-def _growth(records: list[dict]) -> dict | None:
-    """The baseline's ζ_L against steps: held-out (checkpoint series) and on the logged training batches."""
-    base = [r for r in records if r["arm"] == "baseline" and len(r["series"]["steps"]) > 1]
-    if not base:
-        return None
-    from scipy import stats
-
-    steps = base[0]["series"]["steps"]
-    curves = [dict(zip(r["series"]["steps"], r["series"]["zeta_L"])) for r in base]
-    common = [t for t in steps if all(t in c for c in curves)]
-    mean = [statistics.fmean(c[t] for c in curves) for t in common]
-    rho = float(stats.spearmanr(common, mean).statistic) if len(common) > 2 else math.nan
-    k = max(1, len(common) // 3)
-    early, late = statistics.fmean(mean[:k]), statistics.fmean(mean[-k:])
-    rose = sum(statistics.fmean(list(c.values())[-k:]) > statistics.fmean(list(c.values())[:k]) for c in curves)
-    train = []
-    for r in base:
-        pts = [(t, z) for t, z in zip(r["train_curve"]["steps"], r["train_curve"]["zeta_L"]) if z is not None]
-        if len(pts) >= 6:
-            third = len(pts) // 3
-            train.append((statistics.fmean(z for _, z in pts[:third]), statistics.fmean(z for _, z in pts[-third:])))
-    return {"steps": common, "mean": mean, "rho": rho, "k": k, "early": early, "late": late, "rose": rose,
-            "seeds": len(base), "train": train}
-
-
-def _findings(cfg, records: list[dict], summary: dict, tests: dict) -> list[str]:
-    """(ii)–(iv) from the measured numbers, each set against the paper's claim, then where they disagree."""
-    out, disagree = [], []
-    g = _growth(records)
-    if g:
-        first, last = g["steps"][0], g["steps"][-1]
-        text = (f"- **(ii) Does ζ_L grow with training?** Paper: {PAPER['growth']}. Here (baseline, held-out text, "
-                f"mean over {g['seeds']} seed(s)): ζ_L {g['mean'][0]:.2f} at step {first} → {g['mean'][-1]:.2f} at "
-                f"step {last}; mean of the first {g['k']} checkpoints {g['early']:.2f}, of the last {g['k']} "
-                f"{g['late']:.2f} (higher late in {g['rose']} of {g['seeds']} seeds); Spearman ρ(step, ζ_L) = "
-                f"{g['rho']:+.2f}.")
-        if g["train"]:
-            e = statistics.fmean(a for a, _ in g["train"])
-            late = statistics.fmean(b for _, b in g["train"])
-            text += (f" On the logged training batches: {e:.2f} over the first third of the logged steps, "
-                     f"{late:.2f} over the last third.")
-        grows = g["late"] > g["early"] and g["rose"] == g["seeds"]
-        text += ((" Agrees: the jump is there from the first checkpoint and grows." if g["mean"][0] > 0.05 else
-                  " Agrees: the jump appears and grows.") if grows else " The growth is not clear at this length.")
-        if not grows:
-            disagree.append(f"ζ_L growth (ii): held-out ζ_L {g['early']:.2f} early vs {g['late']:.2f} late, "
-                            f"higher late in only {g['rose']} of {g['seeds']} seeds")
-        out.append(text)
-    f = summary["final"]
-    if f["baseline"]["zeta_L"]["mean"] is not None:
-        parts, not_removed = [], []
-        for arm, alpha in cfg.arms()[1:]:
-            z = f[arm]["zeta_L"]
-            if z["mean"] is None:
-                continue
-            vals = [z["seeds"][s] for s in sorted(z["seeds"])]
-            series = [v for r in records if r["arm"] == arm for v in r["series"]["zeta_L"]]
-            t = tests.get(arm, {}).get("zeta_L", {})
-            state = "removed" if max(vals) < 0.005 else ("reduced" if z["mean"] < f["baseline"]["zeta_L"]["mean"]
-                                                        else "not reduced")
-            if state != "removed":
-                not_removed.append(f"α = {alpha:g} ({state}: final ζ_L {z['mean']:.2f})")
-            parts.append(f"α = {alpha:g}: {z['mean']:.2f} ({', '.join(f'{v:.2f}' for v in vals)}; {state}"
-                         + (f", p = {_p(t['p_value'])}" if "p_value" in t else "")
-                         + (f"; at most {max(series):.2f} at any checkpoint" if series else "") + ")")
-        b = f["baseline"]["zeta_L"]
-        out.append(f"- **(iii) Does JREG remove the jump for every α?** Paper: {PAPER['removal']}, and for every α of "
-                   f"{{{', '.join(f'{a:g}' for a in PAPER['alphas'])}}}. Here, final ζ_L (held-out): baseline "
-                   f"{b['mean']:.2f} ({', '.join(f'{b['seeds'][s]:.2f}' for s in sorted(b['seeds']))}); "
-                   + "; ".join(parts) + ".")
-        if not_removed:
-            disagree.append("removal (iii): " + ", ".join(not_removed))
-        notes = []
-        for arm, alpha in cfg.arms()[1:]:
-            d = summary["delta"].get(arm)
-            if d and d["mean"]:
-                n = len(d["mean"])
-                up = [str(i + 1) for i, v in enumerate(d["mean"]) if v > 0]
-                notes.append(f"α = {alpha:g}: Δ_L {d['mean'][n - 1]:+.4f}, "
-                             f"Δ_ℓ > 0 in layer(s) {', '.join(up) or 'none'}")
-        if notes:
-            out.append("  Per layer (Table 5): " + "; ".join(notes) + ". The paper's reading, a more balanced use of "
-                       "the middle layers, would show as Δ_ℓ > 0 between the first and the last layer.")
-    sig, n_tests = [], 0
-    for arm, alpha in cfg.arms()[1:]:
-        for key in ("val_loss", "bits_per_byte", "lambada_acc"):
-            t = tests.get(arm, {}).get(key)
-            if t and "p_value" in t:
-                n_tests += 1
-                sig.append(f"α = {alpha:g} {BY_KEY[key].label} Δ {t['diff']:+.4f} (p = {_p(t['p_value'])}"
-                           + (", significant" if t["jreg_better"] else "") + ")")
-    lam = [t for a in tests.values() if (t := a.get("lambada_acc")) and t.get("skipped", "").startswith("LAMBADA")]
-    if sig:
-        n_sig = sum("significant" in s for s in sig)
-        out.append(f"- **(iv) Is JREG better downstream, significantly?** Paper: {PAPER['significance']}. Here the "
-                   f"downstream numbers are held-out language modelling (LAMBADA top-1 is "
-                   + ("0 in every run" if lam else "measured") + f" at this scale): {n_sig} of {n_tests} one-sided "
-                   f"tests favour JREG at 5%. " + "; ".join(sig) + ".")
-        if n_sig == 0:
-            disagree.append("significance (iv): no metric is significantly better with JREG at 5%")
-    else:
-        out.append("- **(iv) downstream**: no t-test (it needs at least 2 finished seed pairs per α).")
-    if disagree:
-        out += ["", "Where this differs from the paper: " + "; ".join(disagree) + ". Scale: a 6-layer model trained "
-                f"{cfg.steps} steps on 0.3M tokens against 170M–3.4B models trained 200K steps on 100B tokens."]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-
-
-def write_all(cfg, runs: list, report: Path, code: dict) -> dict:
-    """Collect, compare, plot and write results.json and the report; returns the results."""
-    out = cfg.output
-    records = [load_run(r, cfg.steps, cfg.save_interval) for r in runs if r.dir.exists()]
-    if not records:
-        raise SystemExit(f"study.py: error: no runs in {out}/runs yet")
-    summary = summarize(cfg, records)
-    tests = run_compare(cfg, records, out)
+def write_report(raw_dir: Path, report: Path, plots: bool = True) -> dict:
+    """report (markdown), REPORT_results.json and plots beside it, from raw_dir only."""
+    text, results = report_text(raw_dir, report)
     report.parent.mkdir(parents=True, exist_ok=True)
-    plots = plot_all(cfg, records, summary, report.parent)
-    invocations = list({i["start"]: i for i in _jsonl(out / "invocations.jsonl")}.values())  # the last per start
-    results = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-               "invocations": invocations, "runs": records, "summary": summary, "compare": tests,
-               "plots": {k: str(v) for k, v in plots.items()}, "report": str(report)}
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    report.write_text(render(cfg, records, summary, tests, plots, report, invocations, code), encoding="utf-8")
+    report.write_text(text, encoding="utf-8")
+    if results:
+        (report.parent / f"{report.stem}_results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        if plots:
+            plot(Raw.load(raw_dir), report.parent, report.stem)
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--raw", type=Path, required=True, help="the raw results folder (OUTPUT/raw or docs/study/raw)")
+    p.add_argument("--report", type=Path, required=True, help="the markdown report; plots and results.json beside it")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    args = p.parse_args(argv)
+    if not (args.raw / "study.json").is_file():
+        print(f"study_report.py: error: --raw {args.raw}: no study.json there (run examples/study.py first)",
+              file=sys.stderr)
+        return 2
+    write_report(args.raw, args.report, plots=not args.no_plots)
+    print(f"[study] report: {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
