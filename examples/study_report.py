@@ -314,7 +314,7 @@ def sft_summary(raw: Raw) -> dict:
         out[parent] = {s: {"before": _pick(raw.final(parent, s)), "after": _pick(raw.final(arm, s)),
                            "chat_val_loss": (raw.runs[arm, s]["megatron_validation"] or {}).get("val_loss")}
                        for s in seeds}
-    if len(out) == 2:
+    if "baseline-small" in out and raw.jreg in out:
         seeds = sorted(set(out["baseline-small"]) & set(out[raw.jreg]))
         diffs = [out[raw.jreg][s]["after"]["zeta_L"] - out["baseline-small"][s]["after"]["zeta_L"] for s in seeds]
         out["test_after"] = paired(diffs, -1)
@@ -433,7 +433,7 @@ def render(raw: Raw, results: dict, plots: dict[str, str], command: str) -> str:
         lines += [f"- Growth within a run ({arm}, secondary): Spearman ρ(step, ζ_L) per seed {rho}; ρ > 0 in "
                   f"{g['sign']['positive']} of {g['sign']['n']} seeds (sign test p {_p(g['sign']['p'])})."]
     sft = results["sft"]
-    if "test_after" in sft:
+    if sft.get("baseline-small") and sft.get(raw.jreg):
         t = sft["test_after"]
         b, j = sft["baseline-small"], sft[raw.jreg]
         lines += [f"- SFT analogue (λ = 0 in SFT for both, the paper's plain cross-entropy SFT): ζ_L after SFT, "
@@ -495,13 +495,14 @@ def render(raw: Raw, results: dict, plots: dict[str, str], command: str) -> str:
               f"![Ψ per layer]({plots['psi']})", "",
               "Ψ_ℓ at the final checkpoints (every held-out window), mean over seeds; Δ_ℓ = Ψ_ℓ(JREG) − "
               "Ψ_ℓ(baseline-small) of the same seed; w_ℓ = softmax(α·ℓ), the weight JREG puts on layer ℓ.", ""]
-    L = len(raw.final(arms[0], raw.seeds(arms[0])[0])["psi"])
+    L = raw.study["config"]["model"]["layers"]
     weights = _weights(L, next(a["alpha"] for a in st["arms"] if a["name"] == raw.jreg))
     rows = []
     for layer in range(L):
         cells = [str(layer + 1)]
         for a in arms:
-            cells.append(_f(statistics.fmean(raw.final(a, s)["psi"][layer] for s in raw.seeds(a)), "{:.4f}"))
+            vals = [raw.final(a, s)["psi"][layer] for s in raw.seeds(a)]
+            cells.append(_f(statistics.fmean(vals), "{:.4f}") if vals else "—")
         d = {s: raw.final(raw.jreg, s)["psi"][layer] - raw.final("baseline-small", s)["psi"][layer]
              for s in raw.seeds(raw.jreg, "baseline-small")}
         cells += [_cell(d, "{:+.4f}"), f"{weights[layer]:.3f}"]

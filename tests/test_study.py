@@ -1,11 +1,10 @@
-"""examples/study.py: the --quick study end to end (real trainings, analyses, evaluations, report), its
-resume (finished runs skipped, an interrupted run continued from its checkpoint), refused settings, and
-the significance step on known numbers."""
+"""examples/study.py: the --quick study end to end (real trainings at one token budget, measurements, SFT, raw
+files, report), its resume, the pilot gate, refused settings; the report as a function of the raw files alone
+(the committed docs/study.md against docs/study/raw); the statistics against scipy."""
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -21,12 +20,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 import study  # noqa: E402
 import study_report  # noqa: E402
 
-ARMS = ("baseline", "jreg-a0", "jreg-a1")
+ARMS = ("baseline-large", "baseline-small", "jreg-a1")
+SFT = ("sft-baseline-small", "sft-jreg-a1")
 
 
 def _study(out: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(STUDY), "--quick", "--output", str(out), *flags],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1200)
 
 
 def _attempts(run_dir: Path) -> list[dict]:
@@ -42,126 +42,161 @@ def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_quick_study_writes_every_output(quick):
     out, proc = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[study] 3 runs (1 seed(s) × baseline + α ∈ {0, 1}, 6 steps, --jobs 2); 0 already done" in proc.stdout
-    results = json.loads((out / "results.json").read_text())
-    runs = {r["arm"]: r for r in results["runs"]}
-    assert sorted(runs) == sorted(ARMS)
-    for arm, run in runs.items():
-        assert run["trained"] and run["analysed"], arm
-        # the checkpoint series (every 3 steps) analysed: ζ_L at steps 3 and 6, Ψ for each of the 4 layers
-        assert run["series"]["steps"] == [3, 6]
-        assert all(isinstance(z, float) and z >= 0 for z in run["series"]["zeta_L"])
-        assert [len(p) for p in run["series"]["psi"]] == [4, 4]
-        assert run["train_curve"]["steps"] == [1, 2, 3, 4, 5, 6]
-        final = run["final"]
-        assert final["zeta_L"] == run["series"]["zeta_L"][-1] and final["psi"] == run["series"]["psi"][-1]
-        for key in ("val_loss", "bits_per_byte", "word_perplexity", "lambada_acc", "lm_loss"):
-            assert math.isfinite(final[key]), (arm, key)
-        assert run["eval_samples"] == {"wikitext2_local": 8, "lambada": 8}
-    # the same seed starts every arm from the same weights and batches: equal first-step losses
-    first = {arm: json.loads((out / "runs" / arm / "seed-1" / "metrics.jsonl").read_text().splitlines()[0])
-             for arm in ARMS}
-    assert len({round(r["lm_loss"], 5) for r in first.values()}) == 1
-    # Δ_ℓ is JREG − baseline of the same seed, layer by layer
-    summary = results["summary"]
-    for arm in ARMS[1:]:
-        expected = [j - b for j, b in zip(runs[arm]["final"]["psi"], runs["baseline"]["final"]["psi"])]
-        assert summary["delta"][arm]["seeds"]["1"] == pytest.approx(expected)
-    # compare ran per α and metric; one seed gives differences but no t-test
-    for arm in ARMS[1:]:
-        for key in ("zeta_L", "val_loss", "bits_per_byte", "lambada_acc"):
-            entry = results["compare"][arm][key]
-            assert entry["n"] == 1 and entry["skipped"].startswith("fewer than 2 seed pairs")
-            assert entry["diffs"] == pytest.approx([runs[arm]["final"][key] - runs["baseline"]["final"][key]])
+    assert ("[study] 6 pretraining runs (2 seed(s) × baseline-large, baseline-small, jreg-a1; 2,048 tokens each) "
+            "+ 2 SFT runs, --jobs 2") in proc.stdout
+    assert "[study] pilot gate passed: baseline-small/seed-1 final held-out ζ_L" in proc.stdout
+    raw = out / "raw"
+    names = sorted(p.name for p in raw.iterdir())
+    assert names == sorted([f"{a}__seed-{s}.json" for a in ARMS for s in (1, 2)]
+                           + [f"{a}__seed-1.json" for a in SFT] + ["study.json"])
+    for arm in ARMS:
+        for seed in (1, 2):
+            rec = json.loads((raw / f"{arm}__seed-{seed}.json").read_text())
+            assert rec["spec"]["tokens"] == 2048  # one token budget for every arm
+            series = rec["measures"]["series"]
+            assert [c["iteration"] for c in series] == [rec["spec"]["steps"] // 2, rec["spec"]["steps"]]
+            final = series[-1]
+            assert len(final["heldout"]["psi"]) == 4 and final["heldout"]["tokens"] > final["core"]["tokens"]
+            assert final["train"]["tokens"] == 8 * 128 and final["heldout"]["ce"] > 0
+            assert rec["command"].startswith("python -m megatron_jreg.train") and "$OUT/runs/" in rec["command"]
+            assert {a["kind"] for a in rec["attempts"]} == {"train", "post"}
+            assert all(a["cpu_s"] > 0 and a["commit"] for a in rec["attempts"])
+    # the same seed, the same batch: JREG changes the gradient, not the first forward
+    first = [json.loads((out / "runs" / a / "seed-1" / "metrics.jsonl").read_text().splitlines()[0])["lm_loss"]
+             for a in ("baseline-small", "jreg-a1")]
+    assert first[0] == pytest.approx(first[1], abs=1e-6)
+    sft = json.loads((raw / "sft-jreg-a1__seed-1.json").read_text())
+    assert "--sft" in sft["command"] and "--pretrained-checkpoint $OUT/runs/jreg-a1/seed-1/checkpoints" in \
+        sft["command"] and sft["command"].endswith("--jreg-lambda 0")
+    assert json.loads((out / "gate.json").read_text())["passed"]
     report = (out / "report.md").read_text()
-    for heading in ("## What came out", "## ζ_L against training steps", "## Table 3 at this scale",
-                    "## Table 5 at this scale", "## Table 13 at this scale", "## Setup"):
-        assert heading in report
-    assert "- command: `python examples/study.py --quick --output" in report
-    assert "commit `" in report
-    for name in ("zeta_steps", "psi", "delta", "weights"):
-        assert (out / f"study_{name}.png").stat().st_size > 1000
-        assert f"(study_{name}.png)" in report
+    for heading in ("## Design", "## What came out", "### Where this differs from the paper",
+                    "## Primary and secondary contrasts", "## Final checkpoints per arm", "## ζ_L through training",
+                    "## Displacement per layer", "## Iso-loss comparison", "## SFT analogue",
+                    "## Provenance and cost"):
+        assert heading in report, heading
+    for name in ("zeta", "psi", "ce"):
+        assert (out / f"report_{name}.png").stat().st_size > 1000 and f"(report_{name}.png)" in report
     assert (out / ".gitignore").read_text() == "*\n"
+
+
+def test_report_is_a_function_of_the_raw_files_alone(quick, tmp_path):
+    out, proc = quick
+    assert proc.returncode == 0
+    copy = tmp_path / "raw"
+    shutil.copytree(out / "raw", copy)
+    text, _ = study_report.report_text(copy, out / "report.md")  # only the header names the raw folder
+    assert text.split("## Design")[1] == (out / "report.md").read_text().split("## Design")[1]
+
+
+def test_committed_report_matches_its_committed_raw_results():
+    raw, report = ROOT / "docs" / "study" / "raw", ROOT / "docs" / "study.md"
+    text, _ = study_report.report_text(raw, report)
+    assert text == report.read_text(encoding="utf-8"), "regenerate: python examples/study_report.py " \
+        "--raw docs/study/raw --report docs/study.md"
 
 
 def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(quick):
     out, proc = quick
     assert proc.returncode == 0
-    # make jreg-a1 look interrupted after its first checkpoint: step 6 and everything after training gone
-    run = out / "runs" / "jreg-a1" / "seed-1"
-    shutil.rmtree(run / "checkpoints" / "iter_0000006")
-    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("3")
-    for name in ("train.done", "post.done", "eval.json"):
+    run = out / "runs" / "jreg-a1" / "seed-2"  # interrupted after its first checkpoint (step 4 of 8)
+    shutil.rmtree(run / "checkpoints" / "iter_0000008")
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    for name in ("train.done", "post.done", "measures.json"):
         (run / name).unlink()
-    shutil.rmtree(run / "analysis")
-    before = {arm: len(_attempts(out / "runs" / arm / "seed-1")) for arm in ARMS}
+    before = {arm: len(_attempts(out / "runs" / arm / "seed-2")) for arm in ARMS}
     again = _study(out)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "2 already done" in again.stdout
-    assert "jreg-a1/seed-1: resuming from its checkpoint at step 3" in again.stdout
-    for arm in ARMS[:2]:  # finished: not touched
-        assert len(_attempts(out / "runs" / arm / "seed-1")) == before[arm]
+    assert "[study] study: 1 run(s) to do" in again.stdout
+    assert "jreg-a1/seed-2: resuming from its checkpoint at step 4" in again.stdout
+    for arm in ARMS[:2]:
+        assert len(_attempts(out / "runs" / arm / "seed-2")) == before[arm]
     new = _attempts(run)[before["jreg-a1"]:]
-    assert [(a["kind"], a["from_iteration"], a["to_iteration"]) for a in new] == [("train", 3, 6), ("post", 0, 6)]
-    results = json.loads((out / "results.json").read_text())
-    resumed = next(r for r in results["runs"] if r["arm"] == "jreg-a1")
-    assert resumed["resumed"] and resumed["series"]["steps"] == [3, 6]
-    assert "- resumed from checkpoints: jreg-a1/seed-1" in (out / "report.md").read_text()
+    assert [(a["kind"], a["from_iteration"], a["to_iteration"]) for a in new] == [("train", 4, 8), ("post", 0, 8)]
     lines = [json.loads(x) for x in (out / "invocations.jsonl").read_text().splitlines()]
     # each invocation is recorded when it starts (a killed one still shows) and again when it ends
     assert [x["wall_s"] is None for x in lines] == [True, False, True, False]
-    assert len({x["start"] for x in lines}) == 2 and len(results["invocations"]) == 2
+    assert len(json.loads((out / "raw" / "study.json").read_text())["invocations"]) == 2
+
+
+def test_failed_pilot_gate_stops_after_the_pilot_and_says_so(quick, tmp_path):
+    out, proc = quick
+    assert proc.returncode == 0
+    gated = tmp_path / "gated"
+    shutil.copytree(out / "data", gated / "data")
+    for arm in ("baseline-large", "baseline-small"):  # the finished pilot, nothing else
+        shutil.copytree(out / "runs" / arm / "seed-1", gated / "runs" / arm / "seed-1")
+    again = _study(gated, "--gate", "100")
+    assert again.returncode == 3, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "pilot gate failed" in again.stdout and "stopping: this regime has no jump" in again.stdout
+    assert not (gated / "runs" / "jreg-a1" / "seed-1" / "train.done").exists()
+    report = (gated / "report.md").read_text()
+    assert "against the threshold 100: failed: the study stopped after the pilot" in report
 
 
 def test_other_settings_on_an_existing_output_are_refused(quick):
     out, _ = quick
-    proc = _study(out, "--steps", "8")
+    proc = _study(out, "--large-steps", "6")
     assert proc.returncode != 0
-    assert "holds a run with other settings (" in proc.stderr and "steps: 6 there, 8 now" in proc.stderr
+    assert "holds a run with other settings (" in proc.stderr and "steps: 4 there, 6 now" in proc.stderr
 
 
-def test_train_command_carries_the_seed_jreg_setting_and_checkpoint_series(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--large-steps", "15"], "--large-steps 15: must be a multiple of 10"),
+    (["--seeds", "0"], "--seeds 0: must be at least 1"),
+    (["--sft-seeds", "9"], "--sft-seeds 9: must lie in 0..--seeds (4)"),
+    (["--gate", "nan"], "--alphas and --gate must be finite numbers"),
+])
+def test_bad_settings_are_refused_in_one_line(flags, message, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        study.config_from(study.build_parser().parse_args(["--output", str(tmp_path), *flags]))
+    assert message in str(e.value)
+
+
+def test_arms_share_one_token_budget_and_commands_carry_their_settings(tmp_path):
     cfg = study.config_from(study.build_parser().parse_args(["--output", str(tmp_path), "--alphas", "0.3", "1"]))
-    assert (cfg.seeds, cfg.alphas, cfg.steps, cfg.save_interval, cfg.jobs) == (3, (0.3, 1.0), 300, 30, 2)
-    runs = study.plan(cfg)
-    assert [r.name for r in runs[:3]] == ["baseline/seed-1", "jreg-a0.3/seed-1", "jreg-a1/seed-1"]
-    assert len(runs) == 9
-    cmd = study.train_command(cfg, runs[1], "TOK", tmp_path / "data")
+    arms = cfg.arms()
+    assert [(a.name, a.batch, a.steps) for a in arms] == [
+        ("baseline-large", 40, 200), ("baseline-small", 4, 2000), ("jreg-a0.3", 4, 2000), ("jreg-a1", 4, 2000)]
+    assert len({a.tokens for a in arms}) == 1 and arms[0].tokens == 1_024_000
+    assert cfg.jreg_arm == "jreg-a1"
+    runs = study.pretrain_runs(cfg)
+    data = study.Data(tmp_path, "TOK", tmp_path / "train_text_document", tmp_path / "heldout_text_document")
 
-    def last(flag: str) -> str:  # Megatron-LM's parser keeps a repeated flag's last value
+    def last(cmd: list[str], flag: str) -> str:  # Megatron-LM's parser keeps a repeated flag's last value
         return cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]
 
-    assert last("--seed") == "1" and last("--init-mode") == "layout-independent"
-    assert (last("--jreg-lambda"), last("--jreg-alpha"), last("--jreg-distance")) == ("1", "0.3", "angular")
-    assert last("--save-interval") == "30" and last("--train-iters") == "300"
-    assert last("--save") == last("--load") == str(runs[1].dir / "checkpoints")
-    assert "--jreg-alpha" not in study.train_command(cfg, runs[0], "TOK", tmp_path / "data")
+    small = study.train_command(cfg, runs[2], data)  # jreg-a0.3 seed 1
+    assert (last(small, "--seed"), last(small, "--init-mode")) == ("1", "layout-independent")
+    assert (last(small, "--jreg-lambda"), last(small, "--jreg-alpha"), last(small, "--jreg-distance")) == \
+        ("1", "0.3", "angular")
+    assert (last(small, "--global-batch-size"), last(small, "--train-iters"), last(small, "--save-interval"),
+            last(small, "--eval-iters"), last(small, "--num-layers")) == ("4", "2000", "200", "40", "12")
+    large = study.train_command(cfg, runs[0], data)
+    assert (last(large, "--global-batch-size"), last(large, "--save-interval"), last(large, "--eval-iters")) == \
+        ("40", "20", "4")
+    assert "--jreg-alpha" not in large
+    sft = study.sft_runs(cfg, runs)
+    assert [r.name for r in sft] == ["sft-baseline-small/seed-1", "sft-jreg-a1/seed-1", "sft-baseline-small/seed-2",
+                                     "sft-jreg-a1/seed-2", "sft-baseline-small/seed-3", "sft-jreg-a1/seed-3"]
+    cmd = study.train_command(cfg, sft[1], data)
+    assert last(cmd, "--pretrained-checkpoint") == str(runs[3].dir / "checkpoints") and "--finetune" not in cmd
+    assert last(cmd, "--jreg-lambda") == "0" and "--sft" in cmd
 
 
-def test_compare_step_is_the_one_sided_paired_t_test_in_each_metrics_own_sense(tmp_path):
-    cfg = study.StudyConfig(output=tmp_path, seeds=3, alphas=(1.0,))
-    base_loss, jreg_loss = [4.90, 4.85, 4.95], [4.86, 4.84, 4.90]
-    base_zeta, jreg_zeta = [2.4, 2.1, 2.8], [0.0, 0.0, 0.1]
-
-    def record(arm: str, seed: int, loss: float, zeta: float) -> dict:
-        final = {k: None for k in study_report.BY_KEY}
-        final.update(val_loss=loss, zeta_L=zeta, bits_per_byte=loss / 2, lambada_acc=0.0)
-        return {"arm": arm, "seed": seed, "final": final}
-
-    records = [record("baseline", s + 1, base_loss[s], base_zeta[s]) for s in range(3)]
-    records += [record("jreg-a1", s + 1, jreg_loss[s], jreg_zeta[s]) for s in range(3)]
-    tests = study_report.run_compare(cfg, records, tmp_path)["jreg-a1"]
-    for key, b, j in (("val_loss", base_loss, jreg_loss), ("zeta_L", base_zeta, jreg_zeta)):
-        t = tests[key]
-        reference = stats.ttest_rel(j, b, alternative="less")  # lower is better for both
-        assert t["p_value"] == pytest.approx(reference.pvalue, rel=1e-9)
-        assert t["diff"] == pytest.approx(sum(j) / 3 - sum(b) / 3)
-        # with 95% confidence JREG − baseline lies below the bound (lower is better)
-        assert t["bound"] == pytest.approx(reference.confidence_interval(0.95).high, rel=1e-9)
-        assert t["jreg_better"] == (reference.pvalue < 0.05)
-        assert Path(t["compare"]).exists()
-    assert tests["lambada_acc"]["skipped"] == "LAMBADA top-1 is 0 in every run: nothing to test"
-    files = sorted(p.name for p in (tmp_path / "compare" / "jreg-a1" / "val_loss").iterdir())
-    assert files == ["baseline-seed-1.json", "baseline-seed-2.json", "baseline-seed-3.json", "compare.json",
-                     "compare.txt", "jreg-seed-1.json", "jreg-seed-2.json", "jreg-seed-3.json"]
+def test_paired_contrast_and_verdicts_against_scipy():
+    small, large = [1.9, 1.2, 2.4, 1.6], [0.8, 0.9, 1.1, 0.2]
+    diffs = [a - b for a, b in zip(small, large)]
+    t = study_report.paired(diffs, +1)
+    assert t["p_paper"] == pytest.approx(stats.ttest_rel(small, large, alternative="greater").pvalue, rel=1e-9)
+    assert t["p_other"] == pytest.approx(stats.ttest_rel(small, large, alternative="less").pvalue, rel=1e-9)
+    assert t["p_two_sided"] == pytest.approx(stats.ttest_rel(small, large).pvalue, rel=1e-9)
+    # lower is the paper's side: the same numbers read the other way
+    t2 = study_report.paired(diffs, -1)
+    assert t2["p_paper"] == pytest.approx(t["p_other"]) and t2["p_other"] == pytest.approx(t["p_paper"])
+    assert study_report.verdict(t, 0.01, 0.9) == "confirmed"
+    assert study_report.verdict(t2, 0.9, 0.01) == "contradicted"
+    assert study_report.verdict(t, 0.2, 0.9) == "inconclusive"
+    flat = study_report.paired([0.5, 0.5, 0.5], +1)
+    assert "p_paper" not in flat and study_report.verdict(flat, None, None).startswith("not testable")
+    assert study_report.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
