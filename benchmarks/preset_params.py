@@ -17,6 +17,7 @@ Ends with one key=value line: params_<preset>_v<vocab>=N for every pair.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("RANK", "0")
+    logging.disable(logging.WARNING)  # megatron-core's deprecation and CPU notes, on stdout
     print(f"{'preset':<12} {'vocab':>7} {'padded':>7} {'tied':>5} {'params':>14} {'non-embedding':>14}")
     keys = []
     for preset in PRESETS:
