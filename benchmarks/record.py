@@ -5,13 +5,14 @@
 The file starts with the provenance the docs promise (tests/test_docs.py checks it):
 
     # command: python benchmarks/preset_params.py
-    # commit: <sha of HEAD> (+ local changes, when the work tree differs)
+    # commit: <sha of HEAD> (+ local changes to FILES, when the work tree differs)
     # date: <UTC>
     # machine: <cores> CPU cores (<model>), load average <start> → <end>; torch <v>, megatron-core <v>
     # wall: <seconds> s
 
 then the command's stdout (stderr goes to the console). The command runs from the repository root with
-OMP_NUM_THREADS=1 (unless set) and this checkout first on PYTHONPATH; `python` in it is this interpreter.
+OMP_NUM_THREADS=1 (unless set), this checkout first on PYTHONPATH and this interpreter's folder first on
+PATH, so `python` and `megatron-jreg` in it (also inside `bash -c '...'`) are this venv's.
 Nothing is written when it fails.
 """
 
@@ -32,9 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _commit() -> str:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return head + (" (+ local changes)" if dirty else "")
+    dirty = subprocess.run(["git", "diff", "HEAD", "--name-only"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.split()
+    if not dirty:
+        return head
+    return f"{head} (+ local changes to {', '.join(dirty[:8])}{' …' if len(dirty) > 8 else ''})"
 
 
 def _cpu_model() -> str:
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     out, command = Path(argv[0]), argv[2:]
     run = [sys.executable if command[0] == "python" else command[0], *command[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+           "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.run(run, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
