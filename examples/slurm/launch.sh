@@ -29,7 +29,7 @@
 : "${RUN_NAME:=${SLURM_JOB_NAME:-jreg}-${SLURM_JOB_ID:-0}}"  # a requeued job keeps its id, so its folder;
                                                      # set RUN_NAME to continue a run in a new submission
 : "${TRAIN_ITERS:=200000}"    # 200K steps × 256 × 2048 tokens ≈ 105B tokens (the paper's 100B FineWeb-Edu)
-: "${LR:=3e-4}"
+: "${LR:=3e-4}"               # LR, MIN_LR, warm-up and schedule: our assumptions (the paper states none)
 : "${MIN_LR:=3e-5}"
 : "${LR_WARMUP_ITERS:=2000}"
 : "${LR_DECAY_STYLE:=cosine}"
@@ -66,7 +66,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1  # keep megatron's TP/SP communication kern
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # as torchrun: 8 ranks a node must not each take every core
 export PYTHONUNBUFFERED=1
 
-# The paper's recipe in Megatron-LM's flags (its defaults differ: weight decay 0.01, Adam β2 0.999, linear decay).
+# Our recipe in Megatron-LM's flags. LR, warm-up, schedule, weight decay 0.1, β = (0.9, 0.95) and clipping are
+# OUR assumptions: the paper does not state its LR, warm-up, schedule, weight decay or β2 (Megatron-LM's
+# defaults differ: weight decay 0.01, Adam β2 0.999, linear decay).
 args=(
     --model-preset "$PRESET"
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

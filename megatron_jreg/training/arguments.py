@@ -24,9 +24,11 @@ _LLAMA = ("--position-embedding-type rope --normalization RMSNorm --norm-epsilon
           "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 "
           "--group-query-attention")
 # The paper gives layers × hidden (12×768, 16×2048, 30×3072) and the names 170M/1B/3.4B. Heads, query
-# groups, FFN width, RoPE base and tied embeddings follow Llama-3.2 (1B: 16×2048, 32 heads, 8 KV heads,
-# FFN 8192; 3B: 24 heads, 8 KV heads, FFN 8192); with the Llama-3 tokenizer (128,256 tokens) and tied
-# embeddings the parameter counts come out at 174M, 1.24B and 3.41B, matching the paper's names.
+# groups, FFN width, RoPE base and tied embeddings are our choice, following Llama-3.2 (1B: 16×2048, 32
+# heads, 8 KV heads, FFN 8192; 3B: 24 heads, 8 KV heads, FFN 8192). The vocabulary comes from the tokenizer,
+# so the parameter count does too (tied embeddings): with the Llama-3 tokenizer (128,256 tokens) 174.0M,
+# 1.24B and 3.41B, matching the paper's names; with the 32,000-token SentencePiece model the docs' recipe
+# trains, 100.1M, 1.04B and 3.12B (docs/results/preset_params.txt, from benchmarks/preset_params.py).
 PRESETS: dict[str, str] = {
     "tiny": "--num-layers 4 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 4 --num-query-groups 2 "
             "--seq-length 128 --max-position-embeddings 128 --rotary-base 10000",
