@@ -1,6 +1,6 @@
 """Run a measuring command and save its console output as a results file the docs can cite.
 
-    python benchmarks/record.py docs/results/NAME.txt -- python benchmarks/preset_params.py
+    python benchmarks/record.py docs/results/<name>.txt -- python benchmarks/preset_params.py
 
 The file starts with the provenance the docs promise (tests/test_docs.py checks it):
 
