@@ -1,0 +1,106 @@
+"""Figures in the docs are backed: every cited docs/results file exists, says how it was made, and agrees.
+
+A results file (written by benchmarks/record.py) starts with the command that produced it, the commit, the
+date and the machine. The docs, the Slurm scripts and the code cite them by path; a citation of a file that
+is not there, a results file nobody cites, or a quoted figure that differs from its file fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+CITING = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("examples/slurm/*"),
+                 *ROOT.glob("examples/sft/*.sbatch"), *ROOT.glob("examples/*.py"), *ROOT.glob("benchmarks/*.py"),
+                 *ROOT.glob("megatron_jreg/**/*.py")})
+# a cited path; the full stop ending a sentence is not part of it
+CITATION = re.compile(r"docs/results/[A-Za-z0-9_\-][A-Za-z0-9_.\-/]*[A-Za-z0-9_\-]")
+RELATIVE = re.compile(r"\]\((results/[^)#\s]+)\)")  # a link from docs/*.md
+HEADER = (r"# command: \S.*", r"# commit: [0-9a-f]{40}( \(\+ local changes.*\))?", r"# date: \d{4}-\d\d-\d\d .*",
+          r"# machine: .*CPU.*", r"# wall: \d+ s")
+
+
+def citations() -> dict[Path, list[str]]:
+    """Results file → the files that cite it."""
+    cited: dict[Path, list[str]] = {}
+    for path in CITING:
+        text = path.read_text(encoding="utf-8")
+        found = {ROOT / m for m in CITATION.findall(text)}
+        if path.parent == ROOT / "docs":
+            found |= {ROOT / "docs" / m for m in RELATIVE.findall(text)}
+        for target in found:
+            cited.setdefault(target, []).append(str(path.relative_to(ROOT)))
+    return cited
+
+
+def results_file(name: str) -> list[str]:
+    return (RESULTS / name).read_text(encoding="utf-8").splitlines()
+
+
+def test_every_cited_results_file_exists_and_starts_with_how_it_was_made():
+    cited = citations()
+    assert len(cited) >= 3, "the docs cite no docs/results files: the pattern or the docs changed"
+    for target, sources in sorted(cited.items()):
+        assert target.is_file(), f"{', '.join(sources)} cite(s) {target.relative_to(ROOT)}, which does not exist"
+        head = target.read_text(encoding="utf-8").splitlines()[: len(HEADER)]
+        for pattern, line in zip(HEADER, head + [""] * len(HEADER)):
+            assert re.fullmatch(pattern, line), f"{target.relative_to(ROOT)}: expected {pattern!r}, found {line!r}"
+
+
+def test_every_results_file_is_cited():
+    cited = citations()
+    for path in sorted(RESULTS.iterdir()):
+        assert path in cited, f"{path.name} is cited nowhere: cite it where its figures are used, or drop it"
+
+
+def _params() -> dict[tuple[str, int], int]:
+    rows = {}
+    for line in results_file("preset_params.txt"):
+        m = re.fullmatch(r"(\S+)\s+(\d+)\s+\d+\s+(yes|no)\s+([\d,]+)\s+[\d,]+", line)
+        if m and m.group(3) == "yes":
+            rows[(m.group(1), int(m.group(2)))] = int(m.group(4).replace(",", ""))
+    return rows
+
+
+def _short(n: int) -> str:
+    """The docs' rounding: 174.0M, 1.24B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def test_preset_parameter_counts_in_the_docs_are_the_results_file():
+    params = _params()
+    presets = ("llama-170m", "llama-1b", "llama-3.4b", "tiny")
+    assert {p for p, _ in params} == set(presets), params
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    scaling = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
+    arguments = (ROOT / "megatron_jreg" / "training" / "arguments.py").read_text(encoding="utf-8")
+    for preset in presets:
+        llama3, sentencepiece = _short(params[(preset, 128_256)]), _short(params[(preset, 32_000)])
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{preset}` |"))
+        assert f"| {llama3} / {sentencepiece} " in row, (row, llama3, sentencepiece)
+        if preset != "tiny":
+            for text in (scaling, arguments):
+                assert llama3 in text and sentencepiece in text, (preset, llama3, sentencepiece)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/analysis.md"])
+def test_analysis_sample_rows_are_the_results_file(doc):
+    recorded = set(results_file("analysis_sample.txt"))
+    rows = [line for line in (ROOT / doc).read_text(encoding="utf-8").splitlines() if line.startswith("iter_0000")]
+    assert rows, f"{doc} quotes no row of docs/results/analysis_sample.txt"
+    for row in rows:
+        assert row in recorded, f"{doc}: {row!r} is not a line of docs/results/analysis_sample.txt"
+
+
+def test_console_line_in_the_readme_is_the_results_file():
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    quoted = readme.split("` iteration 2/ 4 | ", 1)[1].split(" |`", 1)[0]
+    fields = [f for f in quoted.split(" | ") if f != "…"]
+    recorded = next(line for line in results_file("console_line.txt") if re.search(r"iteration +2/ +4 \|", line))
+    assert len(fields) >= 5, fields
+    for field in fields:
+        assert f"| {field} |" in recorded, f"README's console line: {field!r} is not in docs/results/console_line.txt"
