@@ -104,3 +104,62 @@ def test_console_line_in_the_readme_is_the_results_file():
     assert len(fields) >= 5, fields
     for field in fields:
         assert f"| {field} |" in recorded, f"README's console line: {field!r} is not in docs/results/console_line.txt"
+
+
+def _caption(text: str) -> bool:
+    """A paragraph that is one parenthesis, e.g. "(two of the four checkpoints of ...)."."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return i > 0 and text[0] == "(" and text[i + 1:] in ("", ".")
+    return False
+
+
+def _quoted_blocks(text: str, doc: Path) -> list[tuple[Path, list[str]]]:
+    """(cited results file, the block's lines) for each fenced block introduced by a paragraph ending in ":"
+    or captioned by one starting with "(" that cites exactly one results file."""
+    lines = text.splitlines()
+    fences = [i for i, line in enumerate(lines) if line.strip().startswith("```")]
+    found = []
+    for start, end in zip(fences[::2], fences[1::2]):
+        before, i = [], start - 1
+        while i >= 0 and not lines[i].strip():
+            i -= 1
+        while i >= 0 and lines[i].strip() and not lines[i].strip().startswith("```"):
+            before.append(lines[i])
+            if lines[i].lstrip().startswith("- "):  # a list item is its own paragraph
+                break
+            i -= 1
+        after, j = [], end + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        while j < len(lines) and lines[j].strip() and not lines[j].strip().startswith("```"):
+            after.append(lines[j])
+            j += 1
+        before_text, after_text = " ".join(reversed(before)).strip(), " ".join(after).strip()
+        for text_ in (before_text if before_text.endswith(":") else "", after_text if _caption(after_text) else ""):
+            cited = {ROOT / m for m in CITATION.findall(text_)}
+            if doc.parent == ROOT / "docs":
+                cited |= {ROOT / "docs" / m for m in RELATIVE.findall(text_)}
+            if len(cited) == 1:
+                found.append((cited.pop(), lines[start + 1:end]))
+                break
+    return found
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))])
+def test_blocks_quoting_a_results_file_are_its_lines(doc):
+    path = ROOT / doc
+    for target, block in _quoted_blocks(path.read_text(encoding="utf-8"), path):
+        recorded = {line.strip() for line in target.read_text(encoding="utf-8").splitlines()}
+        for line in block:
+            assert not line.strip() or line.strip() in recorded, \
+                f"{doc}: {line.strip()!r} is not a line of {target.relative_to(ROOT)}"
+
+
+def test_quoted_blocks_are_found():
+    docs = [ROOT / "README.md", *ROOT.glob("docs/*.md")]
+    pairs = {(d.name, t.name) for d in docs for t, _ in _quoted_blocks(d.read_text(encoding="utf-8"), d)}
+    assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analyze_throughput.txt"),
+            ("sft.md", "prepare_chat.txt")} <= pairs, pairs
