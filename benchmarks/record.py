@@ -5,7 +5,7 @@
 The file starts with the provenance the docs promise (tests/test_docs.py checks it):
 
     # command: python benchmarks/preset_params.py
-    # commit: <sha of HEAD> (+ local changes to FILES, when the work tree differs)
+    # commit: <sha of HEAD at the start> (+ local changes to FILES, when the work tree differs)
     # date: <UTC>
     # machine: <cores> CPU cores (<model>), load average <start> → <end>; torch <v>, megatron-core <v>
     # wall: <seconds> s
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
-    load0 = os.getloadavg()[0]
+    load0, commit = os.getloadavg()[0], _commit()  # the code that ran: HEAD when it started
     t0 = time.monotonic()
     proc = subprocess.run(run, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     wall = time.monotonic() - t0
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     header = [
         f"# command: {shlex.join(command)}",
-        f"# commit: {_commit()}",
+        f"# commit: {commit}" + ("" if _commit() == commit else f" (HEAD at the end: {_commit()})"),
         f"# date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"# machine: {os.cpu_count()} CPU cores ({_cpu_model()}), shared; load average {load0:.1f} → "
         f"{os.getloadavg()[0]:.1f}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; torch {_version('torch')}, "

@@ -20,7 +20,7 @@ CITING = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("exampl
 # a cited path; the full stop ending a sentence is not part of it
 CITATION = re.compile(r"docs/results/[A-Za-z0-9_\-][A-Za-z0-9_.\-/]*[A-Za-z0-9_\-]")
 RELATIVE = re.compile(r"\]\((results/[^)#\s]+)\)")  # a link from docs/*.md
-HEADER = (r"# command: \S.*", r"# commit: [0-9a-f]{40}( \(\+ local changes.*\))?", r"# date: \d{4}-\d\d-\d\d .*",
+HEADER = (r"# command: \S.*", r"# commit: [0-9a-f]{40}( \(.*\))?", r"# date: \d{4}-\d\d-\d\d .*",
           r"# machine: .*CPU.*", r"# wall: \d+ s")
 
 
