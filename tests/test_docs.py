@@ -161,5 +161,6 @@ def test_blocks_quoting_a_results_file_are_its_lines(doc):
 def test_quoted_blocks_are_found():
     docs = [ROOT / "README.md", *ROOT.glob("docs/*.md")]
     pairs = {(d.name, t.name) for d in docs for t, _ in _quoted_blocks(d.read_text(encoding="utf-8"), d)}
-    assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analyze_throughput.txt"),
-            ("sft.md", "prepare_chat.txt")} <= pairs, pairs
+    assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analysis_sample.txt"),
+            ("analysis.md", "analyze_throughput.txt"), ("analysis.md", "analyze_stream.txt"),
+            ("sft.md", "prepare_chat.txt"), ("gpu.md", "gpu_check_dry_run.txt")} <= pairs, pairs
