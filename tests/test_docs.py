@@ -164,3 +164,11 @@ def test_quoted_blocks_are_found():
     assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analysis_sample.txt"),
             ("analysis.md", "analyze_throughput.txt"), ("analysis.md", "analyze_stream.txt"),
             ("sft.md", "prepare_chat.txt"), ("gpu.md", "gpu_check_dry_run.txt")} <= pairs, pairs
+
+
+def test_convert_logit_differences_are_the_results_file():
+    recorded = " ".join(results_file("convert_logits.txt"))
+    quoted = re.findall(r"\d\.\d{3}e-\d\d", (ROOT / "docs" / "convert.md").read_text(encoding="utf-8"))
+    assert len(quoted) >= 4, quoted
+    for number in quoted:
+        assert number in recorded, f"docs/convert.md: {number} is not in docs/results/convert_logits.txt"
