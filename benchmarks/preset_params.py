@@ -3,8 +3,9 @@
 The paper names its models 170M, 1B and 3.4B; the count depends on the vocabulary (the embedding is
 V × hidden, tied with the output layer by Megatron-LM's default), so the docs quote both the Llama-3
 tokenizer's 128,256 tokens and the 32,000-token SentencePiece model the docs' recipe trains
-(docs/data.md). Each model is built by Megatron-LM's own parser and GPTModelBuilder (the path
-`megatron-jreg train` takes, local spec, TP=1/PP=1) on the meta device, so no memory is allocated; the
+(docs/data.md). Each model is built from `megatron-jreg train`'s parsed flags (Megatron-LM's parser) by
+megatron-core's GPTModelBuilder, as analyze and convert rebuild a checkpoint's model (local spec,
+TP=1/PP=1), on the meta device, so no memory is allocated; the
 vocabulary is padded as Megatron-LM pads it (`--make-vocab-size-divisible-by` 128). The count is of distinct
 parameters (a tied output layer shares the embedding). The closed formula below is checked against every
 built model, so a megatron-core change that alters the layer layout fails loudly.

@@ -172,3 +172,20 @@ def test_convert_logit_differences_are_the_results_file():
     assert len(quoted) >= 4, quoted
     for number in quoted:
         assert number in recorded, f"docs/convert.md: {number} is not in docs/results/convert_logits.txt"
+
+
+def test_record_writes_the_header_the_docs_test_reads(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.txt"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record.py"), str(out), "--", "python", "-c",
+                           "print('figure=1')"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text(encoding="utf-8").splitlines()
+    for pattern, line in zip(HEADER, lines):
+        assert re.fullmatch(pattern, line), (pattern, line)
+    assert lines[0] == "# command: python -c 'print('\"'\"'figure=1'\"'\"')'" and lines[len(HEADER):] == ["figure=1"]
+    failed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record.py"), str(tmp_path / "no.txt"), "--",
+                             "python", "-c", "raise SystemExit(3)"], capture_output=True, text=True)
+    assert failed.returncode == 1 and not (tmp_path / "no.txt").exists() and "exited 3" in failed.stderr
