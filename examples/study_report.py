@@ -77,7 +77,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _portable(text: str, cfg) -> str:
     """Commands with the output folder as $OUT and this checkout as ., so they read the same anywhere."""
-    return text.replace(str(cfg.output), "$OUT").replace(str(ROOT) + "/", "./").replace(sys.executable, "python")
+    return text.replace(str(cfg.output), "$OUT").replace(sys.executable, "python").replace(str(ROOT) + "/", "./")
 
 
 def export_raw(cfg, runs: list) -> Path:
