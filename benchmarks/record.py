@@ -8,7 +8,8 @@ The file starts with the provenance the docs promise (tests/test_docs.py checks 
     # commit: <sha of HEAD at the start> (+ local changes to FILES, when the work tree differs)
     # date: <UTC>
     # machine: <cores> CPU cores (<model>), load average <start> → <end>; torch <v>, megatron-core <v>
-    # wall: <seconds> s
+    # wall: <seconds> s; CPU <core-seconds> core-s (the command and its children: on a shared machine the
+    #   wall time depends on the load, the CPU time much less)
 
 then the command's stdout (stderr goes to the console). The command runs from the repository root with
 OMP_NUM_THREADS=1 (unless set), this checkout first on PYTHONPATH and this interpreter's folder first on
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -68,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     load0, commit = os.getloadavg()[0], _commit()  # the code that ran: HEAD when it started
-    t0 = time.monotonic()
+    t0, usage0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(run, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    wall = time.monotonic() - t0
+    wall, usage = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime - usage0.ru_utime - usage0.ru_stime
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout)
         print(f"record.py: error: {shlex.join(command)} exited {proc.returncode}; {out} not written", file=sys.stderr)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# machine: {os.cpu_count()} CPU cores ({_cpu_model()}), shared; load average {load0:.1f} → "
         f"{os.getloadavg()[0]:.1f}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; torch {_version('torch')}, "
         f"megatron-core {_version('megatron-core')}",
-        f"# wall: {wall:.0f} s",
+        f"# wall: {wall:.0f} s; CPU {cpu:.0f} core-s",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(header) + "\n" + proc.stdout, encoding="utf-8")

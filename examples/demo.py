@@ -4,7 +4,10 @@
    (examples/laptop_scale.py); a byte-level BPE tokenizer (vocabulary 4,096) and indexed datasets.
 2. Two `megatron-jreg train` runs side by side (one CPU core each; Megatron-LM's own training loop), same
    seed, weights and data: the study's 12-layer × 128 Llama at its small batch (4 × 128 tokens), baseline
-   (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty).
+   (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty). They are the study's seed-1 runs
+   (examples/study.py: 2,000-step schedule) stopped by Megatron-LM's --exit-interval at step 1,000, which is
+   what fits in 15 minutes; at this scale whether a baseline jumps depends on the seed (docs/study.md), and
+   seed 1 is one that does.
 3. Both final models measured on every held-out window (examples/study_measure.py): cross-entropy, Ψ_ℓ, ζ.
 4. The table (printed, and written to summary.md / summary.json) and a plot of Ψ_ℓ per layer (psi.png).
 
@@ -42,8 +45,8 @@ def train_command(args: argparse.Namespace, data, run_dir: Path, extra: list[str
     return [sys.executable, "-m", "megatron_jreg.train", *MODEL.flags(),
             *recipe_flags(args.batch_size, args.train_iters), *data_flags(data),
             "--seed", "1", "--init-mode", "layout-independent", "--log-interval", str(args.log_interval),
-            "--eval-interval", str(args.train_iters + 1), "--eval-iters", "10",
-            "--save", ckpt, "--save-interval", str(args.train_iters),
+            "--eval-interval", str(args.train_iters + 1), "--eval-iters", "10", "--exit-interval", str(args.stop_at),
+            "--save", ckpt, "--save-interval", str(args.stop_at),
             "--metrics-file", str(run_dir / "metrics.jsonl"), "--no-progress", *extra]
 
 
@@ -65,7 +68,7 @@ def launch(args: argparse.Namespace, data, out: Path) -> dict[str, Path]:
         status = []
         for name, (_, _, run_dir) in procs.items():
             last = next((r for r in reversed(_records(run_dir / "metrics.jsonl")) if "lm_loss" in r), None)
-            status.append(f"{name}: " + (f"iter {last['iteration']}/{args.train_iters} lm loss {last['lm_loss']:.3f}"
+            status.append(f"{name}: " + (f"iter {last['iteration']}/{args.stop_at} lm loss {last['lm_loss']:.3f}"
                                          if last else "starting"))
         print(f"[demo] {time.time() - start:5.0f}s  " + " | ".join(status), flush=True)
     failed = []
@@ -87,6 +90,13 @@ def _records(path: Path) -> list[dict]:
 
 def summarize(runs: dict[str, Path], data, out: Path) -> dict:
     """Final training loss (Megatron-LM's last logged window) and the held-out measurement of the final weights."""
+    import logging
+    import warnings
+
+    # megatron-core's import-time notes (no TE/apex on a CPU) and INFO lines would bury the table; the
+    # training runs' own logs keep them
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
     from study_measure import Measurer, token_windows
 
     heldout = token_windows(data.heldout_prefix, SEQ_LENGTH)
@@ -134,17 +144,21 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="demo_output", help="where everything is written")
-    p.add_argument("--train-iters", type=int, default=1200)
+    p.add_argument("--train-iters", type=int, default=2000, help="the schedule's length (Megatron-LM's flag)")
+    p.add_argument("--stop-at", type=int, default=1000, help="where training stops (Megatron-LM's --exit-interval)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--log-interval", type=int, default=50)
     args = p.parse_args(argv)
-    if args.train_iters < 1 or args.batch_size < 1 or args.log_interval < 1:
-        p.error("--train-iters, --batch-size and --log-interval must be at least 1")
+    if min(args.train_iters, args.stop_at, args.batch_size, args.log_interval) < 1:
+        p.error("--train-iters, --stop-at, --batch-size and --log-interval must be at least 1")
+    if args.stop_at > args.train_iters:
+        p.error(f"--stop-at {args.stop_at} is past --train-iters {args.train_iters}: use at most {args.train_iters}")
     out = Path(args.output).resolve()
     t0 = time.time()
     data = prepare_data(out)
     print(f"[demo] data ready in {time.time() - t0:.0f}s; training baseline and JREG "
-          f"({args.train_iters} steps × {args.batch_size} × 128 tokens each, in parallel)", flush=True)
+          f"({args.stop_at} of {args.train_iters} scheduled steps × {args.batch_size} × 128 tokens each, in parallel)",
+          flush=True)
     runs = launch(args, data, out)
     summary = summarize(runs, data, out)
     print("\n" + table(summary))

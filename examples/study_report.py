@@ -671,18 +671,61 @@ def write_report(raw_dir: Path, report: Path, plots: bool = True) -> dict:
     return results
 
 
+SFT_MARKERS = ("<!-- study:sft -->", "<!-- /study:sft -->")
+
+
+def sft_section(report_text: str) -> str:
+    """The body of the report's "SFT analogue" section (empty when the report has none)."""
+    if "## SFT analogue\n" not in report_text:
+        return ""
+    body = report_text.split("## SFT analogue\n", 1)[1]
+    return body.split("\n## ", 1)[0].strip("\n")
+
+
+def sft_block(doc_text: str) -> str:
+    """What a document (docs/sft.md) holds between SFT_MARKERS."""
+    start, end = SFT_MARKERS
+    if start not in doc_text or end not in doc_text:
+        raise ValueError(f"no {start} … {end} block")
+    return doc_text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def write_sft_block(doc: Path, report_text: str) -> None:
+    """Put the report's SFT section between the document's markers, so both say the same."""
+    text = doc.read_text(encoding="utf-8")
+    sft_block(text)  # both markers are there
+    start, end = SFT_MARKERS
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    section = sft_section(report_text)
+    doc.write_text(f"{before}{start}\n{section}\n{end}{after}" if section else f"{before}{start}\n{end}{after}",
+                   encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--raw", type=Path, required=True, help="the raw results folder (OUTPUT/raw or docs/study/raw)")
     p.add_argument("--report", type=Path, required=True, help="the markdown report; plots and results.json beside it")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--sft-doc", type=Path, help=f"also copy the SFT section between {SFT_MARKERS[0]} and "
+                   f"{SFT_MARKERS[1]} of this document (docs/sft.md)")
     args = p.parse_args(argv)
     if not (args.raw / "study.json").is_file():
         print(f"study_report.py: error: --raw {args.raw}: no study.json there (run examples/study.py first)",
               file=sys.stderr)
         return 2
+    if args.sft_doc is not None:
+        try:
+            sft_block(args.sft_doc.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            print(f"study_report.py: error: --sft-doc {args.sft_doc}: {e}; add the two markers where the section "
+                  "goes", file=sys.stderr)
+            return 2
     write_report(args.raw, args.report, plots=not args.no_plots)
     print(f"[study] report: {args.report}")
+    if args.sft_doc is not None:
+        write_sft_block(args.sft_doc, args.report.read_text(encoding="utf-8"))
+        print(f"[study] SFT section copied into {args.sft_doc}")
     return 0
 
 

@@ -21,7 +21,7 @@ CITING = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("exampl
 CITATION = re.compile(r"docs/results/[A-Za-z0-9_\-][A-Za-z0-9_.\-/]*[A-Za-z0-9_\-]")
 RELATIVE = re.compile(r"\]\((results/[^)#\s]+)\)")  # a link from docs/*.md
 HEADER = (r"# command: \S.*", r"# commit: [0-9a-f]{40}( \(.*\))?", r"# date: \d{4}-\d\d-\d\d .*",
-          r"# machine: .*CPU.*", r"# wall: \d+ s")
+          r"# machine: .*CPU.*", r"# wall: \d+ s(; CPU \d+ core-s)?")
 
 
 def citations() -> dict[Path, list[str]]:

@@ -200,3 +200,11 @@ def test_paired_contrast_and_verdicts_against_scipy():
     flat = study_report.paired([0.5, 0.5, 0.5], +1)
     assert "p_paper" not in flat and study_report.verdict(flat, None, None).startswith("not testable")
     assert study_report.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+
+
+def test_sft_doc_shows_the_committed_reports_sft_section():
+    report = (ROOT / "docs" / "study.md").read_text(encoding="utf-8")
+    doc = (ROOT / "docs" / "sft.md").read_text(encoding="utf-8")
+    assert study_report.sft_section(report), "docs/study.md has no SFT analogue section"
+    assert study_report.sft_block(doc) == study_report.sft_section(report), "regenerate: python " \
+        "examples/study_report.py --raw docs/study/raw --report docs/study.md --sft-doc docs/sft.md"
