@@ -1,11 +1,13 @@
 """`megatron-jreg <command> [flags]`: one console script over the library's entry points.
 
 Each command is a `main(argv) -> int` imported lazily, so `megatron-jreg compare` does not pay for
-importing megatron-core.
+importing megatron-core. Each command's `--help` ends with one example (`example()`); exit status 2 is a
+usage or input error in every command.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -24,10 +26,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def example(command: str) -> dict:
+    """argparse keyword arguments for a parser whose help ends with `command` as an example, printed as
+    written (line breaks kept)."""
+    return {"epilog": f"example:\n  {command}", "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from megatron_jreg import __version__
+
+    try:
+        core = installed("megatron-core")
+    except PackageNotFoundError:
+        core = "not installed"
+    return f"megatron-jreg {__version__} (megatron-core {core})"
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: megatron-jreg <command> [flags]   (megatron-jreg <command> --help)", "", "commands:"]
+    lines = ["usage: megatron-jreg <command> [flags]   (megatron-jreg <command> --help; megatron-jreg --version)",
+             "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "example:", "  megatron-jreg analyze --model path/to/hf-model --output jump_analysis"]
     return "\n".join(lines)
 
 
@@ -35,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(version())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -4,7 +4,8 @@ Each row builds its input in a fresh folder and runs the command's `main(argv)` 
 permissions run it in a subprocess that has given up root's permission override, so that they hold when
 the suite runs as root too). Every row asserts:
 
-- the exit status: 1 for bad input, 2 for a flag value argparse rejects, 0 when the input is partly usable;
+- the exit status: 2 for bad input or a bad flag (argparse's own status for a usage error), 0 when the input
+  is partly usable;
 - on an error, exactly one stderr line `<command>: error: ...` that names the file or flag (and no traceback:
   an exception escaping `main` fails the row);
 - that nothing is lost: after an error nothing is left that looks like output; after a partly usable input
@@ -129,6 +130,12 @@ def no_output(tmp: Path) -> None:
     """Nothing under tmp/out that looks like output (a folder the check created may remain, empty)."""
     left = [p for p in (tmp / "out").rglob("*") if p.is_file()] if (tmp / "out").exists() else []
     assert not left, left
+
+
+def nothing_written(tmp: Path, env: Env, out: str) -> None:
+    """No output, and no line claiming one ("shard 0: wrote ... (0 docs)")."""
+    no_output(tmp)
+    assert "wrote" not in out, out
 
 
 def kept(texts: list[str] | None = None, **skipped: int) -> Callable[[Path, Env, str], None]:
@@ -278,42 +285,49 @@ CASES: dict[str, Case] = {
     "pre-empty-file": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.jsonl", b"")),
-        1,
+        2,
         ("a.jsonl", "no documents"),
         lambda t, e, o: no_output(t),
     ),
     "pre-empty-gz": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.jsonl.gz", gzip.compress(b""))),
-        1,
+        2,
         ("a.jsonl.gz", "no records"),
         lambda t, e, o: no_output(t),
     ),
     "pre-only-blank-lines": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.jsonl", "\n \n\t\n")),
-        1,
+        2,
         ("blank_line 3",),
         lambda t, e, o: no_output(t),
     ),
     "pre-parquet-without-text-column": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.parquet", _parquet_bytes(column="body"))),
-        1,
-        ("a.parquet", "no column 'text'", "--json-keys"),
-        lambda t, e, o: no_output(t),
+        2,
+        ("a.parquet", "no column 'text'; columns: body, score", "--json-keys"),
+        nothing_written,
+    ),
+    "pre-arrow-without-text-column": Case(  # a `datasets` .arrow file (Arrow's streaming format)
+        "preprocess",
+        lambda e, t: pre(e, t, write(t / "in" / "a.arrow", _arrow_bytes(column="body"))),
+        2,
+        ("a.arrow", "no column 'text'; columns: body, score", "--json-keys"),
+        nothing_written,
     ),
     "pre-jsonl-without-the-key": Case(
         "preprocess",
         lambda e, t: pre(e, t, extra="--json-keys body"),
-        1,
+        2,
         ("good.jsonl:1", "no 'body'", "--json-keys"),
         lambda t, e, o: no_output(t),
     ),
     "pre-on-error-fail": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.jsonl", LINES[0] + "{oops\n" + LINES[1]), extra="--on-error fail"),
-        1,
+        2,
         ("a.jsonl:2", "malformed_json", "--on-error skip"),
         lambda t, e, o: no_output(t),
     ),
@@ -321,7 +335,7 @@ CASES: dict[str, Case] = {
     "pre-readonly-output-folder": Case(
         "preprocess",
         lambda e, t: pre(e, t, prefix=_ro(t / "out") / "x"),
-        1,
+        2,
         ("--output-prefix", "{tmp}/out", "writable"),
         lambda t, e, o: no_output(t),
         privileged=True,
@@ -329,28 +343,28 @@ CASES: dict[str, Case] = {
     "pre-output-parent-is-a-file": Case(
         "preprocess",
         lambda e, t: pre(e, t, prefix=write(t / "out" / "f", "x") / "x"),
-        1,
+        2,
         ("--output-prefix", "out/f is a file"),
         lambda t, e, o: [p.name for p in (t / "out").iterdir()] == ["f"] or pytest.fail("output left"),
     ),
     "pre-output-prefix-ends-with-a-slash": Case(
         "preprocess",
         lambda e, t: pre(e, t, prefix=str(_mkdir(t / "out")) + "/"),
-        1,
+        2,
         ("--output-prefix", "is a folder"),
         lambda t, e, o: no_output(t),
     ),
     "pre-output-prefix-is-an-existing-folder": Case(
         "preprocess",
         lambda e, t: pre(e, t, prefix=_mkdir(t / "out")),
-        1,
+        2,
         ("--output-prefix", "is a folder"),
         lambda t, e, o: no_output(t),
     ),
     "pre-manifest-cannot-be-written": Case(  # the dataset must not stay without its manifest
         "preprocess",
         lambda e, t: pre(e, t) if _mkdir(t / "out" / "x_text_document.manifest.json.partial") else [],
-        1,
+        2,
         ("x_text_document.manifest.json.partial",),
         lambda t, e, o: no_output(t),
     ),
@@ -360,7 +374,7 @@ CASES: dict[str, Case] = {
     "pre-unreadable-input-file": Case(
         "preprocess",
         lambda e, t: pre(e, t, _unreadable(write(t / "in" / "a.jsonl", LINES[0]))),
-        1,
+        2,
         ("--input", "a.jsonl", "permission"),
         lambda t, e, o: no_output(t),
         privileged=True,
@@ -368,7 +382,7 @@ CASES: dict[str, Case] = {
     "pre-unreadable-subfolder": Case(
         "preprocess",
         lambda e, t: pre(e, t, _with_locked_subfolder(t / "in")),
-        1,
+        2,
         ("--input", "in/locked", "cannot list"),
         lambda t, e, o: no_output(t),
         privileged=True,
@@ -376,28 +390,28 @@ CASES: dict[str, Case] = {
     "pre-input-empty-folder": Case(
         "preprocess",
         lambda e, t: pre(e, t, _mkdir(t / "in")),
-        1,
+        2,
         ("--input", "no .parquet"),
         lambda t, e, o: no_output(t),
     ),
     "pre-input-glob-matches-nothing": Case(
         "preprocess",
         lambda e, t: pre(e, t, t / "nothing*.jsonl"),
-        1,
+        2,
         ("--input", "nothing*.jsonl"),
         lambda t, e, o: no_output(t),
     ),
     "pre-input-unsupported-type": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "a.csv", "text\nhi\n")),
-        1,
+        2,
         ("--input", "a.csv", "unsupported"),
         lambda t, e, o: no_output(t),
     ),
     "pre-hf-folder-corrupt-index": Case(
         "preprocess",
         lambda e, t: pre(e, t, write(t / "in" / "ds" / "dataset_dict.json", "{splits").parent),
-        1,
+        2,
         ("dataset_dict.json",),
         lambda t, e, o: no_output(t),
     ),
@@ -405,21 +419,21 @@ CASES: dict[str, Case] = {
     "pre-tokenizer-model-missing": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-model", str(t / "nope")],
-        1,
+        2,
         ("--tokenizer-model", "nope"),
         lambda t, e, o: no_output(t),
     ),
     "pre-sp-model-is-a-folder": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-type", "SentencePieceTokenizer"],
-        1,
+        2,
         ("--tokenizer-model", ".model file"),
         lambda t, e, o: no_output(t),
     ),
     "pre-hf-type-given-an-sp-model": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-model", e.sp],
-        1,
+        2,
         ("--tokenizer-model", "sp.model", "SentencePieceTokenizer"),
         lambda t, e, o: no_output(t),
     ),
@@ -428,7 +442,7 @@ CASES: dict[str, Case] = {
         lambda e, t: (
             pre(e, t) + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{e.bpe}/tokenizer.json"]
         ),
-        1,
+        2,
         ("--tokenizer-model", "tokenizer.json", "not a SentencePiece model"),
         lambda t, e, o: no_output(t),
     ),
@@ -437,7 +451,7 @@ CASES: dict[str, Case] = {
         lambda e, t: (
             pre(e, t) + ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(write(t / "t.json", "[{]"))]
         ),
-        1,
+        2,
         ("--tokenizer-model", "t.json", "tiktoken JSON"),
         lambda t, e, o: no_output(t),
     ),
@@ -454,28 +468,28 @@ CASES: dict[str, Case] = {
                 str(write(t / "m.txt", "a b")),
             ]
         ),
-        1,
+        2,
         ("--vocab-file", "v.json"),
         lambda t, e, o: no_output(t),
     ),
     "pre-hf-corrupt-tokenizer-config": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-model", str(_bpe_copy(e, t, '{"eos_token": '))],
-        1,
+        2,
         ("--tokenizer-model", "tokenizer_config.json"),
         lambda t, e, o: no_output(t),
     ),
     "pre-append-eod-without-eos": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-model", str(_bpe_copy(e, t, "{}"))],
-        1,
+        2,
         ("--append-eod", "eos_token"),
         lambda t, e, o: no_output(t),
     ),
     "pre-refused-tokenizer-type": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-type", "BertWordPieceCase"],
-        1,
+        2,
         ("--tokenizer-type BertWordPieceCase",),
         lambda t, e, o: no_output(t),
     ),
@@ -488,7 +502,7 @@ CASES: dict[str, Case] = {
             pre(e, t, extra="--tokenizer-special-tokens <x>")
             + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", e.sp]
         ),
-        1,
+        2,
         ("--tokenizer-special-tokens", "--tokenizer-sentencepiece-legacy"),
         lambda t, e, o: no_output(t),
     ),
@@ -498,20 +512,20 @@ CASES: dict[str, Case] = {
             pre(e, t, extra="--tokenizer-sentencepiece-legacy")
             + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", e.sp]
         ),
-        1,
+        2,
         ("--tokenizer-sentencepiece-legacy", "--append-eod"),
         lambda t, e, o: no_output(t),
     ),
     "pre-empty-special-token": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-special-tokens", ""],
-        1,
+        2,
         ("--tokenizer-special-tokens", "empty"),
     ),
     "pre-null-without-vocab-size": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-type", "NullTokenizer"],
-        1,
+        2,
         ("NullTokenizer", "--vocab-size"),
         lambda t, e, o: no_output(t),
     ),
@@ -520,21 +534,21 @@ CASES: dict[str, Case] = {
         lambda e, t: (
             pre(e, t) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5", "--null-tokenizer-eod-id", "9"]
         ),
-        1,
+        2,
         ("--null-tokenizer-eod-id 9", "0..4"),
         lambda t, e, o: no_output(t),
     ),
     "pre-metadata-other-library": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-metadata", str(write(t / "m.json", '{"library": "sentencepiece"}'))],
-        1,
+        2,
         ("--tokenizer-metadata", "m.json", "'huggingface'"),
         lambda t, e, o: no_output(t),
     ),
     "pre-metadata-not-json": Case(
         "preprocess",
         lambda e, t: pre(e, t) + ["--tokenizer-metadata", str(write(t / "m.json", "lib"))],
-        1,
+        2,
         ("--tokenizer-metadata", "m.json"),
         lambda t, e, o: no_output(t),
     ),
@@ -544,27 +558,27 @@ CASES: dict[str, Case] = {
             pre(e, t, extra="--trust-remote-code")
             + ["--tokenizer-model", str(_bpe_copy(e, t, json.dumps({"auto_map": {"AutoTokenizer": ["my.Tok", None]}})))]
         ),
-        1,
+        2,
         ("--trust-remote-code", "never runs"),
         lambda t, e, o: no_output(t),
     ),
     "pre-partitions-with-output-shards": Case(
         "preprocess",
         lambda e, t: pre(e, t, extra="--partitions 2 --output-shards 2"),
-        1,
+        2,
         ("--partitions 2", "--output-shards"),
         lambda t, e, o: no_output(t),
     ),
     "pre-keep-newlines-without-split": Case(
-        "preprocess", lambda e, t: pre(e, t, extra="--keep-newlines"), 1, ("--keep-newlines",)
+        "preprocess", lambda e, t: pre(e, t, extra="--keep-newlines"), 2, ("--keep-newlines",)
     ),
     "pre-shard-ids-out-of-range": Case(
-        "preprocess", lambda e, t: pre(e, t, extra="--output-shards 1 --shard-ids 3"), 1, ("--shard-ids",)
+        "preprocess", lambda e, t: pre(e, t, extra="--output-shards 1 --shard-ids 3"), 2, ("--shard-ids",)
     ),
     "pre-more-shards-than-files": Case(
         "preprocess",
         lambda e, t: pre(e, t, extra="--output-shards 3"),
-        1,
+        2,
         ("--output-shards 3",),
         lambda t, e, o: no_output(t),
     ),
@@ -581,23 +595,22 @@ CASES: dict[str, Case] = {
             lambda t, e, o: no_output(t),
         )
         for flag, value, rc in [
-            ("--workers", "0", 1),
-            ("--workers", "-2", 1),
+            ("--workers", "0", 2),
+            ("--workers", "-2", 2),
             ("--workers", "nan", 2),
-            ("--block-mb", "nan", 1),
-            ("--block-mb", "inf", 1),
-            ("--block-mb", "-1", 1),
-            ("--log-interval", "0", 1),
-            ("--max-docs", "0", 1),
-            ("--partitions", "0", 1),
-            ("--output-shards", "0", 1),
-            ("--min-chars", "-1", 1),
-            ("--punkt-train-chars", "10", 1),
-            ("--max-documents", "0", 1),
-            ("--workers-to-check", "0", 1),
-            ("--vocab-size", "-5", 1),
-            ("--vocab-extra-ids", "-1", 1),
-            ("--tiktoken-num-special-tokens", "-1", 1),
+            ("--block-mb", "nan", 2),
+            ("--block-mb", "inf", 2),
+            ("--block-mb", "-1", 2),
+            ("--log-interval", "0", 2),
+            ("--partitions", "0", 2),
+            ("--output-shards", "0", 2),
+            ("--min-chars", "-1", 2),
+            ("--punkt-train-chars", "10", 2),
+            ("--max-documents", "0", 2),
+            ("--workers-to-check", "0", 2),
+            ("--vocab-size", "-5", 2),
+            ("--vocab-extra-ids", "-1", 2),
+            ("--tiktoken-num-special-tokens", "-1", 2),
             ("--min-int-score", "inf", 2),
         ]
     },
@@ -605,21 +618,21 @@ CASES: dict[str, Case] = {
     "tt-empty-input": Case(
         "train-tokenizer",
         lambda e, t: tt(t, write(t / "in" / "a.jsonl", "")),
-        1,
+        2,
         ("--input", "a.jsonl", "no text"),
         lambda t, e, o: no_output(t),
     ),
     "tt-key-missing": Case(
         "train-tokenizer",
         lambda e, t: tt(t, e.good, extra="--json-key body"),
-        1,
+        2,
         ("--json-key 'body'", "missing_key 6"),
         lambda t, e, o: no_output(t),
     ),
     "tt-vocab-size-0": Case(
         "train-tokenizer",
         lambda e, t: tt(t, extra="--vocab-size 0"),
-        1,
+        2,
         ("--vocab-size",),
         lambda t, e, o: no_output(t),
     ),
@@ -627,35 +640,35 @@ CASES: dict[str, Case] = {
     "tt-vocab-too-large-sentencepiece": Case(
         "train-tokenizer",
         lambda e, t: tt(t, e.good, extra="--vocab-size 5000"),
-        1,
+        2,
         ("--vocab-size", "SentencePiece"),
         lambda t, e, o: no_output(t),
     ),
     "tt-vocab-too-large-hf-bpe": Case(
         "train-tokenizer",
         lambda e, t: tt(t, e.good, extra="--vocab-size 5000 --kind hf-bpe"),
-        1,
+        2,
         ("--vocab-size 5000", "only"),
         lambda t, e, o: no_output(t),
     ),
     "tt-max-chars-0": Case(
         "train-tokenizer",
         lambda e, t: tt(t, extra="--vocab-size 400") + ["--max-chars", "0"],
-        1,
+        2,
         ("--max-chars",),
         lambda t, e, o: no_output(t),
     ),
     "tt-input-missing": Case(
         "train-tokenizer",
         lambda e, t: tt(t, t / "no.txt", extra="--vocab-size 400"),
-        1,
+        2,
         ("--input", "no.txt"),
         lambda t, e, o: no_output(t),
     ),
     "tt-readonly-output-folder": Case(
         "train-tokenizer",
         lambda e, t: tt(t, extra="--vocab-size 400", output=_ro(t / "out") / "tok"),
-        1,
+        2,
         ("--output", "{tmp}/out", "writable"),
         lambda t, e, o: no_output(t),
         privileged=True,
@@ -663,14 +676,14 @@ CASES: dict[str, Case] = {
     "tt-hf-output-is-a-file": Case(
         "train-tokenizer",
         lambda e, t: tt(t, extra="--vocab-size 400 --kind hf-bpe", output=write(t / "out" / "tok", "x")),
-        1,
+        2,
         ("--output", "is a file"),
         lambda t, e, o: (t / "out" / "tok").read_text() == "x" or pytest.fail("overwritten"),
     ),
     "tt-sp-output-is-a-folder": Case(
         "train-tokenizer",
         lambda e, t: tt(t, extra="--vocab-size 400", output=_mkdir(t / "out")),
-        1,
+        2,
         ("--output", "is a folder"),
         lambda t, e, o: no_output(t),
     ),
@@ -689,59 +702,59 @@ CASES: dict[str, Case] = {
     "mg-truncated-idx": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_truncate(copy_shard(e, t), ".idx", 50)), e.shards[1]),
-        1,
+        2,
         ("s0.idx", "truncated"),
         merged_nothing,
     ),
     "mg-truncated-bin": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_truncate(copy_shard(e, t), ".bin", 3)), e.shards[1]),
-        1,
+        2,
         ("s0.bin", "truncated"),
         merged_nothing,
     ),
     "mg-zero-byte-idx": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_truncate(copy_shard(e, t), ".idx", 0)), e.shards[1]),
-        1,
+        2,
         ("s0.idx",),
         merged_nothing,
     ),
     "mg-bad-magic": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_overwrite(copy_shard(e, t), ".idx", 0, b"XXXX")), e.shards[1]),
-        1,
+        2,
         ("s0.idx", "bad header"),
         merged_nothing,
     ),
     "mg-inconsistent-document-index": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_overwrite(copy_shard(e, t), ".idx", -8, b"\x07" * 8)), e.shards[1]),
-        1,
+        2,
         ("s0.idx", "inconsistent"),
         merged_nothing,
     ),
     "mg-corrupt-manifest": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_overwrite(copy_shard(e, t), ".manifest.json", 0, b"<<")), e.shards[1]),
-        1,
+        2,
         ("s0.manifest.json",),
         merged_nothing,
     ),
     "mg-other-tokenizer": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, str(_other_tokenizer(copy_shard(e, t))), e.shards[1]),
-        1,
+        2,
         ("different tokenizers",),
         merged_nothing,
     ),
     "mg-nothing-matches": Case(
-        "merge-datasets", lambda e, t: mg(e, t, str(t / "none*.idx")), 1, ("--input", "none*.idx"), merged_nothing
+        "merge-datasets", lambda e, t: mg(e, t, str(t / "none*.idx")), 2, ("--input", "none*.idx"), merged_nothing
     ),
     "mg-readonly-output-folder": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, prefix=_ro(t / "out") / "m"),
-        1,
+        2,
         ("--output-prefix", "{tmp}/out", "writable"),
         merged_nothing,
         privileged=True,
@@ -749,14 +762,14 @@ CASES: dict[str, Case] = {
     "mg-output-prefix-is-a-folder": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, prefix=_mkdir(t / "out")),
-        1,
+        2,
         ("--output-prefix", "is a folder"),
         merged_nothing,
     ),
     "mg-output-parent-is-a-file": Case(
         "merge-datasets",
         lambda e, t: mg(e, t, prefix=write(t / "f", "x") / "m"),
-        1,
+        2,
         ("--output-prefix", "is a file"),
         merged_nothing,
     ),
@@ -780,8 +793,18 @@ def _parquet_bytes(column: str = "text") -> bytes:
     import pyarrow.parquet as pq
 
     sink = io.BytesIO()
-    pq.write_table(pa.table({column: GOOD}), sink)
+    pq.write_table(pa.table({column: GOOD, "score": list(range(len(GOOD)))}), sink)
     return sink.getvalue()
+
+
+def _arrow_bytes(column: str = "text") -> bytes:
+    import pyarrow as pa
+
+    table = pa.table({column: GOOD, "score": list(range(len(GOOD)))})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 def _with_locked_subfolder(folder: Path) -> Path:

@@ -154,6 +154,9 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
     }
     for name, root in damaged.items():
         cases[name] = (TINY + SAVE + ["--load", str(root)], needles[name])
+    # A resume with a longer run changes the schedule (Megatron-LM's check wants its override flag).
+    cases["larger-train-iters"] = (TINY + SAVE + ["--load", str(good), "--train-iters", "4"],
+                                   "total number of iterations: 8 in the checkpoint, 16 from these flags (samples)")
     return cases
 
 
@@ -201,7 +204,7 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "sft-missing-file", "eval-interval-missing", "fsdp-on-cpu", "nsys-profile-on-cpu",
     "pretrained-missing", "pretrained-hostile", "tracker-garbage", "tracker-empty", "tracker-release",
     "tracker-missing-iter", "hostile-metadata", "truncated-metadata", "overwritten-shard",
-    "truncated-shard-unverified", "partial-iteration",
+    "truncated-shard-unverified", "partial-iteration", "larger-train-iters",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]
@@ -209,6 +212,8 @@ def test_bad_input_is_one_clear_line(suite, name):
     assert rc == 2, (out + err)[-2000:]
     assert len(lines) == 1 and suite["needles"][name] in lines[0], err[-2000:]
     assert "Traceback" not in err
+    if name == "larger-train-iters":
+        assert "--override-opt_param-scheduler" in lines[0] and "truncated" not in lines[0]
 
 
 def test_hostile_pickle_never_runs_in_any_reader(suite):

@@ -153,7 +153,7 @@ def test_bad_flags_and_inputs_stop_before_work(tmp_path, tokenizer_dir, capsys):
     cases.append((["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--tokenizer", str(tokenizer_dir),
                    "--tokenizer-output", str(foreign)], "not written by prepare-chat"))
     for argv, needle in cases:
-        assert main(argv) == 1, argv
+        assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("megatron-jreg prepare-chat: error:") and "\n" not in err and needle in err, (argv, err)
         assert not (tmp_path / "o.jsonl").exists()

@@ -171,7 +171,9 @@ MEGATRON_TOOL_OPTIONS = [
     (["--keep-sequential-samples"], "keep_sequential_samples", False),
 ]
 RENAMED_DESTS = {"metadata_path": "tokenizer_metadata", "special_tokens": "tokenizer_special_tokens"}
-RELAXED_DEFAULTS = {"workers": 1}  # required there; one worker here when not given
+# workers: required there, one here when not given; max_documents: None converts everything and gives
+# Megatron-LM's 100,000 per --find-optimal-num-workers trial (the only place Megatron-LM reads it).
+RELAXED_DEFAULTS = {"workers": 1, "max_documents": None}
 
 
 def _megatron_lm_options() -> list[tuple[list[str], str, object, object]]:
@@ -211,6 +213,10 @@ def test_every_megatron_lm_option_is_accepted_with_its_default():
     ).split()
     cfg = config_from_args(build_parser().parse_args(argv))
     assert (cfg.workers_to_check, cfg.max_documents, cfg.partitions) == ([2, 4], 50, 2)
+    # megatron-jreg 0.1's --max-docs is the same count under Megatron-LM's name, with a note, hidden from --help
+    base = "--input a.jsonl --output-prefix out --tokenizer-type NullTokenizer".split()
+    assert config_from_args(build_parser().parse_args(base + ["--max-docs", "7"])).max_documents == 7
+    assert "--max-docs" not in build_parser().format_help()
     assert cfg.tokenizer_special_tokens == ["<a>", "<b>"]
     assert (cfg.null_tokenizer_eod_id, cfg.null_tokenizer_pad_id) == (3, 4)
     assert cfg.keep_sequential_samples and cfg.find_optimal_num_workers
@@ -232,7 +238,7 @@ def test_megatron_lm_tokenizer_types_we_cannot_run_are_refused_with_the_reason(k
 
     path, _ = corpus
     argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", kind]
-    assert main(argv + ["--vocab-file", str(path)]) == 1
+    assert main(argv + ["--vocab-file", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--tokenizer-type {kind}: " in err
     assert "megatron-jreg does not" in err or "Megatron-LM's tools/preprocess_data.py does not" in err

@@ -148,14 +148,14 @@ def test_fineweb_parquet_filters_and_hf_folder(bpe, tok, articles, tmp_path):
     assert summary["skipped"] == {"below_min_int_score": len(articles) - len(kept)}
     assert read_manifest(tmp_path / "edu_text_document")["filters"]["min_int_score"] == 3
 
-    min_chars = min(len(t) for t in kept[:5]) + 1  # at least one short document before the --max-docs cut
+    min_chars = min(len(t) for t in kept[:5]) + 1  # at least one short document before the --max-documents cut
     summary = _run(
         bpe,
         str(tmp_path / "pq" / "*.parquet"),
         tmp_path / "short",
         min_int_score=3,
         min_chars=min_chars,
-        max_docs=4,
+        max_documents=4,
     )
     long_enough = [t for t in kept if len(t) >= min_chars]
     assert _docs(tmp_path / "short") == [tok.tokenize(t) + [tok.eod] for t in long_enough[:4]]
@@ -226,7 +226,7 @@ def test_bad_input_is_counted_by_reason(bpe, tok, articles, tmp_path, capsys):
                 "fail",
             ]
         )
-        == 1
+        == 2
     )
     assert "a.jsonl:2" in capsys.readouterr().err
 

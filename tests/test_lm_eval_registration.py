@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lm_eval.utils import sanitize_model_name
 
 from megatron_jreg.evaluate import cli, lm_eval_model
 from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
@@ -97,17 +98,19 @@ def test_evaluate_num_fewshot_reaches_lm_eval(model_dir, tasks_dir, tmp_path, mo
 
 
 def test_lm_eval_command_line_runs_our_model(model_dir, tasks_dir, builtin, tmp_path):
-    """lm-eval's own CLI (every flag of it), with the model registered, in a fresh process."""
+    """lm-eval's own CLI (every flag of it), with the model registered, in a fresh process; `pretrained=`
+    names lm-eval's output folder after the model, as for its own `hf` model."""
     out = tmp_path / "lm-eval-out"
     env = {**os.environ, "DISABLE_MULTIPROC": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_jreg.evaluate.lm_eval_model", "--model", "megatron-jreg",
-         "--model_args", f"hf={model_dir},dtype=float32", "--tasks", "lambada_local", "--include_path",
+         "--model_args", f"pretrained={model_dir},dtype=float32", "--tasks", "lambada_local", "--include_path",
          str(tasks_dir), "--limit", str(LIMIT), "--batch_size", "4", "--output_path", str(out)],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result_file,) = out.rglob("results_*.json")
+    assert result_file.parent.name == sanitize_model_name(str(model_dir))
     saved = json.loads(result_file.read_text())
     assert saved["config"]["model"] == "megatron-jreg"
     assert saved["results"]["lambada_local"]["acc,none"] == builtin["acc"]
@@ -131,12 +134,16 @@ def test_load_reaches_the_megatron_loader(model_dir, tmp_path, monkeypatch):
     lm = MegatronJregLM.create_from_arg_string(f"load={ckpt},iteration=20", {"batch_size": "2", "device": "cuda:0"})
     assert calls == [(ckpt, 20)] and lm.batch_size == 2
     assert lm.get_model_info() == {"megatron_jreg_model": {"load": str(ckpt), "iteration": 20}}
+    MegatronJregLM.create_from_arg_string(f"pretrained={ckpt}", {})  # a folder without config.json: load=
+    assert calls[-1] == (ckpt, None)
 
 
 @pytest.mark.parametrize(
     ("args", "extra", "message"),
     [
-        ("pretrained=gpt2", {}, "--model_args pretrained: unknown to megatron-jreg"),
+        ("model=gpt2", {}, "--model_args model: unknown to megatron-jreg"),
+        ("pretrained=gpt2", {}, "pretrained=gpt2: no such checkpoint directory (nor a Hugging Face folder)"),
+        ("pretrained={model},hf={model}", {}, "pretrained= names the model as load= or hf= do"),
         ("", {}, "give exactly one of load= and hf="),
         ("load={ckpt},hf={model}", {}, "give exactly one of load= and hf="),
         ("load={ckpt},dtype=float32", {}, "apply to hf="),

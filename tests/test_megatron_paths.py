@@ -152,8 +152,9 @@ def test_analyze_and_evaluate_clis_read_the_checkpoint(chain):
     results = json.loads((tmp / "analysis" / "results.json").read_text())
     assert results and "zeta_L" in json.dumps(results)
     assert out["evaluate_rc"] == 0, out["stdout"]
-    evaluated = json.loads((tmp / "eval.json").read_text())["results"]
-    lambada = evaluated["lambada"]
+    record = json.loads((tmp / "eval.json").read_text())
+    assert record["model"]["iteration"] == 3  # the latest, read from the checkpoint (none was asked for)
+    lambada = record["results"]["lambada"]
     assert 0.0 <= lambada["acc"] <= 1.0 and lambada["perplexity"] > 1.0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_jreg import jreg
 from megatron_jreg.analysis.config import DTYPES, AnalyzeConfig
 from megatron_jreg.analysis.source import AnalysisError
+from megatron_jreg.cli import example
 from megatron_jreg.hub import ModelFileError
 
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-jreg analyze",
         description="Measure the per-layer displacement Ψ_ℓ and the jump rates ζ_ℓ (Shibata et al. 2026, §3).",
+        **example("megatron-jreg analyze --model path/to/hf-model --data lambada --num-samples 100 "
+                  "--output jump_analysis"),
     )
     p.add_argument(
         "--model",

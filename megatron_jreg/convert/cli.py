@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_jreg.cli import example
+
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # hf_io.DTYPES; named here so --help needs no torch
 
 
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megatron-jreg convert",
         description="Convert checkpoints between megatron-jreg (megatron-core) and Hugging Face Llama, "
         "checked by logits.",
+        **example("megatron-jreg convert mcore-to-hf --load ckpt/1b-jreg --output out/hf-1b-jreg --dtype bfloat16"),
     )
     sub = parser.add_subparsers(dest="direction", required=True)
     verify_help = ("compare the logits of the written model with the source's on a fixed token batch "
@@ -27,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     threshold_help = "largest allowed |logit difference| in float32 (default 1e-4)"
 
     out = sub.add_parser("mcore-to-hf", help="Megatron-LM/megatron-jreg checkpoint (any TP/PP) → Hugging Face "
-                         "LlamaForCausalLM")
+                         "LlamaForCausalLM",
+                         **example("megatron-jreg convert mcore-to-hf --load ckpt/1b-jreg --output out/hf-1b-jreg "
+                                   "--dtype bfloat16"))
     out.add_argument("--load", required=True, help="checkpoint folder (the --save folder, or one iter_* folder)")
     out.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
     out.add_argument("--output", required=True, help="new Hugging Face folder (must not exist or be empty)")
@@ -42,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help=verify_help)
     out.add_argument("--verify-threshold", type=float, help=threshold_help)
 
-    inp = sub.add_parser("hf-to-mcore", help="Hugging Face Llama folder → Megatron-LM release checkpoint")
+    inp = sub.add_parser("hf-to-mcore", help="Hugging Face Llama folder → Megatron-LM release checkpoint",
+                         **example("megatron-jreg convert hf-to-mcore --hf meta-llama/Llama-3.2-1B --output "
+                                   "ckpt/llama-import --tensor-model-parallel-size 2"))
     inp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors or .bin), "
                      "or a hub id in the local Hugging Face cache (org/name[@revision])")
     inp.add_argument("--output", required=True, help="new checkpoint folder, for `megatron-jreg train --load OUT` "

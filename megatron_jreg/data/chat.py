@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.cli import example
 from megatron_jreg.data.checks import DataError, OneLineParser, check_output_folder, check_positive, run_command
 from megatron_jreg.data.sources import InputFile, iter_units, resolve_inputs
 
@@ -441,7 +442,9 @@ def _brief(summary: ChatSummary) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0],
+                      **example("megatron-jreg prepare-chat --input tulu_v1.jsonl.gz --output data/tulu.jsonl "
+                                "--tokenizer data/tok/hf --seq-length 2048"))
     p.add_argument("--input", nargs="+", required=True, help="chat JSONL(.gz/.zst) file(s), folders or globs")
     p.add_argument("--output", required=True, help="the clean chat JSONL for --sft --data-path")
     p.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder: check each conversation with it")

@@ -1,7 +1,8 @@
 """Bad input ends in one line: the checks and the error handling the data commands share.
 
-preprocess, train-tokenizer and merge-datasets answer bad input with one line on stderr that names the
-file or flag and the fix, and a non-zero exit status, never a traceback; and they check what they can
+preprocess, train-tokenizer, merge-datasets and prepare-chat answer bad input with one line on stderr that
+names the file or flag and the fix, and exit status 2 (as argparse for a bad flag), never a traceback; a
+failure of the machine rather than the input (a full disk, an I/O error) exits 1. They check what they can
 (flags, the output folder) before any work. `DataError` is what the library raises for such input,
 `OneLineParser` makes argparse's usage errors one line too, `run_command` turns the expected exceptions
 into that line, and `check_output_prefix` / `check_positive` are the shared up-front checks.
@@ -34,16 +35,22 @@ def one_line(message: str) -> str:
     return " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
+INPUT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body; expected failures become `prog: error: <one line>` and exit status 1."""
+    """Run a command body; expected failures become `prog: error: <one line>`: exit status 2 for bad input
+    (a usage error, as argparse's), 1 when the machine failed (a full disk, an I/O error)."""
+    status = 2
     try:
         return body()
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         message = str(e)
-    except OSError as e:  # permissions, a full disk, ...: name the file
+    except OSError as e:  # name the file
         message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        status = 2 if isinstance(e, INPUT_OS_ERRORS) else 1
     print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
-    return 1
+    return status
 
 
 def check_positive(flag: str, value: float | None, minimum: float = 1, allow_none: bool = True) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_jreg.cli import example
 from megatron_jreg.data.checks import DataError, OneLineParser, check_output_prefix, run_command
 from megatron_jreg.data.indexed import (
     IndexedWriter,
@@ -144,7 +145,9 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0],
+                      **example("megatron-jreg merge-datasets --input data/fwe_shard*_text_document "
+                                "--output-prefix data/fwe_text_document"))
     p.add_argument(
         "--input", nargs="+", required=True, help="dataset prefixes, directories or globs, in order"
     )

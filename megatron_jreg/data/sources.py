@@ -245,7 +245,8 @@ def _arrow_units(file: InputFile, columns: list[str], rows_per_unit: int) -> Ite
         yield Unit(file.path, "arrow", 0, file.size, error=f"{type(e).__name__}: {e}")
         return
     wanted = [c for c in columns if c in table.column_names]
-    table = table.select(wanted)
+    if len(wanted) == len(columns):  # else keep every column, for the message naming them
+        table = table.select(wanted)
     rows = max(table.num_rows, 1)
     for index, start in enumerate(range(0, table.num_rows, rows_per_unit)):
         piece = table.slice(start, rows_per_unit)
@@ -325,7 +326,10 @@ def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
     return out
 
 
-def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool) -> Records:
+def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool,
+                   file_columns: list[str] | None = None) -> Records:
+    """Records of an Arrow table; `file_columns`: the file's columns when `table` holds only the wanted ones
+    (named in the message when one is missing)."""
     import pyarrow as pa
 
     out = Records(texts={k: [] for k in keys})
@@ -336,12 +340,10 @@ def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool) ->
     if missing or (want_score and "int_score" not in table.column_names):
         reason = "missing_key" if missing else "missing_int_score"
         what = missing[0] if missing else "int_score"
+        names = list(file_columns if file_columns is not None else table.column_names)
+        shown = ", ".join(names[:10]) + (f", … ({len(names)} in all)" if len(names) > 10 else "")
         out.bad = [
-            (
-                i,
-                reason,
-                f"{label} {unit.first_row + i} (no column {what!r}; columns: {table.column_names[:10]})",
-            )
+            (i, reason, f"{label} {unit.first_row + i} (no column {what!r}; columns: {shown or 'none'})")
             for i in range(n)
         ]
         return out
@@ -396,7 +398,7 @@ def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
 
     try:
         pf = pq.ParquetFile(unit.path)
-        present = set(pf.schema_arrow.names)
+        present = list(pf.schema_arrow.names)
         wanted = [c for c in [*keys, *(["int_score"] if want_score else [])] if c in present]
         table = pf.read_row_group(unit.index, columns=wanted)
     except Exception as e:  # a corrupt row group
@@ -405,7 +407,7 @@ def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
             count=1,
             bad=[(0, "unreadable_file", f"{unit.path} row group {unit.index} ({type(e).__name__}: {e})")],
         )
-    return _table_records(unit, table, keys, want_score)
+    return _table_records(unit, table, keys, want_score, present)
 
 
 def iter_texts(files: list[InputFile], key: str = "text", skipped: Counter | None = None) -> Iterator[str]:

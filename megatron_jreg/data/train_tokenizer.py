@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_jreg.cli import example
 from megatron_jreg.data.checks import DataError, OneLineParser, check_output_folder, check_positive, run_command
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
@@ -157,7 +158,9 @@ def train_tokenizer(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0],
+                      **example("megatron-jreg train-tokenizer --input examples/data/wikitext-2/valid.txt "
+                                "--kind hf-bpe --vocab-size 4096 --output data/bpe4k"))
     p.add_argument("--input", nargs="+", required=True, help="files, directories or globs (.txt too)")
     p.add_argument("--output", required=True, help="sentencepiece: PATH(.model); hf-bpe: a folder")
     p.add_argument("--vocab-size", type=int, required=True)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megatron_jreg.checkpoints.files import CheckpointError
+from megatron_jreg.cli import example
 from megatron_jreg.data.text import DEFAULT_LAMBADA
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
 from megatron_jreg.evaluate.lambada import LambadaFileError
@@ -30,7 +31,9 @@ def _task_data(values: list[str]) -> dict[str, Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-jreg evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-jreg evaluate", description=__doc__.split("\n")[0],
+                                **example("megatron-jreg evaluate --hf out/hf-jreg --tasks lambada,boolq,arc_easy "
+                                          "--output results/jreg-s1.json"))
     model = p.add_mutually_exclusive_group()
     model.add_argument(
         "--hf", type=Path, metavar="DIR|ID", help="a Hugging Face model folder, or a hub id in the local cache"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from scipy import stats
 
+from megatron_jreg.cli import example
 from megatron_jreg.evaluate.results import EvalResults
 from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided
 
@@ -310,7 +311,9 @@ def _direction_overrides(higher: list[str], lower: list[str]) -> dict[str, bool]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-jreg compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-jreg compare", description=__doc__.split("\n")[0],
+                                **example("megatron-jreg compare --baseline results/base-s{1,2,3}.json "
+                                          "--jreg results/jreg-s{1,2,3}.json"))
     p.add_argument(
         "--baseline",
         nargs="+",

@@ -15,8 +15,10 @@ to use it are
 
 model_args: `load=CKPT[,iteration=N]` (a megatron-jreg checkpoint, any TP/PP layout, via
 `models.load_megatron_lm`) or `hf=DIR_OR_HUB_ID[,dtype=auto|float32|bfloat16|float16][,max_length=N]`
-(a Hugging Face folder, via `models.load_hf_lm`). Requests are answered by `harness.HarnessLM`, the
-adapter `megatron-jreg evaluate` uses, so both give the same numbers.
+(a Hugging Face folder, via `models.load_hf_lm`). `pretrained=PATH` is either, by what PATH holds (a
+config.json or a hub id: hf=, else load=): lm-eval names its `--output_path` folders after `pretrained=`
+(other keys give random names). Requests are answered by `harness.HarnessLM`, the adapter
+`megatron-jreg evaluate` uses, so both give the same numbers.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from typing import Any
 import torch
 from lm_eval.api.registry import register_model
 
+from megatron_jreg import hub
 from megatron_jreg.evaluate.harness import HarnessLM
 from megatron_jreg.evaluate.models import DTYPES, load_hf_lm, load_megatron_lm
 from megatron_jreg.hub import ModelFileError
 
 NAME = "megatron-jreg"
-USAGE = "load=CKPT[,iteration=N] or hf=DIR[,dtype=auto|float32|bfloat16|float16][,max_length=N]"
+USAGE = ("load=CKPT[,iteration=N] or hf=DIR[,dtype=auto|float32|bfloat16|float16][,max_length=N] (pretrained=PATH: "
+         "either, by what PATH holds)")
+EXAMPLE = ("megatron-jreg lm-eval --model megatron-jreg --model_args pretrained=ckpt/1b-jreg --tasks arc_easy "
+           "--output_path results/")
 logger = logging.getLogger(__name__)
 
 
@@ -65,12 +71,24 @@ def _device(value: str | None) -> str | None:
     return value
 
 
+def _is_hf(spec: str) -> bool:
+    """A Hugging Face folder (config.json) or a hub id in the local cache, rather than a checkpoint folder."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return (path / "config.json").is_file()
+    try:
+        return (hub.resolve(spec, "pretrained=") / "config.json").is_file()
+    except ModelFileError:
+        return False
+
+
 @register_model(NAME)
 class MegatronJregLM(HarnessLM):
     """The lm-eval model `megatron-jreg` (see the module docstring for its model_args)."""
 
     def __init__(
         self,
+        pretrained: str | None = None,
         load: str | None = None,
         iteration: int | None = None,
         hf: str | None = None,
@@ -83,6 +101,15 @@ class MegatronJregLM(HarnessLM):
     ) -> None:
         if unknown:
             raise ModelArgsError(f"--model_args {', '.join(sorted(unknown))}: unknown to {NAME}; give {USAGE}")
+        key = "load"
+        if pretrained is not None:
+            key = "pretrained"
+            if load is not None or hf is not None:
+                raise ModelArgsError("--model_args: pretrained= names the model as load= or hf= do; give one of them")
+            if _is_hf(str(pretrained)):
+                hf = pretrained
+            else:
+                load = pretrained
         if (load is None) == (hf is None):
             raise ModelArgsError(f"--model_args: give exactly one of load= and hf=; {USAGE}")
         if load is not None and (dtype != "auto" or max_length is not None):
@@ -102,9 +129,10 @@ class MegatronJregLM(HarnessLM):
         else:
             path = Path(str(load))
             if not path.exists():
-                raise ModelArgsError(f"--model_args load={load}: no such checkpoint directory")
+                nor = " (nor a Hugging Face folder)" if key == "pretrained" else ""
+                raise ModelArgsError(f"--model_args {key}={load}: no such checkpoint directory{nor}")
             model = load_megatron_lm(path, iteration)
-            self.source = {"load": str(load), "iteration": iteration}
+            self.source = {"load": str(load), "iteration": getattr(model, "iteration", iteration)}
         super().__init__(model, size)
 
     def get_model_info(self) -> dict[str, Any]:
@@ -125,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelArgsError, ModelFileError, FileNotFoundError) as e:
         print(f"megatron-jreg lm-eval: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        if e.code == 0 and {"-h", "--help"} & set(sys.argv):
+            print(f"\nexample:\n  {EXAMPLE}")
+        return int(e.code or 0)
     return 0
 
 

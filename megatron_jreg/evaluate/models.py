@@ -168,6 +168,7 @@ class MegatronCausalLM:
         self.prefix_token = self.eod
         self.vocab_size = loaded.vocab_size
         self.max_length = loaded.seq_length
+        self.iteration = int(loaded.iteration)  # the checkpoint's, also when the latest was asked for
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.tokenize(text))

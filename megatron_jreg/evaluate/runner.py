@@ -54,7 +54,7 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
         model={
             "kind": "hf" if cfg.hf is not None else "megatron",
             "path": str(Path(source).resolve()),
-            "iteration": cfg.iteration,
+            "iteration": getattr(model, "iteration", cfg.iteration),  # --load: the iteration actually loaded
             **({"hub_id": hub_id} if cfg.hf is not None and (hub_id := hub.describe(cfg.hf)) else {}),
         },
         seed=cfg.seed,

@@ -10,12 +10,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_jreg.cli import example
 from megatron_jreg.evaluate.models import DTYPES
 from megatron_jreg.evaluate.offline import force_offline
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-jreg generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-jreg generate", description=__doc__.split("\n")[0],
+                                **example("megatron-jreg generate --load runs/sft-jreg --prompts "
+                                          "examples/sft/data/wikitext_questions.jsonl --output answers/sft-jreg.jsonl"))
     model = p.add_mutually_exclusive_group()
     model.add_argument("--hf", type=Path, metavar="DIR", help="a Hugging Face model folder")
     model.add_argument("--load", type=Path, metavar="CKPT", help="a Megatron-LM or megatron-jreg checkpoint")

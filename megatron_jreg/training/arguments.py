@@ -12,8 +12,10 @@ that explicit flags override it (argparse keeps the last value).
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -64,9 +66,31 @@ def expand_preset(argv: list[str]) -> list[str]:
     return argv
 
 
+EXAMPLE = ("megatron-jreg train --model-preset tiny --transformer-impl local --mock-data --tokenizer-type "
+           "NullTokenizer --vocab-size 512 \\\n    --micro-batch-size 2 --global-batch-size 8 --train-iters 20 "
+           "--lr 1e-3 --eval-interval 10 --eval-iters 2 --jreg-lambda 1")
+
+
+def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
+    """Help texts argparse cannot format: megatron-core 0.19.2's --moe-paged-stash-buffer-size-factor-cuda help
+    holds a bare `%` (from its config docstring), which makes `--help` raise ValueError, in Megatron-LM's own
+    pretrain_gpt.py too. Such a `%` is doubled; `%(default)s`-style fields stay."""
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            try:
+                action.help % collections.defaultdict(str)
+            except (ValueError, TypeError, KeyError):
+                action.help = re.sub(r"%%|%\(\w+\)[a-z]|%", lambda m: m[0] if len(m[0]) > 1 else "%%", action.help)
+
+
 def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's `extra_args_provider`: our flags, and one-line argparse errors."""
+    """Megatron-LM's `extra_args_provider`: our flags, one-line argparse errors, a help that prints."""
+    from megatron_jreg.cli import example
+
     parser.prog = PROG
+    _escape_bare_percent(parser)
+    for key, value in example(EXAMPLE).items():
+        setattr(parser, key, value)
 
     def error(message: str) -> None:  # argparse would print Megatron-LM's 800-flag usage first
         raise UsageError(message)

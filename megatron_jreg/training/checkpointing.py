@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -167,6 +168,11 @@ def _load_checkpoint(*a, **k):
             result = _originals["load_checkpoint"](*a, **k)
     except UsageError:
         raise
+    except AssertionError as e:
+        if str(e).startswith("OptimizerParamScheduler:"):
+            raise UsageError(_scheduler_mismatch(root, str(e))) from None
+        raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({failure_text(e)}); is it "
+                         "truncated, or saved for another model or layout?") from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for unreadable checkpoints
         detail = failure_text(e)
         raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({type(e).__name__}: {detail}); "
@@ -184,6 +190,21 @@ def _load_checkpoint(*a, **k):
                     value = state["step"] if step is None else torch.tensor(float(step))
                     state["step"] = value.to(state["step"]).clone()
     return result
+
+
+def _scheduler_mismatch(root: str | None, message: str) -> str:
+    """Megatron-LM's scheduler check (`OptimizerParamScheduler: class input value X and checkpointvalue Y for
+    NAME do not match`) as the fix it wants: e.g. a resume with a larger --train-iters (which also sets
+    --lr-decay-iters) changes the schedule's total iterations."""
+    found = re.search(r"class input value (\S+) and checkpoint ?value (\S+) for (.+?) do not match", message)
+    what = message
+    if found:
+        unit = " (samples)" if "iterations" in found[3] else ""  # Megatron-LM's scheduler counts samples
+        what = f"{found[3]}: {found[2]} in the checkpoint, {found[1]} from these flags{unit}"
+    return (f"--load {root}: the learning-rate schedule differs from the checkpoint's ({what}; e.g. a changed "
+            "--train-iters, --lr-decay-iters, --lr-warmup-iters, --lr or --min-lr). Add --override-opt_param-scheduler "
+            "to use these flags' schedule from the checkpoint's iteration on, or --use-checkpoint-opt_param-scheduler "
+            "to keep the checkpoint's (Megatron-LM's flags)")
 
 
 def _torch_adam_distributed(optimizer) -> list:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_jreg.cli import example
 from megatron_jreg.data.checks import OneLineParser, run_command
 from megatron_jreg.data.manifest import manifest_path
-from megatron_jreg.data.preprocess.config import PreprocessConfig
+from megatron_jreg.data.preprocess.config import TRIAL_DOCUMENTS, PreprocessConfig
 from megatron_jreg.data.preprocess.driver import describe_skips, preprocess
 from megatron_jreg.data.preprocess.optimal_workers import describe, find_optimal_num_workers
 from megatron_jreg.data.tokenizers import MEGATRON_TOKENIZER_TYPES
@@ -79,11 +80,22 @@ def _add_megatron_tokenizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="chats only: no effect on documents")
 
 
+class _RenamedFlag(argparse.Action):
+    """`--max-docs` (megatron-jreg 0.1) is `--max-documents`, Megatron-LM's name for the same count: one
+    flag in --help, and 0.1 command lines still run, with a note (to be removed in 0.2)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(f"note: {option_string} is deprecated: use --max-documents (Megatron-LM's name)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=PROG,
         description="Tokenize FineWeb-Edu parquet, HF dataset folders or JSONL(.gz/.zst) into megatron-core "
         "indexed datasets (PREFIX_text_document.bin/.idx), like Megatron-LM's tools/preprocess_data.py.",
+        **example("megatron-jreg preprocess --input wikitext.jsonl --output-prefix data/wikitext --tokenizer-type "
+                  "HuggingFaceTokenizer \\\n    --tokenizer-model data/bpe4k --append-eod --workers 2"),
     )
     _add_megatron_tokenizer_flags(p)
     g = p.add_argument_group("input data")
@@ -107,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-int-score", type=int, default=None, help="keep FineWeb-Edu docs with int_score >= N"
     )
     g.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than N characters")
-    g.add_argument("--max-docs", type=int, default=None, help="stop after N kept documents (in input order)")
+    g.add_argument("--max-docs", type=int, dest="max_documents", action=_RenamedFlag, help=argparse.SUPPRESS)
     g.add_argument(
         "--on-error",
         choices=("skip", "fail"),
@@ -130,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only measure: time --workers-to-check on --max-documents documents and rank them",
     )
     g.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64])
-    g.add_argument("--max-documents", type=int, default=100_000, help="documents per --find-optimal-num-workers trial")
+    g.add_argument("--max-documents", type=int, default=None,
+                   help="stop after N kept documents, in input order (default: all); with "
+                   f"--find-optimal-num-workers: documents per trial (default {TRIAL_DOCUMENTS:,}, as Megatron-LM)")
     g.add_argument(
         "--partitions",
         type=int,

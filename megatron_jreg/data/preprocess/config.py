@@ -17,6 +17,7 @@ from megatron_jreg.data.checks import DataError, check_positive
 from megatron_jreg.data.tokenizers import MEGATRON_TOKENIZER_TYPES, REFUSED_TYPES, SP_TYPES, tokenizer_config
 
 HF_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+TRIAL_DOCUMENTS = 100_000  # Megatron-LM's --max-documents default: documents per --find-optimal-num-workers trial
 # --tokenizer-metadata "library" each type is built with in Megatron-LM.
 METADATA_LIBRARY = {
     **dict.fromkeys(SP_TYPES, "sentencepiece"),
@@ -97,7 +98,7 @@ class PreprocessConfig:
     # filters
     min_int_score: int | None = None
     min_chars: int = 0
-    max_docs: int | None = None
+    max_documents: int | None = None  # Megatron-LM's flag; None: all (TRIAL_DOCUMENTS per worker-count trial)
     on_error: str = "skip"
     # output
     output_shards: int = 1
@@ -110,7 +111,6 @@ class PreprocessConfig:
     block_mb: float = 1.0
     find_optimal_num_workers: bool = False
     workers_to_check: list[int] = field(default_factory=lambda: [16, 32, 64])
-    max_documents: int = 100_000
 
     def validate(self) -> None:
         """Check the configuration once, with messages that name the flag and the fix."""
@@ -124,12 +124,11 @@ class PreprocessConfig:
             ("--workers", self.workers, 1, False),
             ("--log-interval", self.log_interval, 1, False),
             ("--min-chars", self.min_chars, 0, False),
-            ("--max-docs", self.max_docs, 1, True),
+            ("--max-documents", self.max_documents, 1, True),
             ("--output-shards", self.output_shards, 1, False),
             ("--partitions", self.partitions, 1, False),
             ("--punkt-train-chars", self.punkt_train_chars, 1000, False),
             ("--block-mb", self.block_mb, 0.001, False),
-            ("--max-documents", self.max_documents, 1, False),
             ("--vocab-size", self.vocab_size, 1, True),
             ("--padded-vocab-size", self.padded_vocab_size, 1, True),
             ("--vocab-extra-ids", self.vocab_extra_ids, 0, False),
@@ -154,8 +153,8 @@ class PreprocessConfig:
                 f"--shard-ids must lie in 0..{self.output_shards - 1} (--output-shards {self.output_shards})",
             ),
             (
-                not self.shard_ids or self.max_docs is None,
-                "--max-docs counts documents across all shards in order; drop it or --shard-ids",
+                not self.shard_ids or self.max_documents is None or self.find_optimal_num_workers,
+                "--max-documents counts documents across all shards in order; drop it or --shard-ids",
             ),
             (self.on_error in ("skip", "fail"), f"--on-error must be skip or fail, got {self.on_error!r}"),
             (
@@ -236,10 +235,8 @@ class PreprocessConfig:
                 notes.append(f"note: {flag} {why}: no effect on the data (as in Megatron-LM)")
         if self.trust_remote_code:
             notes.append("note: --trust-remote-code: the tokenizer has no code of its own here: no effect")
-        if not self.find_optimal_num_workers and (
-            self.max_documents != defaults.max_documents or self.workers_to_check != defaults.workers_to_check
-        ):
-            notes.append("note: --max-documents/--workers-to-check only apply with --find-optimal-num-workers")
+        if not self.find_optimal_num_workers and self.workers_to_check != defaults.workers_to_check:
+            notes.append("note: --workers-to-check only applies with --find-optimal-num-workers")
         return notes
 
     def reorders(self) -> int | None:

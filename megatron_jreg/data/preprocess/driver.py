@@ -105,8 +105,8 @@ def _write_shard(
     try:
         units = iter_units(files, columns, int(cfg.block_mb * (1 << 20)))
         for result in _stream_results(units, pool, 2 * cfg.workers + 2):
-            if cfg.max_docs is not None:
-                result = first_documents(result, cfg.max_docs - kept)
+            if cfg.max_documents is not None:
+                result = first_documents(result, cfg.max_documents - kept)
             for _, reason, where in result.skipped:
                 if cfg.on_error == "fail" and reason in ERROR_REASONS:
                     raise PreprocessError(
@@ -127,7 +127,7 @@ def _write_shard(
             progress.update(
                 len(result.kept_positions), int(result.doc_text_bytes.sum()), len(first), result.input_bytes
             )
-            if cfg.max_docs is not None and kept >= cfg.max_docs:
+            if cfg.max_documents is not None and kept >= cfg.max_documents:
                 break
         for w in writers.values():
             w.finalize()
@@ -165,7 +165,7 @@ def _manifest(
         filters={
             "min_int_score": cfg.min_int_score,
             "min_chars": cfg.min_chars,
-            "max_docs": cfg.max_docs,
+            "max_documents": cfg.max_documents,
             "on_error": cfg.on_error,
         },
         **({"partitions": cfg.reorders()} if cfg.reorders() else {}),
@@ -255,10 +255,11 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         init_worker(spec, tokenizer)
     progress = Progress(sum(f.size for _, fs, _, _ in todo for f in fs), cfg.log_interval)
     kept = summary["documents"]
+    unreported: list[str] = []  # "shard i: wrote ..." lines, held back until the run has kept a document
     hasher = cf.ThreadPoolExecutor(1)  # input sha256 for the manifests, alongside tokenization
     try:
         for i, shard_files, prefixes, fp in todo:
-            if cfg.max_docs is not None and kept >= cfg.max_docs:
+            if cfg.max_documents is not None and kept >= cfg.max_documents:
                 summary["shards"]["not_written"].append(i)
                 continue
             hashes = {f.path: hasher.submit(file_sha256, f.path) for f in shard_files}
@@ -295,11 +296,11 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             skipped_total.update(shard_skips)
             for reason, wheres in shard_examples.items():
                 examples[reason] = (examples[reason] + wheres)[:EXAMPLES_PER_REASON]
-            print(
-                f"shard {i}: wrote {', '.join(prefixes.values())} ({first_writer.documents:,} docs, "
-                f"{first_writer.tokens:,} tokens)",
-                file=sys.stderr,
-            )
+            unreported.append(f"shard {i}: wrote {', '.join(prefixes.values())} ({first_writer.documents:,} docs, "
+                              f"{first_writer.tokens:,} tokens)")
+            if kept:  # else the run may still end with nothing written (removed, an error)
+                print("\n".join(unreported), file=sys.stderr)
+                unreported.clear()
     finally:
         hasher.shutdown(wait=False, cancel_futures=True)
         if pool is not None:

@@ -1,6 +1,7 @@
 """Megatron-LM's `--find-optimal-num-workers`: time the run with each of `--workers-to-check` worker counts.
 
-Each count tokenizes the first `--max-documents` documents into a temporary folder beside the output,
+Each count tokenizes the first `--max-documents` documents (default 100,000, as Megatron-LM) into a
+temporary folder beside the output,
 removed afterwards; documents per second rank the counts, fastest first, and the best is reported.
 Megatron-LM also leaves the last trial's output at the output prefix; here nothing is written there, so a
 measured run never passes for the real one: run again with the best `--workers`.
@@ -14,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_jreg.data.checks import check_output_prefix
-from megatron_jreg.data.preprocess.config import PreprocessConfig
+from megatron_jreg.data.preprocess.config import TRIAL_DOCUMENTS, PreprocessConfig
 
 
 def find_optimal_num_workers(cfg: PreprocessConfig) -> dict:
@@ -22,7 +23,7 @@ def find_optimal_num_workers(cfg: PreprocessConfig) -> dict:
     from megatron_jreg.data.preprocess.driver import preprocess
 
     folder = check_output_prefix(cfg.output_prefix)
-    limit = min(cfg.max_documents, cfg.max_docs or cfg.max_documents)
+    limit = cfg.max_documents or TRIAL_DOCUMENTS
     trials = []
     with tempfile.TemporaryDirectory(prefix=".find-optimal-num-workers-", dir=folder) as tmp:
         for workers in dict.fromkeys(cfg.workers_to_check):
@@ -31,7 +32,7 @@ def find_optimal_num_workers(cfg: PreprocessConfig) -> dict:
                 cfg,
                 output_prefix=str(Path(tmp) / f"workers{workers}"),
                 workers=workers,
-                max_docs=limit,
+                max_documents=limit,
                 output_shards=1,
                 shard_ids=None,
                 find_optimal_num_workers=False,

@@ -164,7 +164,7 @@ def process_unit(unit: Unit) -> UnitResult:
 
 
 def first_documents(result: UnitResult, n_docs: int) -> UnitResult:
-    """The first `n_docs` (>= 1) kept documents of a unit (--max-docs); later records count as unread."""
+    """The first `n_docs` (>= 1) kept documents of a unit (--max-documents); later records count as unread."""
     if n_docs > len(result.kept_positions):
         return result
     last = int(result.kept_positions[n_docs - 1])
