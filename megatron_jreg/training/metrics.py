@@ -2,22 +2,28 @@
 
 Megatron-LM's own writers are used (its TensorBoard writer on the last rank, its W&B run); this module
 adds JREG's scalars to them, writes `--metrics-file` (one JSON object per record; fields below) and a
-progress line on terminals.
+progress bar on terminals.
 
-Training records: iteration, consumed_samples, lm_loss (mean over the iterations since the previous record;
-Megatron-LM's console also folds its extra first-iteration line into the next one), jreg_loss
-(L_cos = Σ w_ℓ Ψ_ℓ under the training distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1,
-zeta_L-2, lr, grad_norm, iteration_ms, tokens_per_sec, tflops_per_rank. Validation records: iteration,
-split, val_loss, jreg_loss, psi, zeta_*. Ψ and ζ are measured on the logged iteration's batch.
+Training records, one per console line of Megatron-LM: iteration, consumed_samples, lm_loss and
+iteration_ms (the console's own numbers: its `lm loss` window — which, after its extra line for the first
+iteration, still starts at iteration 1 — and its `elapsed time per iteration`), jreg_loss (L_cos = Σ w_ℓ Ψ_ℓ
+under the training distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1, zeta_L-2, lr,
+grad_norm, tokens_per_sec, tflops_per_rank (from iteration_ms, as Megatron-LM's throughput). Ψ and ζ are
+measured on the logged iteration's batch. Validation records, one per evaluation: iteration, split
+("valid" | "test"), final (false for the evaluations every --eval-interval; true for the ones Megatron-LM
+runs after training, "at iteration N on validation/test set", on further batches at the same iteration),
+set (with --multiple-validation-sets: the set's name), val_loss, jreg_loss, psi, zeta_*.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
-import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from megatron_jreg.plugin import JregStats
 
@@ -80,26 +86,98 @@ class MetricsFile:
             self._file = None
 
 
+class _MegatronRateBar(tqdm):
+    """tqdm whose rate (and so its s/it and ETA) is Megatron-LM's elapsed time per iteration, once known."""
+
+    seconds_per_iteration: float | None = None
+
+    @property
+    def format_dict(self) -> dict:
+        values = super().format_dict
+        if self.seconds_per_iteration:
+            values["rate"] = 1.0 / self.seconds_per_iteration
+        return values
+
+
+class _AboveBar:
+    """sys.stdout / sys.stderr while the bar is drawn: each complete line is written above the bar (the bar is
+    cleared, the line written, the bar redrawn), so Megatron-LM's log lines and the bar never overwrite each
+    other on a terminal; a line's start waits for its end. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream, bar: tqdm) -> None:  # noqa: ANN001 - a text stream
+        self._stream, self._bar, self._pending = stream, bar, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self._bar.clear()
+            self._stream.write(lines + "\n")
+            self._stream.flush()
+            self._bar.refresh()
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def release(self):  # noqa: ANN201 - the wrapped stream, with any unfinished line written
+        self._stream.write(self._pending)
+        self._pending = ""
+        return self._stream
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
 class Progress:
-    """A progress line (iteration, rate, ETA) on stderr when it is a terminal, redrawn every iteration."""
+    """A progress bar on stderr: iterations done of --train-iters, with Megatron-LM's elapsed time per
+    iteration (its last console line's) as the rate and the ETA from it.
 
-    def __init__(self, enabled: bool | None, train_iters: int | None, start_iteration: int = 0) -> None:
-        self.enabled = bool(sys.stderr.isatty() if enabled is None else enabled) and bool(train_iters)
+    Default: on when stderr is a terminal and Megatron-LM does not print every iteration itself
+    (--log-interval > 1). While it is drawn, stdout, stderr and the logging handlers that write to them
+    (Megatron-LM's warnings) pass through it line by line (`_AboveBar`).
+    """
+
+    def __init__(self, enabled: bool | None, train_iters: int | None, log_interval: int = 1) -> None:
+        default = sys.stderr.isatty() and log_interval > 1
+        self.enabled = bool(default if enabled is None else enabled) and bool(train_iters)
         self.train_iters = train_iters or 0
-        self.start_iteration = start_iteration
-        self.start = time.time()
+        self._bar: _MegatronRateBar | None = None
+        self._streams: tuple | None = None
+        self._handlers: list[tuple[logging.StreamHandler, object]] = []
 
-    def update(self, iteration: int) -> None:
-        if not self.enabled:
+    def start(self, iteration: int) -> None:
+        """At the run's first step (after setup; `iteration` > 0 on a resume)."""
+        if not self.enabled or self._bar is not None:
             return
-        done = iteration - self.start_iteration
-        elapsed = time.time() - self.start
-        left = max(self.train_iters - iteration, 0)
-        eta = elapsed / max(done, 1) * left
-        frac = iteration / max(self.train_iters, 1)
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r[{bar:<30}] {iteration}/{self.train_iters} ({100 * frac:.0f}%) "
-                         f"{elapsed / max(done, 1):.2f} s/it, ETA {eta:,.0f} s\033[K")
-        if left == 0:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        self._streams = (sys.stdout, sys.stderr)
+        self._bar = _MegatronRateBar(total=self.train_iters, initial=iteration, desc="train", unit="it",
+                                     file=sys.stderr, dynamic_ncols=True, mininterval=0.5, leave=True)
+        above = {id(s): _AboveBar(s, self._bar) for s in self._streams}
+        sys.stdout, sys.stderr = above[id(self._streams[0])], above[id(self._streams[1])]
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}:
+            if isinstance(handler, logging.StreamHandler) and id(vars(handler).get("stream")) in above:
+                self._handlers.append((handler, handler.setStream(above[id(handler.stream)])))
+
+    def update(self, iteration: int, seconds_per_iteration: float | None = None) -> None:
+        if self._bar is None:
+            return
+        if seconds_per_iteration:
+            self._bar.seconds_per_iteration = seconds_per_iteration
+        self._bar.update(iteration - self._bar.n)
+        if iteration >= self.train_iters:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is None:
+            return
+        self._bar.close()
+        self._bar = None
+        for handler, stream in self._handlers:
+            handler.setStream(stream)
+        self._handlers.clear()
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, _AboveBar):
+                stream.release()
+        sys.stdout, sys.stderr = self._streams
