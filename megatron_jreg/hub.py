@@ -2,14 +2,15 @@
 
 `analyze --model`, `evaluate --hf` and `convert` take either a local path or a hub id (`org/name`,
 `org/name@REVISION`, `org/name/sub/file.gguf`). A hub id is answered from the cache that `hf download`
-and `from_pretrained` fill, laid out as
+and `from_pretrained` fill, by huggingface_hub itself (`snapshot_download(local_files_only=True)`: its cache
+folder, refs and completeness check; it never downloads then). The cache is laid out as
 
     <cache>/models--org--name/refs/main             the commit hash the branch points to
     <cache>/models--org--name/snapshots/<hash>/...  the files of that commit (symlinks into blobs/)
 
-with <cache> = $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
-~/.cache/huggingface/hub (huggingface_hub's own order). Nothing is ever downloaded: a model that is not
-there is one error line naming the cache folder searched and the command that fills it.
+What huggingface_hub does not do is added: a revision may be a commit-hash prefix, a cache copied without
+refs/ whose one snapshot is unambiguous is used, a snapshot file whose blob is missing is named, and a
+model that is not there is one error line naming the cache folder searched, what it holds, and the fix.
 
 `load_causal_lm` is the one place where a Hugging Face folder becomes a model: transformers only logs
 weights that are missing from the files (and initialises them randomly) or present but unused, so a
@@ -20,7 +21,6 @@ such a folder instead, naming the keys.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,18 +48,16 @@ class BadConfigError(ModelFileError):
 
 
 def hub_cache() -> Path:
-    """The Hugging Face hub cache folder, by the environment variables huggingface_hub reads."""
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(variable):
-            return Path(os.environ[variable]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "huggingface" / "hub"
+    """huggingface_hub's cache folder ($HF_HUB_CACHE, else $HF_HOME/hub, ..., as it read them at import)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
 def _repo_folder(repo_id: str) -> str:
-    return "models--" + repo_id.replace("/", "--")
+    from huggingface_hub.file_download import repo_folder_name
+
+    return repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 def _looks_like_id(spec: str) -> bool:
@@ -92,40 +90,39 @@ def _split(spec: str) -> list[tuple[str, str | None, str]]:
     return out
 
 
-def _snapshot(repo_dir: Path, repo_id: str, revision: str | None, flag: str) -> Path:
-    """The snapshot folder of `revision` (a branch or tag in refs/, or a commit hash or its prefix)."""
+def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Path:
+    """The snapshot folder of `revision` (a branch or tag in refs/, or a commit hash or its prefix), found by
+    huggingface_hub's `snapshot_download(local_files_only=True)`; why not, in one line, when it finds none."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_dir = cache / _repo_folder(repo_id)
     snapshots = repo_dir / "snapshots"
     available = sorted(p.name for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    named = revision or "main"
+    commit = named
+    if not (repo_dir / "refs" / named).is_file():  # what huggingface_hub does not resolve itself
+        matches = [h for h in available if h.startswith(revision)] if revision else available
+        commit = matches[0] if len(matches) == 1 else named  # a hash prefix; a copy without refs/
+    try:
+        return Path(snapshot_download(repo_id, revision=commit, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as e:  # ValueError: an id huggingface_hub does not accept
+        reason = " ".join(str(e).split())
+    shown = ", ".join(h[:12] for h in available)
     if not available:
-        raise HubError(
-            f"{flag} {repo_id}: {repo_dir} holds no snapshot (an interrupted download); run "
-            f"`hf download {repo_id}` on a machine with internet and copy {repo_dir} here"
-        )
-    ref = repo_dir / "refs" / (revision or "main")
-    if ref.is_file():
-        commit = ref.read_text(encoding="utf-8").strip()
+        why = f"{repo_dir} holds no snapshot (an interrupted download)"
+    elif "incomplete" in reason:
+        why = reason.split(". ")[0]  # huggingface_hub's cached file listing names the missing files
+    elif (repo_dir / "refs" / named).is_file():
+        target = (repo_dir / "refs" / named).read_text(encoding="utf-8").strip()
+        why = f"refs/{named} points to commit {target[:12]}, which is not in {snapshots}"
     elif revision is not None:
-        matches = [h for h in available if h.startswith(revision)]
-        if len(matches) != 1:
-            raise HubError(
-                f"{flag} {repo_id}@{revision}: no such branch, tag or commit in {repo_dir} "
-                f"(snapshots: {', '.join(h[:12] for h in available)}); use one of these"
-            )
-        commit = matches[0]
-    elif len(available) == 1:
-        commit = available[0]  # a cache copied without refs/: one snapshot is unambiguous
+        why = f"no such branch, tag or commit in {repo_dir} (snapshots: {shown})"
     else:
-        raise HubError(
-            f"{flag} {repo_id}: {repo_dir} has no refs/main and {len(available)} snapshots; choose one with "
-            f"{repo_id}@COMMIT ({', '.join(h[:12] for h in available)})"
-        )
-    folder = snapshots / commit
-    if not folder.is_dir():
-        raise HubError(
-            f"{flag} {repo_id}: refs/{revision or 'main'} points to commit {commit[:12]}, which is not in "
-            f"{snapshots}; download that revision again or pass {repo_id}@COMMIT of a snapshot that is there"
-        )
-    return folder
+        why = f"{repo_dir} has no refs/main and {len(available)} snapshots; choose one with {repo_id}@COMMIT ({shown})"
+    raise HubError(f"{flag} {repo_id}{f'@{revision}' if revision else ''}: {why}; run `hf download {repo_id}"
+                   f"{f' --revision {revision}' if revision else ''}` on a machine with internet and copy "
+                   f"{repo_dir} here, or pass {repo_id}@COMMIT of a snapshot that is there") from None
 
 
 def _check_links(folder: Path, flag: str, repo_id: str) -> None:
@@ -150,10 +147,9 @@ def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) 
     cache = cache or hub_cache()
     readings = _split(text)
     for repo_id, revision, rest in readings:
-        repo_dir = cache / _repo_folder(repo_id)
-        if not repo_dir.is_dir():
+        if not (cache / _repo_folder(repo_id)).is_dir():
             continue
-        folder = _snapshot(repo_dir, repo_id, revision, flag)
+        folder = _snapshot(cache, repo_id, revision, flag)
         _check_links(folder, flag, repo_id)
         target = folder / rest if rest else folder
         if not target.exists():

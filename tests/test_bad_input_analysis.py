@@ -379,7 +379,9 @@ def run(command: str, argv: list[str]) -> tuple[int, str]:
 
 @pytest.fixture
 def case_inputs(inputs, tmp_path, monkeypatch) -> Inputs:
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))  # hub ids: none cached
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,24 +50,24 @@ def model_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(variable, raising=False)
+    """A fresh hub cache, as huggingface_hub reads HF_HUB_CACHE when it is imported."""
+    from huggingface_hub import constants
+
     root = tmp_path / "hf-cache"
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     return root
 
 
-def test_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert hub.hub_cache() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hub.hub_cache() == tmp_path / "xdg" / "huggingface" / "hub"
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    assert hub.hub_cache() == tmp_path / "hf-home" / "hub"
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "explicit"))
-    assert hub.hub_cache() == tmp_path / "explicit"
+def test_cache_location_is_huggingface_hubs(tmp_path):
+    """The folder huggingface_hub itself uses, by its environment variables (read in a fresh process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "XDG_"))}
+    script = "from megatron_jreg import hub; print(hub.hub_cache())"
+    for extra, expected in (({"HOME": str(tmp_path)}, tmp_path / ".cache" / "huggingface" / "hub"),
+                            ({"HF_HOME": str(tmp_path / "h")}, tmp_path / "h" / "hub"),
+                            ({"HF_HUB_CACHE": str(tmp_path / "x")}, tmp_path / "x")):
+        out = subprocess.run([sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        assert Path(out) == expected
 
 
 def test_resolve_snapshots_revisions_and_files(model_folder, cache, tmp_path, monkeypatch):
