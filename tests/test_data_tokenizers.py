@@ -49,8 +49,8 @@ def test_hf_bpe_fast_path_matches_tokenizers_library(hf_bpe):
     assert tok.detokenize(tok.tokenize(TRICKY[2])) == TRICKY[2]
 
 
-def test_llama3_style_tokenizer_json_with_bos_template(hf_bpe, tmp_path):
-    """Split+ByteLevel pre-tokenizer and a BOS post-processor also run on tiktoken, with the BOS added."""
+def _llama3_style(hf_bpe: str, folder: Path):  # noqa: ANN202 - (tokenizers.Tokenizer, BOS id)
+    """hf_bpe with Llama-3's Split+ByteLevel pre-tokenizer and a BOS post-processor, saved in `folder`."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers, processors
 
     hf = Tokenizer.from_file(f"{hf_bpe}/tokenizer.json")
@@ -71,12 +71,40 @@ def test_llama3_style_tokenizer_json_with_bos_template(hf_bpe, tmp_path):
             ),
         ]
     )
-    hf.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return hf, bos
+
+
+def test_llama3_style_tokenizer_json_with_bos_template(hf_bpe, tmp_path):
+    """Split+ByteLevel pre-tokenizer and a BOS post-processor also run on tiktoken, with the BOS added."""
+    hf, bos = _llama3_style(hf_bpe, tmp_path)
     tok = HuggingFaceTokenizer(tmp_path)
     assert tok.backend == "tiktoken"
     assert [tok.tokenize(t) for t in TRICKY] == [hf.encode(t).ids for t in TRICKY]
     assert tok.tokenize("hello")[0] == bos and tok.vocab_size == 1001
+
+
+@pytest.mark.parametrize("flags", ["", "--tokenizer-hf-no-include-special-tokens",
+                                   "--tokenizer-special-tokens <|user|> <|assistant|>"])
+def test_checkpoint_readers_tokenize_as_megatron_lms_builder_on_the_saved_args(hf_bpe, tmp_path, flags):
+    """analyze/evaluate/convert rebuild the run's tokenizer from its saved args: every tokenizer option the run
+    had applies, and the ids equal Megatron-LM's own builder (megatron.core) on the same args."""
+    import argparse
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
+    from megatron.training.arguments import _add_tokenizer_args
+
+    from megatron_jreg.checkpoints.model import tokenizer_from_args
+
+    _llama3_style(hf_bpe, tmp_path)
+    argv = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path), *flags.split()]
+    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(argv)  # as Megatron-LM saves them
+    args.pad_vocab_size, args.metadata_path = False, None
+    ours, theirs = tokenizer_from_args(args), megatron_build(args)
+    texts = [*TRICKY, "<|user|>hi<|assistant|>hello"]
+    assert [ours.tokenize(t) for t in texts] == [list(theirs.tokenize(t)) for t in texts]
+    assert ours.eod == theirs.eod
 
 
 def test_unconvertible_tokenizer_falls_back_to_tokenizers(hf_bpe, tmp_path):

@@ -277,15 +277,23 @@ def test_answers_end_at_a_stop_token_a_turn_marker_or_the_window(hf_model):
     tok = AutoTokenizer.from_pretrained(hf_model)
     script = tok.encode("Sure.\n<|user|>\nmore", add_special_tokens=False)
 
-    def scripted(eos_at: int | None):  # noqa: ANN202
-        def logits(tokens: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(*tokens.shape, len(tok))
-            for row in range(tokens.shape[0]):
-                step = int((tokens[row] != 0).sum()) - 3  # prompts are 3 tokens long
-                nxt = tok.eos_token_id if step == eos_at else script[min(step, len(script) - 1)]
-                out[row, :, nxt] = 1.0
+    class Scripted:  # a Decoder whose next token is the script's, by the row's length
+        def __init__(self, eos_at: int | None) -> None:
+            self.eos_at, self.length = eos_at, 0
+
+        def __call__(self, batch: int, length: int) -> Scripted:
+            return self
+
+        def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.length += tokens.shape[1]
+            step = self.length - 3  # prompts are 3 tokens long
+            nxt = tok.eos_token_id if step == self.eos_at else script[min(step, len(script) - 1)]
+            out = torch.zeros(tokens.shape[0], len(tok))
+            out[:, nxt] = 1.0
             return out
-        return logits
+
+    def scripted(eos_at: int | None) -> Scripted:
+        return Scripted(eos_at)
 
     model = ChatModel(None, tok, None, "simple", {tok.eos_token_id}, SIMPLE_STOP_TEXTS)
     prompts = [[5, 6, 7]]

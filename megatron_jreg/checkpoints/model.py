@@ -122,7 +122,12 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
 
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
-    """The run's tokenizer (megatron_jreg.data.tokenizers), or None for NullTokenizer / mock runs."""
+    """The run's tokenizer, or None for NullTokenizer / mock runs: megatron_jreg.data.tokenizers, the
+    implementation preprocess writes the data with (ids equal to Megatron-LM's, tested against megatron-core's
+    tokenizers), built with every tokenizer option the run saved in its args, as Megatron-LM's builder takes
+    them. Not Megatron-LM's builder itself: its GPT2BPETokenizer loads gpt2 from the Hub even with local
+    vocab/merges files (offline: "couldn't connect to 'https://huggingface.co'"), and it would run a
+    tokenizer's own code under the run's --trust-remote-code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     kind = getattr(args, "tokenizer_type", None)
@@ -131,9 +136,18 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
     if kind == "SFTTokenizer":  # Megatron-LM's SFT wrapper is a HuggingFace tokenizer plus a prompt format
         kind = "HuggingFaceTokenizer"
     model = tokenizer_model or getattr(args, "tokenizer_model", None)
+    options = {  # our keyword: Megatron-LM's arg (its --tokenizer-* flags), where the run saved one
+        "tiktoken_pattern": "tiktoken_pattern", "tiktoken_num_special_tokens": "tiktoken_num_special_tokens",
+        "vocab_size": "vocab_size", "special_tokens": "special_tokens",
+        "sentencepiece_legacy": "tokenizer_sentencepiece_legacy",
+        "sentencepiece_ignore_extra_whitespaces": "tokenizer_sentencepiece_ignore_extra_whitespaces",
+    }
+    kwargs = {ours: getattr(args, name) for ours, name in options.items() if getattr(args, name, None) is not None}
+    if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
+        kwargs["include_special_tokens"] = False
     try:
         return build_tokenizer(kind, model, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
-                               vocab_size=getattr(args, "vocab_size", None))
+                               **kwargs)
     except (ValueError, OSError, KeyError) as e:
         raise CheckpointError(f"tokenizer of the run ({kind} {model}): {e}; pass the tokenizer's current path "
                               "(--tokenizer)") from None

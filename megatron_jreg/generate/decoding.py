@@ -1,18 +1,26 @@
-"""Batched greedy or sampled decoding over any `CausalLM` (megatron_jreg.evaluate.models).
+"""Batched greedy or sampled decoding with the model's own key/value cache.
 
-`CausalLM.logits` takes right-padded rows and is causal, so a batch of prompts of different lengths runs as
-one tensor: each row's next token is read at its own last position, and the padding after it is never
-seen by it. Each step recomputes the whole prefix (the interface has no key/value cache): simple and exact,
-and cheap at the sizes generate serves on a CPU; cost grows with the square of the answer length.
+The cache is the library's: transformers' (the `Cache` a Hugging Face model builds for itself, as in its
+`generate`) for a Hugging Face folder, megatron-core's `StaticInferenceContext` (its static-batching
+inference path) for a checkpoint. A batch advances in lockstep, one position for every row per step, as
+megatron-core's static batching does: from the shortest prompt on, a row still inside its prompt is fed its
+next prompt token, the others their last generated one, and a finished row padding; so every row's cache
+holds exactly its own tokens (no padding before them, no attention mask) and each step costs one token per
+row instead of the whole prefix (`benchmarks/generate_kv_cache.py`).
 
-Sampling draws each row from its own `torch.Generator` (seeded per question by the caller), so a question's
-answer depends on the seed and the question only, not on which batch it ran in or whether the run resumed.
+The loop itself is ours, not `transformers.generate` or megatron-core's text generation controller: each
+question draws from its own `torch.Generator` (seeded per question by the caller), so its answer depends on
+the seed and the question only, not on its batch or a resume (`generate`'s sampling draws the whole batch
+from the global RNG; megatron-core's controller is deprecated with the static engine, whose replacement
+needs CUDA); and one loop serves both model kinds, with the same stop rules.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -48,8 +56,59 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch
     return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators)]
 
 
+class Decoder(Protocol):
+    """A batch of sequences advanced together through a model's key/value cache."""
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens[n, t] int64: the next t positions of every row → logits[n, V'] (float32) at the last of them."""
+        ...
+
+
+class HFDecoder:
+    """A Hugging Face causal LM with the cache it builds for itself on the first call (transformers' own)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._cache = None
+        self._device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=tokens.to(self._device), use_cache=True, **{self._cache_arg: self._cache},
+                         **self._last_only)
+        self._cache = out.get("cache", out.get("past_key_values"))
+        return out.logits[:, -1].float().cpu()
+
+
+class MegatronDecoder:
+    """A megatron-core GPTModel with its static-batching KV cache (`StaticInferenceContext`): every layer keeps
+    keys and values for `length` positions of `batch` rows; only the last position's logits are computed."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, length: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model = model
+        self.context = StaticInferenceContext(batch, length)
+        self._device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        from megatron.core.inference.utils import InferenceMode
+
+        start, t = self.context.sequence_len_offset, tokens.shape[1]
+        positions = torch.arange(start, start + t, device=self._device).unsqueeze(0).expand(tokens.shape[0], t)
+        with InferenceMode.active():  # megatron-core's inference path: the last position's logits only
+            out = self.model(tokens.to(self._device), positions, None, inference_context=self.context,
+                             runtime_gather_output=True)
+        self.context.sequence_len_offset += t
+        return out[:, -1].float().cpu()
+
+
 def complete(
-    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    open_decoder: Callable[[int, int], Decoder],
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
@@ -64,36 +123,42 @@ def complete(
     """Continue every prompt (token ids, each shorter than `window`) until a stop id, `max_new_tokens`, a
     full context `window`, or `stopped(row, generated_ids)` says so (e.g. a stop text appeared).
 
-    logits_fn: tokens[n, t] int64 (right-padded with `pad_id`) → logits[n, t, V' >= vocab_size]; columns from
-    `vocab_size` on (megatron's padded vocabulary) never win."""
-    rows = [list(p) for p in prompts]
+    open_decoder(batch, length): a `Decoder` for `batch` rows of at most `length` positions. Logit columns
+    from `vocab_size` on (megatron's padded vocabulary) never win; `pad_id` feeds finished rows."""
     out = [Completion([], "length") for _ in prompts]
     generators = generators or [None] * len(prompts)
-    active = [i for i, p in enumerate(rows) if len(p) < window]
-    for i in set(range(len(rows))) - set(active):
+    batch = [i for i, p in enumerate(prompts) if len(p) < window]
+    for i in set(range(len(prompts))) - set(batch):
         out[i].finish = "window"
-    for _ in range(max_new_tokens):
-        if not active:
-            break
-        lengths = torch.tensor([len(rows[i]) for i in active])
-        batch = torch.full((len(active), int(lengths.max())), pad_id, dtype=torch.int64)
-        for k, i in enumerate(active):
-            batch[k, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.int64)
-        logits = logits_fn(batch)
-        last = logits[torch.arange(len(active)), lengths.to(logits.device) - 1, :vocab_size].float().cpu()
-        chosen = next_tokens(last, sampling, [generators[i] for i in active])
-        still = []
-        for i, token in zip(active, chosen):
-            if token in stop_ids:
-                out[i].finish = "stop"
-                continue
-            rows[i].append(token)
-            out[i].ids.append(token)
-            if stopped is not None and stopped(i, out[i].ids):
-                out[i].finish = "stop"
-            elif len(rows[i]) >= window:
-                out[i].finish = "window"
-            else:
-                still.append(i)
-        active = still
+    if not batch or max_new_tokens < 1:
+        return out
+    length = max(min(len(prompts[i]) + max_new_tokens, window) for i in batch)
+    decoder = open_decoder(len(batch), length)
+    pos = min(len(prompts[i]) for i in batch)  # the position the logits predict, in every row
+    logits = decoder.extend(torch.tensor([prompts[i][:pos] for i in batch], dtype=torch.int64))
+    running = set(batch)
+    while running:
+        generating = [k for k, i in enumerate(batch) if i in running and pos >= len(prompts[i])]
+        chosen = dict(zip(generating, next_tokens(logits[generating, :vocab_size], sampling,
+                                                  [generators[batch[k]] for k in generating])))
+        feed = []
+        for k, i in enumerate(batch):
+            token = prompts[i][pos] if i in running and pos < len(prompts[i]) else chosen.get(k, pad_id)
+            if k in chosen:
+                if token in stop_ids:
+                    out[i].finish, token = "stop", pad_id
+                else:
+                    out[i].ids.append(token)
+                    if stopped is not None and stopped(i, out[i].ids):
+                        out[i].finish = "stop"
+                    elif len(prompts[i]) + len(out[i].ids) >= window:
+                        out[i].finish = "window"
+                    elif len(out[i].ids) < max_new_tokens:
+                        feed.append(token)
+                        continue
+                running.discard(i)
+            feed.append(token)
+        if running:
+            logits = decoder.extend(torch.tensor(feed, dtype=torch.int64).unsqueeze(1))
+            pos += 1
     return out

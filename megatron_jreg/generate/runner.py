@@ -2,8 +2,9 @@
 
 Both model kinds go through the evaluator's `CausalLM` (megatron_jreg.evaluate.models): `load_hf_lm` for a
 Hugging Face folder, `MegatronCausalLM` over `load_megatron_model` for a checkpoint (any saved layout, run
-at TP=1/PP=1 in this process). The chat side is always a Hugging Face tokenizer — the folder's own, or the
-run's `--tokenizer-model` (HuggingFaceTokenizer or SFTTokenizer runs; Megatron-LM's SFTTokenizer renders
+at TP=1/PP=1 in this process); answers are decoded with each one's own KV cache (generate/decoding.py).
+The chat side is always a Hugging Face tokenizer — the folder's own, or the run's `--tokenizer-model`
+(HuggingFaceTokenizer or SFTTokenizer runs; Megatron-LM's SFTTokenizer renders
 conversations with it too) — so a conversation is tokenized the way `--sft` trained on it:
 `apply_chat_template(messages, add_generation_prompt=True)`, what SFTTokenizer's inference path calls.
 
@@ -17,13 +18,15 @@ import hashlib
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from megatron_jreg.generate.config import ConfigError, GenerateConfig
-from megatron_jreg.generate.decoding import Sampling, complete
+from megatron_jreg.generate.decoding import Decoder, HFDecoder, MegatronDecoder, Sampling, complete
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
 
 _HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
@@ -31,7 +34,7 @@ _HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 
 @dataclass
 class ChatModel:
-    """A CausalLM with the Hugging Face tokenizer that renders its chats."""
+    """A CausalLM with the Hugging Face tokenizer that renders its chats, and its KV-cache decoder."""
 
     lm: object  # megatron_jreg.evaluate.models.CausalLM
     tokenizer: object  # transformers tokenizer
@@ -39,6 +42,8 @@ class ChatModel:
     template_name: str
     stop_ids: set[int]
     stop_texts: tuple[str, ...] = ()
+    # (batch, length) -> the model's KV-cache decoder: transformers' cache or megatron-core's static context
+    decoder: Callable[[int, int], Decoder] | None = None
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation so far plus the assistant header."""
@@ -99,6 +104,7 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         lm = load_hf_lm(cfg.hf, cfg.device, cfg.dtype)
         tokenizer = lm.tokenizer
         stop = {lm.eod} | _generation_eos(Path(cfg.hf))
+        decoder = lambda batch, length: HFDecoder(lm.model)  # noqa: E731 - the model sizes its own cache
     else:
         from megatron_jreg.checkpoints import load_megatron_model
         from megatron_jreg.data.tokenizers import build_tokenizer
@@ -123,6 +129,7 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
                               "embedding rows; give the tokenizer the checkpoint was trained with")
         lm = MegatronCausalLM(loaded)
         stop = {lm.eod}
+        decoder = partial(MegatronDecoder, loaded.model)
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     template, name, stop_texts = _template(cfg, tokenizer)
@@ -130,7 +137,7 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == 1:
             stop.add(int(ids[0]))
-    return ChatModel(lm, tokenizer, template, name, stop, stop_texts)
+    return ChatModel(lm, tokenizer, template, name, stop, stop_texts, decoder)
 
 
 @dataclass
@@ -181,7 +188,7 @@ def answer_batch(
                 ids = ids[len(ids) - window + 1:]
                 summary.truncated_prompts += 1
             prompts.append(ids)
-        done = complete(model.lm.logits, prompts, max_new_tokens=cfg.max_new_tokens, window=window,
+        done = complete(model.decoder, prompts, max_new_tokens=cfg.max_new_tokens, window=window,
                         vocab_size=int(model.lm.vocab_size), stop_ids=model.stop_ids, sampling=sampling,
                         generators=[generators[i] for i in rows], stopped=model.stopped, pad_id=int(model.lm.eod))
         for i, result in zip(rows, done):
