@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,3 +353,13 @@ def test_configuration_errors_name_the_flag(bpe, articles, tmp_path):
         _run(bpe, src, tmp_path / "x", workers=0)
     with pytest.raises(ValueError, match="--keep-newlines only applies with --split-sentences"):
         _run(bpe, src, tmp_path / "x", keep_newlines=True)
+
+
+def test_progress_line_eta_counts_hours_past_a_day():
+    """A long shard's ETA (tqdm's format): 99 hours, not 99 mod 24."""
+    from megatron_jreg.data.preprocess.progress import Progress
+
+    progress = Progress(total_input_bytes=100, interval=1)
+    progress.start -= 3600  # one hour in, 1 % of the input read
+    progress.update(docs=1, text_bytes=10, tokens=3, input_bytes=1)
+    assert re.search(r"input 1\.0% ETA 99:0[01]:\d\d$", progress.line()), progress.line()  # 99 h (+ test time)
