@@ -82,7 +82,7 @@ def test_tensorboard_has_megatron_lm_scalars_and_jreg(runs):
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
     assert {"lm loss", "learning-rate", "lm loss validation"} <= scalars  # Megatron-LM's own
-    assert {"jreg/jreg_loss", "jreg/zeta_L", "jreg-validation/zeta_L"} <= scalars
+    assert {"jreg/jreg_loss", "jreg/zeta_L", "jreg-validation/zeta_L", "jreg-validation-final/zeta_L"} <= scalars
     assert {f"jreg/psi_layer_{ell:03d}" for ell in range(1, 5)} <= scalars
     assert [e.step for e in acc.Scalars("jreg/jreg_loss")] == [1, 2, 3, 4]
     assert "jreg/psi_per_layer" in acc.Tags()["histograms"]

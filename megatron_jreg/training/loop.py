@@ -201,7 +201,8 @@ class JregLoop:
             print_rank_last(f" validation{f'-{name}' if name else ''} JREG at {prefix} |{console_suffix(stats)}")
             self.metrics.write({"iteration": iteration, "split": split, "final": final,
                                 **({"set": name} if name else {}), "val_loss": val_loss, **jreg_fields(stats)})
-            group = "jreg-validation" if split == "valid" else "jreg-test"
+            # W&B keeps one value per key and step: the post-training validation gets keys of its own
+            group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
             write_scalars(stats, iteration, f"{group}-{name}" if name else group)
         self.evaluations = []
         return result
