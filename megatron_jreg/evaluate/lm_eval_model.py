@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     force_offline()
     from lm_eval.__main__ import cli_evaluate
 
+    saved = sys.argv  # lm-eval's CLI reads sys.argv; the caller's is restored (Megatron-LM re-reads it later)
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.code == 0 and {"-h", "--help"} & set(sys.argv):
             print(f"\nexample:\n  {EXAMPLE}")
         return int(e.code or 0)
+    finally:
+        sys.argv = saved
     return 0
 
 
