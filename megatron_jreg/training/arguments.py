@@ -110,7 +110,8 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON object per logged iteration and validation (Ψ, ζ, losses) here")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="a progress line on stderr (default: when stderr is a terminal)")
+                   help="a progress bar on stderr, its rate Megatron-LM's elapsed time per iteration (default: when "
+                        "stderr is a terminal and --log-interval > 1)")
     g.add_argument("--init-mode", choices=["megatron", "layout-independent"], default="megatron",
                    help="layout-independent: draw every weight from its global tensor, so one seed gives one "
                         "model at every TP/PP/VPP layout (default: Megatron-LM's own init)")
