@@ -1,29 +1,51 @@
-"""JREG on megatron-core: collect (h_in, h_out) of every TransformerLayer and add λ·Σ w_ℓ Ψ_ℓ to backward.
+"""JREG on megatron-core: collect (h_in, h_out) of every decoder layer and add λ·Σ w_ℓ Ψ_ℓ to backward.
 
 How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
-- A forward hook on each `TransformerLayer` this rank owns sees the layer's input and output. With
-  grad enabled it computes the layer's term λ·w_ℓ·Ψ_ℓ and attaches it to the *layer output* through a
-  small autograd function, so its gradient enters backward on the stage that owns layer ℓ and flows on
-  into the activations received from the previous pipeline stage.
-- Global layer numbers come from `TransformerLayer.layer_number` (megatron computes it for pipeline
-  stages, virtual stages and uneven first/last stages), so w_ℓ is right on every rank.
-- Scaling follows megatron's main loss: ×loss-scale of the optimizer, /num_microbatches, ×CP size
-  (DDP averages gradients over DP×CP); with `calculate_per_token_loss` the term is a token *sum* and
-  megatron's division by the global token count makes it the token mean.
+- A forward hook on each decoder `TransformerLayer` this rank owns sees the layer's input and output.
+  With grad enabled it computes the layer's term λ·w_ℓ·Ψ_ℓ and attaches it to the *layer output*
+  through a small autograd function, so its gradient enters backward on the stage that owns layer ℓ
+  and flows on into the activations received from the previous pipeline stage.
+- Which layers: exactly the decoder's L layers, `decoder.layers` of each model chunk, numbered by their
+  place in the decoder: ℓ = the chunk's layer offset (`get_transformer_layer_offset`, which knows pipeline
+  and virtual stages, uneven first/last stages and `--pipeline-model-parallel-layout`) + position + 1.
+  Not `layer_number`: a multi-token-prediction block holds TransformerLayers of its own (layer_number 1),
+  which are not among the decoder's L layers and are not hooked (Ψ, ζ and the penalty exclude them).
+- Per microbatch: what the hook needs about its microbatch (which tokens are real, how many real and
+  loss tokens it has, the step's scale) is captured when the model chunk's forward starts
+  (`set_token_mask` before it) and travels with that microbatch. A layer whose forward is checkpointed
+  (full recompute) runs once without grad and again in backward: the first pass only queues its
+  microbatch on the layer, and the recompute — outside any chunk forward, in backward — takes the
+  oldest queued one. Megatron's schedules (no pipelining, 1F1B, interleaved) run each chunk's backwards
+  in the order of its forwards, so in any schedule the recompute sees the mask of the microbatch it
+  recomputes, and Ψ is recorded once (in the pass that computes it).
+- Scaling follows megatron's main loss: ×loss-scale of the optimizer; without per-token loss
+  /num_microbatches ×CP size (DDP averages gradients over DP×CP).
+- Normalisation: Ψ_ℓ of a microbatch is a mean over its *real* tokens (SFT: all but the end padding),
+  whatever the loss mask. Each microbatch's term is weighted across microbatches exactly like its
+  cross-entropy: equally without `calculate_per_token_loss` (megatron averages per-microbatch means),
+  and by its loss-token count N_loss with it — the term is λ·w_ℓ·Ψ_ℓ·N_loss, which megatron's final
+  division by the step's global loss-token count turns into λ·Σ_ℓ w_ℓ Ψ_ℓ with Ψ_ℓ the loss-token
+  weighted mean of the microbatches' real-token means (as megatron-core scales its MTP loss). The
+  gradient is thus λ·Σ w_ℓ ∇Ψ_ℓ in both modes, never inflated by N_real/N_loss; with one microbatch, or
+  microbatches of equal loss-token counts, both modes give the same penalty. Unmasked pretraining
+  batches (every token real and a loss token) make it the global token mean. `set_token_mask(...,
+  loss_tokens=N)` gives N; without it N_loss = N_real. The logged Ψ is the plain mean over microbatches.
 - Tokens: with sequence or context parallelism a rank holds a slice of the tokens. Each rank attaches
-  S_local/N where N is the token count of the whole (unsplit) microbatch, so the gradient of each slice
-  is exactly its share of ∂Ψ/∂h. Without sequence parallelism hidden states are replicated over TP and
-  every TP rank computes the same full term (as megatron does for the cross-entropy).
-- Full activation recomputation: the first (no-grad) forward of a checkpointed layer does nothing; the
-  recompute does the work, so no activation is kept beyond what recompute keeps.
+  S_local/N where N is the real-token count of the whole (unsplit) microbatch, so the gradient of each
+  slice is exactly its share of ∂Ψ/∂h. Without sequence parallelism hidden states are replicated over TP
+  and every TP rank computes the same full term (as megatron does for the cross-entropy).
 - Logging: detached per-layer shares are summed over the microbatches and reduced with ONE all-reduce of
   an [L] vector over all ranks per step, so every rank reports the same Ψ, ζ and L_cos.
 - λ = 0: no hooks are installed except on steps that record Ψ for logging (detached, no graph).
+- Not seen: schedules that call a layer's parts instead of its forward (`--overlap-moe-expert-parallel-comm`)
+  and CUDA-graph replays run no forward hooks; `megatron-jreg train` refuses them.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -95,9 +117,26 @@ def attach_loss(output: Tensor, term: Tensor) -> Tensor:
     return make_viewless_tensor(out, requires_grad=True, keep_graph=True)
 
 
-def transformer_layers(model_chunks: list[torch.nn.Module]) -> list[TransformerLayer]:
-    """All TransformerLayers of this rank's model chunks (virtual pipeline stages included)."""
-    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, TransformerLayer]]:
+    """(ℓ, layer) for the decoder layers of this rank's model chunks, ℓ = 1..L by place in the decoder.
+
+    A chunk without a `decoder` (not a GPT model) holds none; MTP blocks are not part of the decoder.
+    """
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.utils import get_attr_wrapped_model, get_pg_rank
+
+    out = []
+    for chunk in model_chunks:
+        try:
+            decoder = get_attr_wrapped_model(chunk, "decoder")
+        except RuntimeError:
+            continue
+        if decoder is None:
+            continue
+        offset = get_transformer_layer_offset(decoder.config, decoder.vp_stage, get_pg_rank(decoder.pg_collection.pp))
+        out += [(offset + i + 1, layer) for i, layer in enumerate(decoder.layers)
+                if isinstance(layer, TransformerLayer)]
+    return out
 
 
 def sequence_split_mask(mask: Tensor | None, tp_rank: int, tp_size: int) -> Tensor | None:
@@ -110,29 +149,45 @@ def sequence_split_mask(mask: Tensor | None, tp_rank: int, tp_size: int) -> Tens
     return rows.chunk(tp_size, dim=0)[tp_rank].contiguous()
 
 
+@dataclass
+class Microbatch:
+    """What the hooks need about one microbatch, fixed when its forward starts."""
+
+    mask: Tensor | None  # [s_local, b] rows this rank holds, True = real token; None = all real
+    real: Tensor | float | None  # real tokens of the whole microbatch (all slices); None = every token
+    loss: Tensor | float | None  # its loss tokens (weighting under per-token loss); None = `real`
+    scale: Tensor | float  # the step's scale: loss scale (/num_microbatches ×CP without per-token loss)
+
+
 class JregPlugin:
     """Attach JREG to megatron-core model chunks; see the module docstring for the mechanics.
 
     Per training step: `start_step(num_microbatches, record=...)`, run megatron's forward-backward
-    (calling `set_token_mask` in the forward-step function when batches have padding), then
-    `finish_step()` for the Ψ/ζ/L_cos of the step (collective: every rank must call it).
+    (calling `set_token_mask` in the forward-step function before the model runs, when batches have
+    padding or, under per-token loss, a loss mask), then `finish_step()` for the Ψ/ζ/L_cos of the step
+    (collective: every rank must call it).
     """
 
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
-        self.layers = transformer_layers(model_chunks)
-        if not self.layers and not model_chunks:
+        if not model_chunks:
             raise ValueError("JregPlugin needs the model chunks of this rank")
+        self.chunks = list(model_chunks)
         self.mcfg = _model_config(model_chunks)
         self.num_layers = self.mcfg.num_layers
         cfg.validate(self.num_layers)
+        self.layers = decoder_layers(model_chunks)  # [(ℓ, layer)]
+        bad = [ell for ell, _ in self.layers if not 1 <= ell <= self.num_layers]
+        if bad:
+            raise ValueError(f"decoder layers numbered {bad} outside 1..{self.num_layers}")
         self.cfg = cfg
         self.weights = jreg.layer_weights(self.num_layers, cfg.alpha, cfg.layers)
         self.penalize = cfg.lam > 0
         self.recording = False
         self._handles: list = []
         self._scale: Tensor | float = 1.0
-        self._mask: Tensor | None = None
-        self._mask_count: Tensor | None = None
+        self._next = Microbatch(None, None, None, 1.0)  # set_token_mask's, for the next chunk forward
+        self._active: Microbatch | None = None  # the microbatch whose chunk forward is running
+        self._deferred: dict[int, deque[Microbatch]] = defaultdict(deque)  # ℓ → microbatches to recompute
         self._microbatches = 0
         # [2, L] fp64 on the activations' device, created on first use: row 0 Ψ under the training
         # distance, row 1 the angular Ψ (only filled when the training distance is not angular).
@@ -148,6 +203,8 @@ class JregPlugin:
         self._microbatches = num_microbatches
         if self._sums is not None:
             self._sums.zero_()
+        self._deferred.clear()
+        self._active = None
         self.recording = record
         loss_scale: Tensor | float = 1.0
         if self.mcfg.grad_scale_func is not None:  # the optimizer's loss scale, kept on device (no sync)
@@ -156,27 +213,31 @@ class JregPlugin:
             self._scale = loss_scale
         else:
             self._scale = loss_scale * self._cp / num_microbatches
+        self._next = Microbatch(None, None, None, self._scale)
         want_hooks = self.penalize or record
         if want_hooks and not self._handles:
-            self._handles = [
-                layer.register_forward_hook(self._hook, with_kwargs=True) for layer in self.layers
-            ]
+            self._handles = [layer.register_forward_hook(partial(self._hook, ell), with_kwargs=True)
+                             for ell, layer in self.layers]
+            for chunk in self.chunks:
+                self._handles.append(chunk.register_forward_pre_hook(self._begin_microbatch))
+                self._handles.append(chunk.register_forward_hook(self._end_microbatch, always_call=True))
         elif not want_hooks:
             self.remove_hooks()
 
-    def set_token_mask(self, mask: Tensor | None) -> None:
-        """Token mask [b, s] of the next microbatch on this rank (after the CP split); None = all real."""
-        if mask is None:
-            self._mask, self._mask_count = None, None
-            return
-        count = mask.float().sum()
-        if self._cp > 1:
-            from megatron.core import parallel_state
+    def set_token_mask(self, mask: Tensor | None, loss_tokens: Tensor | float | None = None) -> None:
+        """The next microbatch on this rank: token mask [b, s] (after the CP split; None = all real) and
+        its loss-token count over the whole microbatch (all CP slices; None = its real-token count)."""
+        real = None
+        rows = None
+        if mask is not None:
+            real = mask.float().sum()
+            if self._cp > 1:
+                from megatron.core import parallel_state
 
-            dist.all_reduce(count, group=parallel_state.get_context_parallel_group())
-        tp_rank = _tp_rank() if self._sp else 0
-        self._mask = sequence_split_mask(mask.bool(), tp_rank, self._tp if self._sp else 1)
-        self._mask_count = count
+                dist.all_reduce(real, group=parallel_state.get_context_parallel_group())
+            tp_rank = _tp_rank() if self._sp else 0
+            rows = sequence_split_mask(mask.bool(), tp_rank, self._tp if self._sp else 1)
+        self._next = Microbatch(rows, real, loss_tokens, self._scale)
 
     def finish_step(self) -> JregStats:
         """Reduce the recorded Ψ over all ranks (one all-reduce) and return the step's statistics."""
@@ -195,6 +256,7 @@ class JregPlugin:
         if not self.penalize:
             self.remove_hooks()
         self.recording = False
+        self._deferred.clear()
         if self._angular:
             return JregStats.from_psi(psi[0], self.weights)
         return JregStats.from_psi(psi[1], self.weights, psi_distance=psi[0])
@@ -204,31 +266,43 @@ class JregPlugin:
             handle.remove()
         self._handles = []
 
-    # -- the hook --------------------------------------------------------------------------------
-    def _token_count(self, h: Tensor) -> Tensor | float:
-        if self._mask_count is not None:
-            return self._mask_count
-        return float(h.shape[0] * h.shape[1] * (self._tp if self._sp else 1) * self._cp)
+    # -- the hooks -------------------------------------------------------------------------------
+    def _begin_microbatch(self, chunk: torch.nn.Module, args: tuple) -> None:
+        self._active, self._next = self._next, Microbatch(None, None, None, self._scale)
 
-    def _hook(self, layer: TransformerLayer, args: tuple, kwargs: dict, output: tuple) -> tuple | None:
+    def _end_microbatch(self, chunk: torch.nn.Module, args: tuple, output: object) -> None:
+        self._active = None
+
+    def _hook(self, ell: int, layer: TransformerLayer, args: tuple, kwargs: dict, output: tuple) -> tuple | None:
         h_in = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         h_out = output[0] if isinstance(output, tuple) else output
-        new = self.process_layer(layer.layer_number, layer.training, h_in, h_out)
+        new = self.process_layer(ell, layer.training, h_in, h_out)
         if new is None:
             return None
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    def process_layer(self, layer_number: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
-        """Record Ψ of global layer `layer_number` from h_in/h_out[s, b, h] (this rank's tokens) and,
+    def _microbatch_for(self, ell: int, training: bool) -> Microbatch | None:
+        """The microbatch a call of layer ℓ computes; None = the first (no-grad) pass of a checkpointed
+        layer, which only queues the microbatch for its recompute in backward."""
+        current = self._active if self._active is not None else self._next
+        if training and not torch.is_grad_enabled():
+            self._deferred[ell].append(current)
+            return None
+        if self._active is None and training and self._deferred[ell]:
+            return self._deferred[ell].popleft()  # a recompute in backward: the oldest queued microbatch
+        return current
+
+    def process_layer(self, ell: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
+        """Record Ψ of global layer ℓ (1-based) from h_in/h_out[s, b, h] (this rank's tokens) and,
         when penalizing, return h_out carrying λ·w_ℓ·Ψ_ℓ for backward; None = output unchanged."""
-        grad = torch.is_grad_enabled()
-        if training and not grad:
-            return None  # first pass of full recompute: the recompute will do the work
-        weight = float(self.weights[layer_number - 1])
+        weight = float(self.weights[ell - 1])
         attach = self.penalize and training and weight > 0
         if not attach and not self.recording:
             return None
-        mask = self._mask
+        mb = self._microbatch_for(ell, training)
+        if mb is None:
+            return None
+        mask = mb.mask
         if mask is not None and mask.shape != h_out.shape[:2]:
             raise ValueError(f"token mask {tuple(mask.shape)} does not match hidden rows {tuple(h_out.shape[:2])}")
         if attach:
@@ -236,22 +310,26 @@ class JregPlugin:
         else:
             with torch.no_grad():
                 total, _ = jreg.displacement_sum(h_in.detach(), h_out.detach(), mask, self.cfg.distance)
-        count = self._token_count(h_out)
+        real = mb.real if mb.real is not None else self._all_tokens(h_out)
+        share = total / real  # this rank's part of the microbatch's Ψ_ℓ
         if self.recording:
             if self._sums is None:
                 self._sums = torch.zeros(2, self.num_layers, dtype=torch.float64, device=h_out.device)
-            self._sums[0, layer_number - 1] += (total.detach() / count).double()
+            self._sums[0, ell - 1] += share.detach().double()
             if not self._angular:  # ζ is defined on the angular Ψ whatever the training distance
                 with torch.no_grad():
                     angular, _ = jreg.displacement_sum(h_in.detach(), h_out.detach(), mask, "angular")
-                self._sums[1, layer_number - 1] += (angular / count).double()
+                self._sums[1, ell - 1] += (angular / real).double()
         if not attach:
             return None
-        if self.mcfg.calculate_per_token_loss:
-            term = total * (self.cfg.lam * weight * self._scale)
-        else:
-            term = total * (self.cfg.lam * weight * self._scale / count)
+        term = share * (self.cfg.lam * weight * mb.scale)
+        if self.mcfg.calculate_per_token_loss:  # weighted by loss tokens, as megatron weights the CE
+            term = term * (mb.loss if mb.loss is not None else real)
         return attach_loss(h_out, term)
+
+    def _all_tokens(self, h: Tensor) -> float:
+        """Tokens of the whole microbatch from this rank's hidden rows h[s_local, b, h]."""
+        return float(h.shape[0] * h.shape[1] * (self._tp if self._sp else 1) * self._cp)
 
 
 def _tp_rank() -> int:

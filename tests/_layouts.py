@@ -322,7 +322,7 @@ TWO_RANK_LAYOUTS = [
 def hook_counts(lam: float) -> dict[str, int]:
     """Forward hooks installed on the layers: λ=0 installs none unless the step records Ψ."""
     _, _, plugin = setup(Layout("hooks", lam=lam))
-    count = lambda: sum(len(layer._forward_hooks) for layer in plugin.layers)  # noqa: E731
+    count = lambda: sum(len(layer._forward_hooks) for _, layer in plugin.layers)  # noqa: E731
     plugin.start_step(1, record=False)
     silent = count()
     plugin.start_step(1, record=True)
