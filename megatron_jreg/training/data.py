@@ -91,7 +91,8 @@ def check_vocabulary(args: argparse.Namespace) -> None:
 
 
 def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
-    """pretrain_gpt.py's dataset config fields, from Megatron-LM's args."""
+    """pretrain_gpt.py's dataset config fields, from Megatron-LM's args (core_gpt_dataset_config_from_args,
+    pretrain_gpt.py:377-441 at core_v0.19.0; the run's tokenizer instead of a second one it builds)."""
     from megatron.training import get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
 
@@ -142,15 +143,25 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
 
 
 def _built_on_rank(vp_stage: int | None = None, packed: bool = False) -> bool:
+    """pretrain_gpt.py's is_dataset_built_on_rank (core_v0.19.0, lines 361-374): TP rank 0 of the stages that
+    read batches — all for packed data, else the first and last ones and those holding MTP layers."""
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if mpu.get_tensor_model_parallel_rank() != 0:
         return False
-    return packed or is_first_or_last_pipeline_stage(vp_stage)
+    if packed or is_first_or_last_pipeline_stage(vp_stage):
+        return True
+    config = core_transformer_config_from_args(get_args())
+    return mtp_on_this_rank(layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
+                            ignore_virtual=False, vp_stage=vp_stage)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
-    """(train, valid, test) datasets with at least the requested number of samples each."""
+    """(train, valid, test) datasets with at least the requested number of samples each
+    (pretrain_gpt.py:444-477 at core_v0.19.0)."""
     from megatron.training import get_args, print_rank_0
 
     args = get_args()

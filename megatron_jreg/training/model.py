@@ -8,7 +8,9 @@ builder's extension points only:
   LayerNorm math, which marks its weight `sequence_parallel` so megatron all-reduces its gradient over TP
   as it does for TE's norms. Only where Megatron-LM would use WrappedTorchNorm (no TE, no apex).
 - a pre-wrap hook for `--init-mode layout-independent` (training/sharding.py);
-- a post-wrap hook that attaches the JREG plugin to the wrapped model chunks (training/loop.py).
+- a post-wrap hook that attaches the JREG plugin to the wrapped model chunks (training/loop.py);
+- packed data (`--sft`) at PP > 1 with micro-batch > 1: megatron-core's variable-sequence-length p2p, so the
+  flattened microbatches reach the next stage in their own shape (Megatron-LM's fixed buffers mismatch).
 
 FP8 that cannot run here stops before any work (`check_transformer_impl`).
 """
@@ -176,6 +178,12 @@ def gpt_model_config(args: argparse.Namespace, post_wrap: Callable[[list], list]
     from megatron.training.argument_utils import gpt_config_from_args
 
     cfg = gpt_config_from_args(args)
+    if (args.sft or args.dataloader_inter_document_masking) and args.pipeline_model_parallel_size > 1 \
+            and args.micro_batch_size > 1:
+        # Packed microbatches travel flattened, [micro-batch × seq-length, 1, hidden], but the pipeline's
+        # receive buffers are sized [seq-length, micro-batch, hidden] (the same numel, another layout):
+        # megatron-core's variable-sequence-length p2p sends the shape with each tensor.
+        cfg.transformer.variable_seq_lengths = True
     if args.spec is None:
         cfg.transformer_layer_spec = layer_spec
     if args.init_mode == "layout-independent":

@@ -13,12 +13,18 @@ from functools import partial
 
 
 def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    """Ranks holding word embeddings: the first stage, and the last when they are tied (pretrain_gpt.py)."""
+    """Ranks holding word embeddings: the first stage, the last when they are tied, and the stages of MTP
+    layers (which embed their input tokens). pretrain_gpt.py:480-492 (core_v0.19.0)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
     from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     ranks = [pp_ranks[0]]
-    if len(pp_ranks) > 1 and not get_args().untie_embeddings_and_output_weights:
-        ranks.append(pp_ranks[-1])
+    if len(pp_ranks) > 1:
+        args = get_args()
+        if not args.untie_embeddings_and_output_weights:
+            ranks.append(pp_ranks[-1])
+        ranks += get_mtp_ranks(pp_ranks, core_transformer_config_from_args(args))
     return sorted(set(ranks))
 
 

@@ -1,11 +1,34 @@
 """The forward step and loss handed to Megatron-LM's `pretrain`, as `pretrain_gpt.py` defines them.
 
 The batch comes from TP rank 0's data iterator and is broadcast over TP, packed sequences (SFT) are
-flattened, and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order.
-The loss is Megatron-LM's three-tuple (sum over loss tokens, token count, report), with its NaN/Inf and
-spiky-loss checks through the rerun state machine. JREG needs nothing here: its penalty enters backward
-through hooks on the layers (plugin.py); only packed SFT batches tell the plugin which tokens are real,
-and become a block-diagonal attention mask where the local spec cannot take packed sequences (sft.py).
+flattened, and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order,
+with multi-token prediction's stages (`mtp_on_this_rank`) getting tokens as Megatron-LM decides. The loss
+is Megatron-LM's three-tuple (sum over loss tokens, token count, report), with its NaN/Inf and spiky-loss
+checks through the rerun state machine; an MTP loss is added inside the model, as in Megatron-LM. Each
+block restated from Megatron-LM names its source: `pretrain_gpt.py` at tag core_v0.19.0, lines a-b.
+
+JREG needs little here: its penalty enters backward through hooks on the layers (plugin.py). The forward
+step tells the plugin, per microbatch, which tokens of a packed SFT batch are real and, under per-token
+loss, how many loss tokens the microbatch has; packed batches become a block-diagonal attention mask where
+the local spec cannot take packed sequences (sft.py).
+
+What `pretrain_gpt.py` reads and how megatron-jreg treats it (flags of its forward step, loss, dataset
+providers, embedding ranks and entry; megatron-jreg train refuses the rest in one line,
+arguments.check_pretrain_gpt_flags):
+- implemented as there: --sft, --dataloader-inter-document-masking, --create-attention-mask-in-dataloader,
+  --hybrid-context-parallel, --context-parallel-size, --micro-batch-size, --seq-length,
+  --pipeline-model-parallel-size, --mtp-num-layers with --pipeline-model-parallel-layout (batch, datasets
+  and embedding ranks on the MTP stages), --check-for-nan-in-loss-and-grad, --check-for-spiky-loss,
+  --log-straggler (the forward step's timers), every dataset flag of its GPTDatasetConfig (training/data.py:
+  --mock-data, --fim-*, --split, --per-dataset-sequences-path, ...), --untie-embeddings-and-output-weights
+  (embedding ranks), the GPT2BPETokenizer default;
+- refused: --logits-load-dir (cached-logits distillation; its companions only apply with it),
+  --inprocess-restart, --overlap-moe-expert-parallel-comm (its schedule bypasses the layer hooks JREG uses);
+  on a CPU --moe-grouped-gemm, --record-memory-history and CUDA graphs, naming the flag;
+- meaning kept by the same code: the model (gpt_config_from_args + Megatron-LM's GPTModelBuilder, which
+  read --spec, --num-experts, --experimental-attention-variant, --heterogeneous-layers-config-path, ...;
+  our spec only swaps the torch norm class), --record-memory-history on GPUs (Megatron-LM's pretrain);
+  ModelOpt's flags exist only where `megatron.post_training` is installed, which the wheel does not ship.
 """
 
 from __future__ import annotations
@@ -17,36 +40,46 @@ from megatron.core import mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import get_context_parallel_group, get_hybrid_data_context_parallel_groups
 from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 from megatron.core.utils import (
+    StragglerDetector,
     flatten_batch_for_packed_sequences,
     get_attr_wrapped_model,
     get_batch_on_this_cp_rank,
     get_batch_on_this_tp_rank,
 )
 
+stimer = StragglerDetector()  # Megatron-LM's process-wide straggler timers (--log-straggler)
 SPIKY_LOSS_FACTOR = 10  # a loss 10× the largest seen so far is "spiky" (Megatron-LM's --check-for-spiky-loss)
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
               "loss_mask", "max_seqlen", "position_ids", "tokens")
-_PACK_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "real_mask")
+_PACK_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "real_mask", "loss_tokens")
+_JREG_KEYS = ("real_mask", "loss_tokens")
 
 
-def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
-    """This rank's microbatch: {key: tensor or None} for BATCH_KEYS (all None on middle pipeline stages
-    of unpacked data, which receive activations instead)."""
+def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tokens: bool = False) -> dict:
+    """This rank's microbatch: {key: tensor or None} for BATCH_KEYS, plus JREG's `real_mask` [b, s] (SFT)
+    and `loss_tokens` (the whole microbatch's loss-token count, when asked and this stage reads the batch).
+    All None on stages that receive activations and hold no MTP layers, unless the data is packed.
+
+    pretrain_gpt.py:97-181 (core_v0.19.0), with `config` the model's TransformerConfig (the same fields as
+    its core_transformer_config_from_args(args))."""
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     args = get_args()
     packed = bool(args.sft or args.dataloader_inter_document_masking)
+    mtp_here = mtp_on_this_rank(layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
+                                ignore_virtual=False, vp_stage=vp_stage)
     edge = is_first_or_last_pipeline_stage(vp_stage)
-    if not edge and not packed:
-        return dict.fromkeys(BATCH_KEYS)
+    if not edge and not mtp_here and not packed:
+        return dict.fromkeys((*BATCH_KEYS, *_JREG_KEYS))
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch: dict = {}
     if tp_rank == 0:
         batch = next(data_iterator)
         batch = {k: batch[k].cuda(non_blocking=True) if batch.get(k) is not None else None for k in BATCH_KEYS}
-    real_mask = _real_mask(batch, tp_rank) if args.sft else None
+    real_mask, loss_tokens = _jreg_tokens(batch, tp_rank, args.sft, count_loss_tokens)
     batch = get_batch_on_this_tp_rank(
         batch,
         has_cu_seqlens=packed,
@@ -58,7 +91,7 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp_here,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
@@ -66,8 +99,9 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
     batch = flatten_batch_for_packed_sequences(batch)
     if real_mask is not None:
         batch["real_mask"] = real_mask.reshape(1, -1) if batch.get("cu_seqlens") is not None else real_mask
-    if not edge:  # packed middle stage: only the sequence boundaries (and which tokens are real)
-        return {k: (batch.get(k) if k in _PACK_KEYS else None) for k in (*BATCH_KEYS, "real_mask")}
+    batch["loss_tokens"] = loss_tokens
+    if not edge and not mtp_here:  # packed middle stage: only the sequence boundaries (and JREG's counts)
+        return {k: (batch.get(k) if k in _PACK_KEYS else None) for k in (*BATCH_KEYS, *_JREG_KEYS)}
     batch = get_batch_on_this_cp_rank(
         batch,
         is_hybrid_cp=args.hybrid_context_parallel,
@@ -75,31 +109,42 @@ def get_batch(data_iterator, vp_stage: int | None = None) -> dict:
         hybrid_cp_group_func=get_hybrid_data_context_parallel_groups,
         use_per_sequence_balancing=args.dataloader_inter_document_masking and not args.sft,
     )
-    return {k: batch.get(k) for k in (*BATCH_KEYS, "real_mask")}
+    return {k: batch.get(k) for k in (*BATCH_KEYS, *_JREG_KEYS)}
 
 
-def _real_mask(batch: dict, tp_rank: int) -> torch.Tensor:
-    """[b, s] bool: which tokens of an SFT pack are real (not end padding), on every TP rank."""
+def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
+    """(real-token mask [b, s] bool or None, loss-token count or None) of a microbatch read by TP rank 0,
+    the same on every TP rank (one broadcast): the mask for SFT packs (all but the end padding), the count
+    of the whole microbatch (before the CP split) when asked (JREG under per-token loss)."""
     from megatron.training import get_args, get_tokenizer
 
     from megatron_jreg.training.sft import real_token_mask
 
+    if not sft and not count_loss_tokens:
+        return None, None
     args = get_args()
-    shape = (args.micro_batch_size, args.seq_length)
+    shape = (int(sft) + int(count_loss_tokens), args.micro_batch_size, args.seq_length)
     if tp_rank == 0:
-        mask = real_token_mask(batch["tokens"], get_tokenizer().pad).to(torch.uint8)
+        rows = [real_token_mask(batch["tokens"], get_tokenizer().pad)] if sft else []
+        if count_loss_tokens:
+            rows.append(batch["loss_mask"] != 0)
+        codes = torch.stack(rows).to(torch.uint8)
     else:
-        mask = torch.empty(shape, dtype=torch.uint8, device=torch.cuda.current_device())
+        codes = torch.empty(shape, dtype=torch.uint8, device=torch.cuda.current_device())
     if mpu.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(mask, mpu.get_tensor_model_parallel_src_rank(),
+        torch.distributed.broadcast(codes, mpu.get_tensor_model_parallel_src_rank(),
                                     group=mpu.get_tensor_model_parallel_group())
-    return mask.bool()
+    real = codes[0].bool() if sft else None
+    loss_tokens = codes[-1].sum().float() if count_loss_tokens else None
+    return real, loss_tokens
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's loss: (Σ loss over loss tokens, token count, {"lm loss": [Σ, count]}).
 
     output_tensor[b, s]: per-token cross-entropy from GPTModel; loss_mask[b, s]: 1 where it counts.
+    pretrain_gpt.py:209-279 (core_v0.19.0), its plain branch: --logits-load-dir is refused and ModelOpt
+    is not installed with the wheel.
     """
     from megatron.training import get_args
 
@@ -125,6 +170,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
+    """THD parameters of a packed microbatch, or None: pretrain_gpt.py:310-334 (core_v0.19.0)."""
     cu_seqlens = batch["cu_seqlens"]
     if cu_seqlens is None:
         return None
@@ -145,31 +191,36 @@ def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
     )
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False, jreg=None):  # noqa: ANN001
+def forward_step(data_iterator, model, jreg=None):  # noqa: ANN001
     """One microbatch through `model`; returns (output, loss function) as megatron's schedules expect.
 
-    jreg: the run's JregLoop, told which tokens of a packed SFT batch are real."""
+    pretrain_gpt.py:282-358 (core_v0.19.0), without its `return_schedule_plan` branch (only the refused
+    --overlap-moe-expert-parallel-comm asks for it). jreg: the run's JregLoop, told which tokens of a
+    packed SFT batch are real and, under per-token loss, how many loss tokens the microbatch has."""
     from megatron.training import get_args, get_timers
 
     args = get_args()
     timers = get_timers()
+    plugin = jreg.plugin if jreg is not None else None
+    count_loss_tokens = bool(plugin is not None and plugin.penalize and args.calculate_per_token_loss)
     timers("batch-generator", log_level=2).start()
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    with stimer(bdata=True):
+        config = get_attr_wrapped_model(model, "config")
+        batch = get_batch(data_iterator, config, get_attr_wrapped_model(model, "vp_stage"), count_loss_tokens)
     packed_seq_params = _packed_seq_params(batch, args.seq_length)
     if packed_seq_params is not None and args.transformer_impl == "local":
         from megatron_jreg.training.sft import packed_attention_mask
 
         # the local spec's attention takes no packed sequences: the same attention as a block-diagonal mask
-        length = batch["real_mask"].shape[-1] if batch.get("real_mask") is not None else args.seq_length
-        batch["attention_mask"] = packed_attention_mask(packed_seq_params.cu_seqlens_q, length)
+        # over the flattened microbatch (flatten_batch_for_packed_sequences: micro-batch × seq-length tokens)
+        batch["attention_mask"] = packed_attention_mask(packed_seq_params.cu_seqlens_q,
+                                                        args.micro_batch_size * args.seq_length)
         packed_seq_params = None
-    if jreg is not None and jreg.plugin is not None and batch.get("real_mask") is not None:
-        jreg.plugin.set_token_mask(batch["real_mask"] if args.context_parallel_size == 1 else None)
+    if plugin is not None and (batch["real_mask"] is not None or batch["loss_tokens"] is not None):
+        mask = batch["real_mask"] if args.context_parallel_size == 1 else None
+        plugin.set_token_mask(mask, loss_tokens=batch["loss_tokens"])
     timers("batch-generator").stop()
-    if return_schedule_plan:
-        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                                         labels=batch["labels"], loss_mask=batch["loss_mask"])
-        return plan, partial(loss_func, batch["loss_mask"])
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
+    with stimer:
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
     return output, partial(loss_func, batch["loss_mask"])
