@@ -266,6 +266,55 @@ def _check_cpu(args: argparse.Namespace) -> None:
                          "--use-pytorch-profiler to profile on a CPU")
 
 
+def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
+    """Flags of Megatron-LM's pretrain_gpt.py (and its loop) that megatron-jreg train does not run as
+    Megatron-LM would, refused in one line before any work (the full list: training/step.py). Runs before
+    Megatron-LM's validation, which already calls CUDA for some of them."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if args.logits_load_dir is not None:
+        raise UsageError(f"--logits-load-dir {args.logits_load_dir}: offline distillation from cached teacher "
+                         "log-probs (pretrain_gpt.py's KD loss, with --logits-load-kd-loss-alpha and the other "
+                         "--logits-load-* flags) is not implemented by megatron-jreg train; drop it")
+    if args.inprocess_restart:
+        raise UsageError("--inprocess-restart: megatron-jreg train does not wrap pretrain in nvidia-resiliency-ext's "
+                         "in-process restart (pretrain_gpt.py does); drop it and requeue the job with --load instead")
+    if args.overlap_moe_expert_parallel_comm:
+        raise UsageError("--overlap-moe-expert-parallel-comm: its schedule runs each layer's attention and MLP "
+                         "parts directly, so JREG's layer hooks would never see a layer (Ψ silently 0); drop it")
+    graphs = [f for f, on in (("--cuda-graph-impl " + str(args.cuda_graph_impl), args.cuda_graph_impl != "none"),
+                              ("--enable-cuda-graph", getattr(args, "enable_cuda_graph", False)),
+                              ("--external-cuda-graph", getattr(args, "external_cuda_graph", False))) if on]
+    if graphs:
+        why = ("CUDA graphs need a GPU" if cpu else "a replayed graph runs no forward hooks, so JREG's layer hooks "
+               "would never see a layer (Ψ silently 0)")
+        raise UsageError(f"{graphs[0]}: {why}; drop it")
+    if cpu:
+        for name in ("moe_grouped_gemm", "use_grouped_gemm_for_dense_mlp", "use_grouped_gemm_for_shared_expert"):
+            if getattr(args, name, False):
+                raise UsageError(f"{flag(name)} runs grouped-GEMM CUDA kernels, which need a GPU: drop it on a CPU "
+                                 "(the experts then run as separate MLPs)")
+        if args.record_memory_history:
+            raise UsageError("--record-memory-history records the CUDA caching allocator, which needs a GPU: drop it "
+                             "on a CPU")
+    tied_mtp_stage = args.mtp_num_layers and args.pipeline_model_parallel_size > 1 and \
+        not args.untie_embeddings_and_output_weights
+    if tied_mtp_stage and (args.save or args.load or args.pretrained_checkpoint or args.init_mode != "megatron"):
+        raise UsageError("--mtp-num-layers with --pipeline-model-parallel-size > 1 and tied embeddings: megatron-core "
+                         "0.19.2 cannot build the MTP stage's sharded state dict, which checkpoints and --init-mode "
+                         "layout-independent need (Megatron-LM fails at its first save); add "
+                         "--untie-embeddings-and-output-weights")
+    packed = args.sft or args.dataloader_inter_document_masking
+    virtual = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
+    readers_only = not packed and (args.pipeline_model_parallel_size > 2 or (
+        args.pipeline_model_parallel_size > 1 and virtual is not None))
+    if args.eod_mask_loss and args.calculate_per_token_loss and args.jreg_lambda > 0 and readers_only:
+        raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
+                         "microbatch by its loss tokens, which the pipeline stages between the first and last do "
+                         "not read here (more than 2 stages, or virtual stages); drop one of the three")
+
+
 def _args_from_checkpoint(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint, reading the checkpoint safely."""
     from megatron.training.checkpointing import load_args_from_checkpoint
@@ -321,6 +370,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     _check_paths(args)
     _check_sft(args)
     _check_data(args)
+    check_pretrain_gpt_flags(args)
     if not args.jreg_no_exit_signal_handler:
         args.exit_signal_handler = True
     args.verify_integrity = args.verify_integrity or not args.jreg_no_verify_integrity

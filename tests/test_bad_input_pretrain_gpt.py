@@ -1,0 +1,82 @@
+"""pretrain_gpt.py flags that megatron-jreg train does not run as Megatron-LM would: one line naming the flag
+and the fix, exit 2, before any work (the CLI's own `main` in one spawned rank); layout-dependent refusals
+through the check itself on parsed args."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests._train_runs import TINY, train
+from tests.distributed import run_ranks
+
+CASES = {
+    "logits-load-dir": (["--logits-load-dir", "teacher-logprobs"], "--logits-load-dir teacher-logprobs: offline "
+                                                                    "distillation"),
+    "inprocess-restart": (["--inprocess-restart"], "--inprocess-restart: megatron-jreg train does not wrap"),
+    "cuda-graphs-on-cpu": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: CUDA graphs need a GPU"),
+    "enable-cuda-graph-on-cpu": (["--enable-cuda-graph"], "--enable-cuda-graph: CUDA graphs need a GPU"),
+    "moe-grouped-gemm-on-cpu": (["--num-experts", "2", "--moe-grouped-gemm"],
+                                "--moe-grouped-gemm runs grouped-GEMM CUDA kernels, which need a GPU"),
+    "record-memory-history-on-cpu": (["--record-memory-history"], "--record-memory-history records the CUDA"),
+}
+
+
+def suite(rank: int, world: int) -> dict:
+    return {name: train(TINY + extra) for name, (extra, _) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(suite, 1)[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refused_in_one_line(results, name):
+    rc, out, err = results[name]
+    lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert rc == 2, (out + err)[-2000:]
+    assert len(lines) == 1 and CASES[name][1] in lines[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+def _args(*flags: str, **fields):
+    from megatron_jreg.training.arguments import parse_args
+
+    args = parse_args(TINY + list(flags))
+    for key, value in fields.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("flags,fields,needle", [
+    ([], {"overlap_moe_expert_parallel_comm": True}, "JREG's layer hooks would never see a layer"),
+    (["--eod-mask-loss", "--calculate-per-token-loss"], {"pipeline_model_parallel_size": 3},
+     "--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0"),
+    (["--eod-mask-loss", "--calculate-per-token-loss"],
+     {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}, "(more than 2 stages, or "),
+    (["--mtp-num-layers", "1"], {"pipeline_model_parallel_size": 2},  # TINY: layout-independent init
+     "add --untie-embeddings-and-output-weights"),
+    (["--mtp-num-layers", "1", "--init-mode", "megatron", "--save", "ckpt"], {"pipeline_model_parallel_size": 2},
+     "megatron-core 0.19.2 cannot build the MTP stage's sharded state dict"),
+])
+def test_layout_dependent_refusals(flags, fields, needle):
+    from megatron_jreg.training.arguments import UsageError, check_pretrain_gpt_flags
+
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        check_pretrain_gpt_flags(_args(*flags, **fields))
+
+
+@pytest.mark.parametrize("flags,fields", [
+    (["--eod-mask-loss", "--calculate-per-token-loss"], {"pipeline_model_parallel_size": 2}),  # both stages read
+    (["--eod-mask-loss", "--calculate-per-token-loss", "--jreg-lambda", "0"], {"pipeline_model_parallel_size": 3}),
+    (["--eod-mask-loss"], {"pipeline_model_parallel_size": 3}),
+    (["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"], {"pipeline_model_parallel_size": 2}),
+    (["--mtp-num-layers", "1", "--init-mode", "megatron"], {"pipeline_model_parallel_size": 2}),  # trains, no save
+    (["--mtp-num-layers", "1"], {}),
+])
+def test_accepted_where_exact(flags, fields):
+    from megatron_jreg.training.arguments import check_pretrain_gpt_flags
+
+    check_pretrain_gpt_flags(_args(*flags, **fields))
