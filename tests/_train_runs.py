@@ -39,7 +39,16 @@ MEGATRON_LM_LOSSES = {
     "one": [6.234621, 6.239454, 6.220489, 6.201135, 6.183377, 6.204420, 6.191276],
     "tp2": [6.234033, 6.235979, 6.245325, 6.217990, 6.203798, 6.215143, 6.206710],
     "pp2": [6.231642, 6.233452, 6.217899, 6.209376, 6.186361, 6.205289, 6.203148],
+    # LLAMA3_8B + --mtp-num-layers 1 (the MTP loss enters training; validation reports the lm loss only)
+    "mtp-one": [6.244342, 6.243757, 6.227800, 6.226189, 6.192491, 6.201985, 6.201464],
+    "mtp-pp2": [6.252810, 6.247370, 6.228324, 6.212677, 6.196770, 6.216374, 6.208617],
 }
+# ... and the console's `mtp_1 loss` of iterations 1-4 in those two runs.
+MEGATRON_LM_MTP_LOSSES = {
+    "mtp-one": [6.240053, 6.241476, 6.253534, 6.240371],
+    "mtp-pp2": [6.236393, 6.236434, 6.235327, 6.237554],
+}
+MTP = ["--mtp-num-layers", "1"]
 
 # A small Llama trained with JREG on mock data; one seed, one model at every layout.
 TINY = (
@@ -74,6 +83,11 @@ def console_losses(stdout: str) -> list[float]:
     return [float(a or b) for a, b in _CONSOLE.findall(stdout)]
 
 
+def console_mtp_losses(stdout: str) -> list[float]:
+    """Megatron-LM's console `mtp_1 loss` per logged iteration."""
+    return [float(x) for x in re.findall(r"iteration +\d+/ *\d+ \|.*? mtp_1 loss: ([0-9.E+-]+)", stdout)]
+
+
 def records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -81,17 +95,15 @@ def records(path: str | Path) -> list[dict]:
 def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
     for name, extra in (("tp2", ["--tensor-model-parallel-size", "2"]),
-                        ("pp2", ["--pipeline-model-parallel-size", "2"])):
+                        ("pp2", ["--pipeline-model-parallel-size", "2"]),
+                        ("mtp-pp2", ["--pipeline-model-parallel-size", "2", *MTP])):
         rc, stdout, _ = train(LLAMA3_8B + extra)
-        out[f"mlm-{name}"] = (rc, console_losses(stdout) if rank == world - 1 else None)
+        if rank == world - 1:
+            out[f"mlm-{name}"] = (rc, console_losses(stdout), console_mtp_losses(stdout))
     rc, stdout, _ = train(LLAMA3_8B + ["--pipeline-model-parallel-size", "2", "--jreg-lambda", "1"])
     out["pp2-jreg-console"] = (rc, stdout if rank == world - 1 else "")
-    layouts = {
+    layouts = {  # more layouts against an independent JREG reference: tests/test_jreg_reference.py
         "tp2": ["--tensor-model-parallel-size", "2", "--save", f"{tmp}/tp2-ckpt", "--save-interval", "4"],
-        "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-        "pp2": ["--pipeline-model-parallel-size", "2"],
-        "pp2-vpp": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-        "dp2": [],
         "dp2-distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     }
     for name, extra in layouts.items():
@@ -107,8 +119,9 @@ def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
 
 def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
-    rc, stdout, _ = train(LLAMA3_8B)
-    out["mlm-one"] = (rc, console_losses(stdout))
+    for name, extra in (("one", []), ("mtp-one", MTP)):
+        rc, stdout, _ = train(LLAMA3_8B + extra)
+        out[f"mlm-{name}"] = (rc, console_losses(stdout), console_mtp_losses(stdout))
     out["single"] = train(TINY + ["--metrics-file", f"{tmp}/single.jsonl", "--tensorboard-dir", f"{tmp}/tb"])[0]
     run = ["--save", f"{tmp}/ckpt", "--save-interval", "2", "--metrics-file", f"{tmp}/resumed.jsonl"]
     out["exit"] = train(TINY + run + ["--exit-interval", "2"])[0]
