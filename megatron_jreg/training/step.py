@@ -49,7 +49,8 @@ from megatron.core.utils import (
     get_batch_on_this_tp_rank,
 )
 
-stimer = StragglerDetector()  # Megatron-LM's process-wide straggler timers (--log-straggler)
+stimer = StragglerDetector()  # Megatron-LM's process-wide straggler timers (--log-straggler), pretrain_gpt.py:79
+# SPIKY_LOSS_FACTOR and BATCH_KEYS: pretrain_gpt.py:185 and 83-94 (core_v0.19.0)
 SPIKY_LOSS_FACTOR = 10  # a loss 10× the largest seen so far is "spiky" (Megatron-LM's --check-for-spiky-loss)
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
               "loss_mask", "max_seqlen", "position_ids", "tokens")
