@@ -60,6 +60,9 @@ def _args(*flags: str, **fields):
      "add --untie-embeddings-and-output-weights"),
     (["--mtp-num-layers", "1", "--init-mode", "megatron", "--save", "ckpt"], {"pipeline_model_parallel_size": 2},
      "megatron-core 0.19.2 cannot build the MTP stage's sharded state dict"),
+    ([], {"sft": True, "context_parallel_size": 2},  # a GPU feature (TE attention): the check on parsed args
+     "--sft with --context-parallel-size 2: JREG's mask of the packs' real tokens is not split"),
+    ([], {"sft": True, "hybrid_context_parallel": True}, "--context-parallel-size 1 --hybrid-context-parallel: "),
 ])
 def test_layout_dependent_refusals(flags, fields, needle):
     from megatron_jreg.training.arguments import UsageError, check_pretrain_gpt_flags

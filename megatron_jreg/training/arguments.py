@@ -313,6 +313,11 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
         raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
                          "microbatch by its loss tokens, which the pipeline stages between the first and last do "
                          "not read here (more than 2 stages, or virtual stages); drop one of the three")
+    if args.sft and (args.context_parallel_size > 1 or args.hybrid_context_parallel):
+        raise UsageError(f"--sft with --context-parallel-size {args.context_parallel_size}"
+                         f"{' --hybrid-context-parallel' if args.hybrid_context_parallel else ''}: JREG's mask of "
+                         "the packs' real tokens is not split over context-parallel ranks here, so Ψ would count "
+                         "the padding; use --context-parallel-size 1 (tensor/sequence or pipeline parallelism)")
 
 
 def _args_from_checkpoint(args: argparse.Namespace) -> None:

@@ -23,7 +23,8 @@ arguments.check_pretrain_gpt_flags):
   --mock-data, --fim-*, --split, --per-dataset-sequences-path, ...), --untie-embeddings-and-output-weights
   (embedding ranks), the GPT2BPETokenizer default;
 - refused: --logits-load-dir (cached-logits distillation; its companions only apply with it),
-  --inprocess-restart, --overlap-moe-expert-parallel-comm (its schedule bypasses the layer hooks JREG uses);
+  --inprocess-restart, --overlap-moe-expert-parallel-comm (its schedule bypasses the layer hooks JREG uses),
+  --sft with context parallelism (JREG's real-token mask is not split over CP ranks);
   on a CPU --moe-grouped-gemm, --record-memory-history and CUDA graphs, naming the flag;
 - meaning kept by the same code: the model (gpt_config_from_args + Megatron-LM's GPTModelBuilder, which
   read --spec, --num-experts, --experimental-attention-variant, --heterogeneous-layers-config-path, ...;
@@ -218,8 +219,7 @@ def forward_step(data_iterator, model, jreg=None):  # noqa: ANN001
                                                         args.micro_batch_size * args.seq_length)
         packed_seq_params = None
     if plugin is not None and (batch["real_mask"] is not None or batch["loss_tokens"] is not None):
-        mask = batch["real_mask"] if args.context_parallel_size == 1 else None
-        plugin.set_token_mask(mask, loss_tokens=batch["loss_tokens"])
+        plugin.set_token_mask(batch["real_mask"], loss_tokens=batch["loss_tokens"])  # SFT: no CP (refused)
     timers("batch-generator").stop()
     with stimer:
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
