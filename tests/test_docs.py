@@ -163,7 +163,8 @@ def test_quoted_blocks_are_found():
     pairs = {(d.name, t.name) for d in docs for t, _ in _quoted_blocks(d.read_text(encoding="utf-8"), d)}
     assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analysis_sample.txt"),
             ("analysis.md", "analyze_throughput.txt"), ("analysis.md", "analyze_stream.txt"),
-            ("sft.md", "prepare_chat.txt"), ("gpu.md", "gpu_check_dry_run.txt")} <= pairs, pairs
+            ("sft.md", "prepare_chat.txt"), ("gpu.md", "gpu_check_dry_run.txt"),
+            ("README.md", "demo.txt")} <= pairs, pairs
 
 
 def test_convert_logit_differences_are_the_results_file():
