@@ -56,7 +56,8 @@ def worker(args: argparse.Namespace) -> dict:
     from megatron_jreg.analysis.stream_source import load_stream_source
 
     torch.set_num_threads(args.threads)
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(args.model))]  # import the modeling code first
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # import the modeling code first
     texts = lambada_passages()[: args.num_samples]
     spec = ModelSpec(args.model, "bench", "hf")
     load = load_stream_source if args.worker == "streamed" else load_hf_source

@@ -221,27 +221,34 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
         )
 
 
-def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), **kwargs: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)`, refusing a model
-    whose weights do not all load: missing, unused or of the wrong shape (IncompleteWeightsError; shapes
-    are loaded with ignore_mismatched_sizes so that they are reported here rather than raised as a
-    RuntimeError pointing at a report). Transformers' own load report is silenced, since this error
-    replaces it; a truncated safetensors file is named (ModelFileError). `where` starts the message
-    (e.g. "--model DIR")."""
+def load_causal_lm(
+    folder: Path, *, where: str, ignore: Iterable[str] = (), allow_pickle: bool = False, **kwargs: Any
+) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=False, **kwargs)`
+    after `model_files.check_model_folder` (config values, safetensors headers, no custom code; no pickled
+    weights unless `allow_pickle`), refusing a model whose weights do not all load: missing, unused or of
+    the wrong shape (IncompleteWeightsError; shapes are loaded with ignore_mismatched_sizes so that they
+    are reported here rather than raised as a RuntimeError pointing at a report). Transformers' own load
+    report is silenced, since this error replaces it. `where` starts the message (e.g. "--model DIR")."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from megatron_jreg.model_files import check_model_folder
+
+    if kwargs.get("gguf_file") is None:
+        flag, _, _ = where.partition(" ")
+        check_model_folder(folder, flag, allow_pickle=allow_pickle)
+        if not allow_pickle:
+            kwargs["use_safetensors"] = True  # transformers never unpickles a .bin beside them
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-        )
+            str(folder), local_files_only=True, trust_remote_code=False, output_loading_info=True,
+            ignore_mismatched_sizes=True, **kwargs,
+        )  # fmt: skip
     except SafetensorError as e:
-        from megatron_jreg.analysis.weights import SafetensorsFolder
-
-        SafetensorsFolder(folder)  # raises naming the truncated or corrupt file
         raise ModelFileError(f"{where}: a safetensors file cannot be read ({e}); download the model again") from None
     finally:
         hf_logging.set_verbosity(verbosity)

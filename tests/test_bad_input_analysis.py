@@ -1,8 +1,12 @@
-"""Bad input for `analyze`, `evaluate` and `compare`: every case exits non-zero with one error line that names
-the file or flag and says what to do; no traceback, no result written, nothing passes silently.
+"""Bad input for `analyze`, `evaluate`, `compare` and `convert hf-to-mcore`: every case exits non-zero with one
+error line that names the file or flag and says what to do; no traceback, no result written, nothing passes
+silently.
 
 Each case builds its bad input from the tiny models and files of the module fixtures (`Inputs`), runs the
-command's `main` in this process and checks exit code, the error line and that no output appeared.
+command's `main` in this process and checks exit code, the error line and that no output appeared. Hostile
+model folders (absurd configs, forged safetensors headers and indexes, pickles and code that would create a
+marker folder when run, FIFOs) are built by the cases themselves (`HOSTILE`); each is refused before anything
+loads, and the marker never appears.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ import contextlib
 import io
 import json
 import math
+import os
+import pickle
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_jreg.analysis import cli as analyze_cli
 from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+from megatron_jreg.convert import cli as convert_cli
 from megatron_jreg.data.text import lambada_passages
 from megatron_jreg.evaluate import cli as evaluate_cli
 from megatron_jreg.evaluate import compare
@@ -33,6 +41,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "analyze": analyze_cli.main,
     "evaluate": evaluate_cli.main,
     "compare": compare.main,
+    "convert": convert_cli.main,
 }
 
 
@@ -154,6 +163,187 @@ def bin_weights(i: Inputs) -> Path:
     return folder
 
 
+PAYLOAD = "payload-ran"  # a folder that hostile files create if their code ever runs
+
+
+class RunsCode:
+    """Unpickling this creates the PAYLOAD marker folder: code execution, if a loader allowed it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def with_config_values(**values: object):
+    def build(i: Inputs) -> Path:
+        folder = i.copy("config")
+        config = json.loads((folder / "config.json").read_text())
+        config.update(values)
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    return build
+
+
+def with_raw_value(key: str, literal: str):
+    """config.json with `key` set to a JSON literal as written (e.g. 1e9, which JSON reads as a float)."""
+
+    def build(i: Inputs) -> Path:
+        config = json.loads((i.llama / "config.json").read_text())
+        config[key] = "__RAW__"
+        return with_config(json.dumps(config).replace('"__RAW__"', literal))(i)
+
+    return build
+
+
+def edited_header(edit: Callable[[dict], None] | None = None, raw: Callable[[bytes], bytes] | None = None):
+    """The Llama folder with its model.safetensors header edited as JSON (the data left where it is), or
+    the whole file rewritten by `raw`."""
+
+    def build(i: Inputs) -> Path:
+        folder = i.copy("header")
+        path = folder / "model.safetensors"
+        data = path.read_bytes()
+        if raw is not None:
+            path.write_bytes(raw(data))
+            return folder
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        edit(header)
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+        return folder
+
+    return build
+
+
+def _grow_shape(header: dict) -> None:
+    header["model.norm.weight"]["shape"] = [header["model.norm.weight"]["shape"][0] + 1]
+
+
+def _overlap(header: dict) -> None:
+    """The last tensor moved 4 bytes back, into the one before it."""
+    last = max((e for k, e in header.items() if k != "__metadata__"), key=lambda e: e["data_offsets"][0])
+    last["data_offsets"] = [x - 4 for x in last["data_offsets"]]
+
+
+def index_naming(target: str):
+    """A sharded-looking folder whose model.safetensors.index.json maps every tensor to `target`."""
+
+    def build(i: Inputs) -> Path:
+        folder = i.copy("index")
+        names = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, target)}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return folder
+
+    return build
+
+
+def pickled(content: Callable[[Inputs], object] | None = None, raw: bytes | None = None):
+    """The Llama folder with a pytorch_model.bin instead of safetensors: a torch.save of `content(i)`, or
+    `raw` bytes (a bare pickle)."""
+
+    def build(i: Inputs) -> Path:
+        folder = i.copy("pickled")
+        (folder / "model.safetensors").unlink()
+        if raw is not None:
+            (folder / "pytorch_model.bin").write_bytes(raw)
+        else:
+            torch.save(content(i), folder / "pytorch_model.bin")
+        return folder
+
+    return build
+
+
+def hostile_bin(i: Inputs) -> object:
+    return {"model.embed_tokens.weight": RunsCode(i.tmp / PAYLOAD)}
+
+
+def custom_tokenizer(i: Inputs, folder: Path | None = None) -> Path:
+    """A tokenizer whose tokenizer_config.json names its own class in a Python file that creates the marker
+    on import (transformers without trust_remote_code=False asks "Do you wish to run the custom code?")."""
+    folder = folder or i.copy("custom-tokenizer")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    code = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    config.update(tokenizer_class="EvilTokenizer", auto_map=code)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_evil.py").write_text(f"import os\nos.mkdir({str(i.tmp / PAYLOAD)!r})\n")
+    return folder
+
+
+def custom_model(i: Inputs) -> Path:
+    """A config.json of a model type transformers does not know, implemented by the folder's own code."""
+    folder = i.copy("custom-model")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="evil", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                               "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (folder / name).write_text(f"import os\nos.mkdir({str(i.tmp / PAYLOAD)!r})\n")
+    return folder
+
+
+def fifo_weights(i: Inputs) -> Path:
+    folder = i.copy("fifo")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    return folder
+
+
+def separate_custom_tokenizer(i: Inputs) -> list[str]:
+    tokenizer = i.tmp / "tokenizer"
+    tokenizer.mkdir()
+    i.tokenizer.save_pretrained(tokenizer)
+    return ["--model", str(i.llama), "--tokenizer", str(custom_tokenizer(i, tokenizer))]
+
+
+# Hostile model folders refused in one line by analyze, evaluate and convert (the `model_files` checks):
+# name -> (builder, fragments of the error line).
+HOSTILE: dict[str, tuple[Callable[[Inputs], Path], tuple[str, ...]]] = {
+    "config-layers-1e9": (with_config_value("num_hidden_layers", 10**9), ("num_hidden_layers 1000000000",
+                                                                            "does not fit the weight files")),
+    "config-heads-0": (with_config_value("num_attention_heads", 0), ("num_attention_heads must be a positive",)),
+    "config-hidden-1e9-float": (with_raw_value("hidden_size", "1e9"), ("hidden_size must be a positive integer",)),
+    "config-hidden-1e9": (with_config_value("hidden_size", 10**9), ("hidden_size 1000000000", "does not fit")),
+    "config-layers-string": (with_config_value("num_hidden_layers", "twelve"), ('num_hidden_layers', '"twelve"')),
+    "config-layers-null": (with_config_value("num_hidden_layers", None), ("num_hidden_layers", "null")),
+    "config-layers-bool": (with_config_value("num_hidden_layers", True), ("num_hidden_layers", "true")),
+    "config-vocab-1e10": (with_config_value("vocab_size", 10**10), ("vocab_size 10000000000", "does not fit")),
+    "config-vocab-negative": (with_config_value("vocab_size", -5), ("vocab_size must be a positive integer", "-5")),
+    "config-eps-negative": (with_config_value("rms_norm_eps", -1e-5), ("rms_norm_eps must be a positive finite",)),
+    "config-rope-theta-zero": (with_config_values(rope_theta=0, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 0}), ("rope_theta",)),
+    "config-kv-heads-not-dividing": (with_config_value("num_key_value_heads", 3), ("num_key_value_heads 3",)),
+    "config-experts-1e9": (with_config_value("num_local_experts", 10**9), ("num_local_experts 1000000000",)),
+    "safetensors-header-huge": (edited_header(raw=lambda d: struct.pack("<Q", 2**62) + d[8:]),
+                                ("model.safetensors", "header length 4611686018427387904 exceeds")),
+    "safetensors-header-past-end": (edited_header(raw=lambda d: struct.pack("<Q", len(d)) + d[8:]),
+                                    ("model.safetensors", "exceeds the file")),
+    "safetensors-8-bytes": (edited_header(raw=lambda d: d[:8]), ("model.safetensors", "exceeds the file (8 bytes")),
+    "safetensors-4-bytes": (edited_header(raw=lambda d: d[:4]), ("model.safetensors", "too short")),
+    "safetensors-header-not-json": (edited_header(raw=lambda d: d[:8] + b"\xff" * 16 + d[24:]), ("not JSON",)),
+    "safetensors-shape-vs-offsets": (edited_header(_grow_shape), ("'model.norm.weight'", "data_offsets span")),
+    "safetensors-overlap": (edited_header(_overlap), ("overlap",)),
+    "safetensors-dtype-unknown": (edited_header(lambda h: h["model.norm.weight"].update(dtype="F128")),
+                                  ("unknown dtype 'F128'",)),
+    "safetensors-offsets-negative": (edited_header(lambda h: h["model.norm.weight"].update(data_offsets=[-4, 0])),
+                                     ("data_offsets [-4, 0]",)),
+    "index-names-etc-passwd": (index_naming("/etc/passwd"), ("model.safetensors.index.json", "'/etc/passwd'",
+                                                             "outside")),
+    "index-names-parent": (index_naming("../llama/model.safetensors"), ("'../llama/model.safetensors'", "outside")),
+    "index-names-missing-file": (index_naming("model-00002-of-00002.safetensors"), ("not in",)),
+    "pickle-hostile": (pickled(hostile_bin), ("pytorch_model.bin", "pickle-format weights", "safetensors")),
+    "pickle-raw": (pickled(raw=pickle.dumps({"model.embed_tokens.weight": [1.0, 2.0]})), ("pickle-format weights",)),
+    "custom-tokenizer-code": (custom_tokenizer, ("tokenizer_config.json", "EvilTokenizer", "never runs")),
+    "custom-model-code": (custom_model, ("model_type 'evil'", "never runs")),
+    "fifo-weights": (fifo_weights, ("model.safetensors is a FIFO",)),
+}
+
+
 def model(build: Callable[[Inputs], Path], *extra: str):
     return lambda i: ["--model", str(build(i)), *extra]
 
@@ -235,7 +425,9 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
         lambda i: ["--model", str(save_random_model(family_config("gpt2"), i.tmp / "g", i.tokenizer)), "--stream"],
         ("--stream", "model_type 'gpt2'"),
     ),
-    "analyze/stream-bin-weights": ("analyze", model(bin_weights, "--stream"), ("--stream", "no *.safetensors")),
+    "analyze/stream-bin-weights": ("analyze", model(bin_weights, "--stream"), ("pickle-format weights",)),
+    "analyze/bin-weights": ("analyze", model(bin_weights), ("pytorch_model.bin", "pickle-format weights")),
+    "analyze/tokenizer-custom-code": ("analyze", separate_custom_tokenizer, ("--tokenizer", "never runs")),
     # analyze: flags
     "analyze/num-samples-0": ("analyze", model(good_llama, "--num-samples", "0"), ("--num-samples",)),
     "analyze/num-samples-negative": ("analyze", model(good_llama, "--num-samples", "-3"), ("--num-samples",)),
@@ -312,6 +504,8 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     "evaluate/device-garbage": ("evaluate", hf(good_llama, "--device", "gpu7"), ("--device gpu7",)),
     "evaluate/output-is-a-folder": ("evaluate", lambda i: hf(good_llama, "--output", str(i.tmp))(i), ("is a folder",)),
     "evaluate/dtype-unknown": ("evaluate", hf(good_llama, "--dtype", "int8"), ("--dtype",)),
+    "evaluate/bin-weights": ("evaluate", hf(bin_weights), ("pytorch_model.bin", "pickle-format weights")),
+    # hostile model folders (HOSTILE, below) for both
     # compare
     "compare/accuracy-nan": ("compare", arms([(1, math.nan), (2, 0.6)], GOOD), ("b0.json", "lambada acc is nan")),
     "compare/accuracy-inf": ("compare", arms(GOOD, [(1, 0.5), (2, math.inf)]), ("j1.json", "inf")),
@@ -366,6 +560,16 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
 }
 
 
+STREAMED = ("config-layers-1e9", "safetensors-overlap", "index-names-etc-passwd", "custom-model-code")  # --stream too
+for _name, (_build, _expect) in HOSTILE.items():
+    CASES[f"analyze/{_name}"] = ("analyze", model(_build), _expect)
+    if _name in STREAMED:
+        CASES[f"analyze/{_name}-stream"] = ("analyze", model(_build, "--stream"), _expect)
+    CASES[f"evaluate/{_name}"] = ("evaluate", hf(_build), _expect)
+    if not _name.startswith("pickle-"):  # convert imports .bin weights with torch.load(weights_only=True)
+        CASES[f"convert/{_name}"] = ("convert", lambda i, b=_build: ["hf-to-mcore", "--hf", str(b(i))], _expect)
+
+
 def run(command: str, argv: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of one command run in this process; argparse's exit counts as a return."""
     err = io.StringIO()
@@ -405,6 +609,8 @@ def test_bad_input_is_one_clear_line(name, case_inputs, tmp_path):
         argv = ["--limit", "2", *argv]
         if "--output" not in argv:
             argv += ["--output", str(out / "r.json")]
+    elif command == "convert":
+        argv += ["--output", str(out)]
     rc, err = run(command, argv)
     errors = [line for line in err.splitlines() if "error:" in line]
     assert rc == 2, (name, rc, err[-2000:])
@@ -413,6 +619,8 @@ def test_bad_input_is_one_clear_line(name, case_inputs, tmp_path):
     for fragment in expect:
         assert fragment in errors[0], (fragment, errors[0])
     assert not out.exists(), "a failed run wrote output"
+    assert not (case_inputs.tmp / PAYLOAD).exists(), "a hostile file's code ran"
+    assert "[y/N]" not in err, "asked a question"
 
 
 def test_partly_bad_lambada_file_is_scored_and_reported(case_inputs, tmp_path):

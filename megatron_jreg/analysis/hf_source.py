@@ -1,10 +1,10 @@
 """Hugging Face and GGUF models as hidden-state sources.
 
-A local model folder (safetensors or .bin) or a GGUF file (dequantized by transformers' gguf support)
-is loaded with `AutoModelForCausalLM`, but only its base model runs: the LM head and its [b, t, V]
-logits are never computed. The decoder layers are found generically (`find_decoder_layers`) and
-measured with `LayerDisplacementHooks`. `include_final_norm=True` instead reproduces the common
-`output_hidden_states` measurement, whose last entry has the final norm applied.
+A local model folder (safetensors, checked first by `model_files`) or a GGUF file (dequantized by
+transformers' gguf support) is loaded with `AutoModelForCausalLM`, but only its base model runs: the LM
+head and its [b, t, V] logits are never computed. The decoder layers are found generically
+(`find_decoder_layers`) and measured with `LayerDisplacementHooks`. `include_final_norm=True` instead
+reproduces the common `output_hidden_states` measurement, whose last entry has the final norm applied.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from megatron_jreg.analysis.source import (
     real_rows,
 )
 from megatron_jreg.hub import ModelFileError, load_causal_lm
+from megatron_jreg.model_files import check_entries, refuse_custom_code
 
 HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent from the files
 
@@ -166,7 +167,13 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> 
     if where is None:
         where = f"the GGUF file {path / gguf_file}" if gguf_file else f"{path}"
     try:
-        return AutoTokenizer.from_pretrained(source, gguf_file=None if tokenizer else gguf_file, local_files_only=True)
+        if Path(source).is_dir():
+            check_entries(Path(source), "--tokenizer" if tokenizer else "--model")
+            refuse_custom_code(Path(source), "--tokenizer" if tokenizer else "--model")
+        return AutoTokenizer.from_pretrained(source, gguf_file=None if tokenizer else gguf_file, local_files_only=True,
+                                             trust_remote_code=False)
+    except ModelFileError as e:
+        raise AnalysisError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise AnalysisError(
             f"cannot load a tokenizer from {where}: {one_line(e)}. Pass --tokenizer DIR (a folder with "

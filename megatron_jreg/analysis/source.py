@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
-from megatron_jreg.hub import read_config
+from megatron_jreg.model_files import check_model_folder
 
 # The convention labels that end up in results.json and in the plot legends.
 LAYER_IO = "decoder layer input/output (hooks)"
@@ -265,7 +265,7 @@ def model_kind(path: Path, flag: str = "--model") -> str:
     if is_gguf_file(path):
         return "gguf"
     if path.is_dir() and (path / "config.json").exists():
-        read_config(path, flag)  # a broken config.json stops here, before any model is loaded
+        check_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here, before any load
         return "hf"
     if is_megatron_checkpoint(path):
         return "megatron"

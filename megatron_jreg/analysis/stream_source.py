@@ -148,9 +148,9 @@ class StreamingSource:
             self.weights = SafetensorsFolder(self.folder)
         except WeightsError as e:
             raise AnalysisError(f"--model {folder}: {e}") from None
-        config = AutoConfig.from_pretrained(str(self.folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(self.folder), local_files_only=True, trust_remote_code=False)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", trust_remote_code=False)
         self.config = skeleton.config
         self.base = skeleton.base_model
         self.model_class = f"{type(skeleton).__name__} (streamed)"

@@ -141,7 +141,8 @@ def _check_tokenizer(tokenizer: tuple, folder: Path, vocab_size: int) -> None:
             f"the tokenizer {path} has {ours.vocab_size} tokens but the model's vocabulary is {vocab_size}: ids "
             "past the embedding would be undefined; pass the tokenizer the model was trained with"
         )
-    theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)(PROBE_TEXT)["input_ids"]
+    loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    theirs = loaded(PROBE_TEXT)["input_ids"]
     expected = ours.tokenize(PROBE_TEXT)
     if list(theirs) != list(expected):
         first = next((i for i, (a, b) in enumerate(zip(theirs, expected)) if a != b), min(len(theirs), len(expected)))

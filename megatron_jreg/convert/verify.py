@@ -87,7 +87,7 @@ def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor],
     as tokens[b, t] → fp32 logits[b, t, V]; weights that do not all load are refused (hub.load_causal_lm)."""
     from megatron_jreg import hub
 
-    model = hub.load_causal_lm(folder, where=f"--hf {folder}", dtype=torch.float32).to(device)
+    model = hub.load_causal_lm(folder, where=f"--hf {folder}", dtype=torch.float32, allow_pickle=True).to(device)
     model.eval()
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:

@@ -225,7 +225,7 @@ def load_hf_tokenizer(folder: str | Path, flag: str = "--tokenizer"):  # noqa: A
     if not path.is_dir():
         raise DataError(f"{flag} {folder}: no such folder (a Hugging Face tokenizer folder, e.g. with tokenizer.json)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DataError(f"{flag} {folder}: transformers cannot load a tokenizer from it ({first}); the folder needs "

@@ -15,6 +15,7 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.hub import ModelFileError
+from megatron_jreg.model_files import check_model_folder
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_LENGTH = 2048
@@ -114,9 +115,10 @@ def load_hf_lm(
     """Load a Hugging Face folder (or a hub id in the local cache) for evaluation, never touching the network.
 
     dtype "auto" keeps the checkpoint's dtype on GPU and uses float32 on CPU (CPU half precision is
-    slow and lossy); max_length None takes the model's own context window. A folder whose weights do
-    not all load (missing or unused tensors) is refused with hub.IncompleteWeightsError, and every
-    other problem with the files is a one-line hub.ModelFileError.
+    slow and lossy); max_length None takes the model's own context window. The folder is checked before
+    anything loads (`model_files.check_model_folder`); one whose weights do not all load (missing or unused
+    tensors) is refused with hub.IncompleteWeightsError, and every other problem with the files is a
+    one-line hub.ModelFileError.
     """
     from transformers import AutoTokenizer
 
@@ -126,14 +128,14 @@ def load_hf_lm(
             f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
             "`hf download REPO --local-dir DIR` on a machine with internet"
         )
-    config = hub.read_config(path, "--hf")
+    config = check_model_folder(path, "--hf")  # before anything is allocated: config, headers, no code, no pickle
     device = device or default_device()
     if dtype == "auto":
         torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise hub.ModelFileError(
             f"--hf {path}: cannot load its tokenizer ({_first_line(e)}); the folder needs tokenizer.json or the "

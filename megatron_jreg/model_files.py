@@ -1,0 +1,433 @@
+"""A Hugging Face model folder checked before anything reads its tensors or allocates its model.
+
+`analyze`, `evaluate` and `convert` call `check_model_folder` first; it refuses, in one line naming the
+file and the key, what would otherwise hang, exhaust memory, end in a library traceback or run a file's
+code:
+
+- config.json: counts and sizes that are not positive integers (`num_attention_heads: 0`,
+  `num_hidden_layers: "twelve"`, `hidden_size: 1e9`), norm epsilons and RoPE bases that are not positive
+  finite numbers, head counts that do not divide, and sizes whose weights the files cannot hold: the
+  safetensors headers give the exact number of stored values, and a config whose embedding, one layer or
+  all layers alone need more is refused naming the key (transformers would build 10⁹ layers until the
+  process is killed);
+- safetensors files: the header is parsed with bounds checks before any tensor is read: header length
+  within the file and the format's 100 MB limit, every tensor's dtype known and dtype × shape equal to its
+  byte range, byte ranges inside the data area, in order, without overlap or gap (what the safetensors
+  library requires, named here instead of raised from Rust); `model.safetensors.index.json` may name only
+  files inside the folder (a weight map pointing at `/etc/passwd` or `../x` is refused as such);
+- code: pickle-format weights (`pytorch_model.bin`, `*.pt`, ...) are refused — `torch.load` unpickles, and
+  transformers loads only safetensors here (`use_safetensors=True`); a folder whose config or tokenizer
+  names its own Python classes (`auto_map`) that transformers does not implement is refused, since every
+  loader is called with `trust_remote_code=False` and nothing from a folder ever runs;
+- special files: a FIFO or device where a file should be would block the first read forever; every entry
+  of the folder must be a regular file or a folder.
+
+Hub-cache snapshots hold symlinks into `blobs/` outside the snapshot, so symlinks themselves are allowed;
+names in an index are checked lexically (relative, no `..`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from megatron_jreg.hub import BadConfigError, ModelFileError, read_config
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+MAX_HEADER = 100_000_000  # the safetensors format's limit on the JSON header (bytes)
+# Bits per element of every safetensors dtype.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
+    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+
+# config.json keys that count or size something: positive integers (experts: >= 0, 0 = dense).
+_SIZES = (
+    "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model", "num_attention_heads",
+    "n_head", "num_key_value_heads", "intermediate_size", "n_inner", "ffn_dim", "vocab_size",
+    "max_position_embeddings", "n_positions", "n_ctx", "head_dim",
+)  # fmt: skip
+_EXPERTS = ("num_local_experts", "num_experts", "num_experts_per_tok")
+_NOT_NULL = {"num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head", "vocab_size"}
+_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rope_theta")
+_ROPE_FLOATS = ("rope_theta", "factor")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_HEADS = ("num_attention_heads", "n_head")
+
+
+class WeightsError(ModelFileError):
+    """A safetensors file or index that cannot be read as it describes itself; the message names the file."""
+
+
+class NotRegularFile(OSError):
+    """A path that is a FIFO, device or socket where a regular file is expected (reading it could block)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Files that are what they claim to be.
+
+
+def special_kind(mode: int) -> str | None:
+    """'a FIFO', 'a character device', ... for a stat mode that is neither a regular file nor a folder."""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return kind
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
+
+
+def open_regular(path: str | Path) -> IO[bytes]:
+    """`open(path, "rb")` for a regular file only: opened non-blocking and checked with fstat, so a FIFO or
+    device is refused (NotRegularFile) without waiting for a writer or reading without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{path} is {special_kind(mode) or 'a folder'}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_entries(folder: Path, flag: str) -> None:
+    """Every entry of `folder` (not recursive: what transformers reads) is a regular file or a folder;
+    a dangling symlink is left to whoever reads it (the hub cache reports those)."""
+    for entry in sorted(Path(folder).iterdir()):
+        try:
+            kind = special_kind(os.stat(entry).st_mode)
+        except OSError:
+            continue
+        if kind is not None:
+            raise ModelFileError(f"{flag} {folder}: {entry.name} is {kind}, not a regular file (reading it could "
+                                 "block forever); replace it with the real file")
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors headers, bounds-checked.
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: dtype (safetensors' name), shape, absolute byte range [start, end)."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _entry(path: Path, name: str, entry: Any, base: int) -> TensorEntry:
+    """A header entry, its types checked (offsets are checked against each other by the caller)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise WeightsError(f"{where}: header entry is not a JSON object; the file is corrupt: download it again")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise WeightsError(f"{where}: unknown dtype {str(dtype)[:40]!r}; the file is corrupt: download it again")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise WeightsError(f"{where}: shape {str(shape)[:60]} is not a list of non-negative integers; the file is "
+                           "corrupt: download it again")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
+        raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} are not two non-negative integers; the file "
+                           "is corrupt: download it again")
+    begin, end = offsets
+    info = TensorEntry(path, dtype, tuple(shape), base + begin, base + end)
+    bits = info.numel * DTYPE_BITS[dtype]
+    if end < begin or bits % 8 or end - begin != bits // 8:
+        raise WeightsError(f"{where}: {dtype} × {tuple(shape)} is {bits / 8:g} bytes but its data_offsets span "
+                           f"{end - begin}; the file is corrupt: download it again")
+    return info
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file (8-byte little-endian header length N, N bytes of JSON
+    {name: {dtype, shape, data_offsets: [begin, end]}} with offsets relative to the data area, then the
+    data), every field checked before any tensor is read; WeightsError names the file and the problem."""
+    path = Path(path)
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{path}: {size} bytes, too short for a safetensors file; download it again")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8 or length > MAX_HEADER:
+                limit = "the file" if length > size - 8 else "the format's 100 MB limit"
+                raise WeightsError(f"{path}: header length {length} exceeds {limit} ({size} bytes in all): truncated "
+                                   "or corrupt; download the file again")
+            raw = f.read(length)
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read it ({e}); restore the file") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: the safetensors header is not JSON ({e}); download the file again") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: the safetensors header is not a JSON object; download the file again")
+    base = 8 + length
+    tensors = {name: _entry(path, name, entry, base) for name, entry in header.items() if name != "__metadata__"}
+    previous, last = None, base
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end)):
+        if info.start < last:
+            raise WeightsError(f"{path}: tensors {previous!r} and {name!r} overlap (bytes {info.start}..{last}); the "
+                               "file is corrupt: download it again")
+        if info.start > last:
+            raise WeightsError(f"{path}: bytes {last}..{info.start} before tensor {name!r} belong to no tensor; the "
+                               "file is corrupt: download it again")
+        if info.end > size:
+            raise WeightsError(f"{path}: tensor {name!r} needs bytes {info.start}..{info.end} of a {size}-byte file "
+                               "(truncated or corrupt); download the file again")
+        previous, last = name, info.end
+    return tensors
+
+
+def _inside(folder: Path, name: Any, index: Path) -> Path:
+    """folder/name for a weight-map file name that stays inside the folder (relative, no `..`)."""
+    if not isinstance(name, str) or not name:
+        raise WeightsError(f"{index}: file name {str(name)[:60]!r} is not a string; restore the file")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts:
+        raise WeightsError(f"{index}: names {name[:120]!r}, outside {folder}; an index may only name files in its "
+                           "own folder: restore the file (do not use this model if you did not edit it)")
+    path = folder / name
+    try:
+        kind = special_kind(os.stat(path).st_mode)
+    except OSError:
+        raise WeightsError(f"{index}: lists {name}, which is not in {folder}; download it again") from None
+    if kind is not None:
+        raise WeightsError(f"{index}: {name} is {kind}, not a regular file; restore it")
+    return path
+
+
+def safetensors_sources(folder: Path) -> tuple[Path | None, dict[str, str] | None, list[Path]]:
+    """(index, its weight map, the files) of a folder's safetensors: the index's shards (names checked),
+    else every `*.safetensors`; ([], None) parts when there are none."""
+    folder = Path(folder)
+    index = folder / SAFETENSORS_INDEX
+    if not index.exists():
+        return None, None, sorted(folder.glob("*.safetensors"))
+    try:
+        with open_regular(index) as f:
+            weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WeightsError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); restore the file") from None
+    bad = next((v for v in weight_map.values() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise WeightsError(f"{index}: weight_map value {str(bad)[:60]} is not a file name; restore the file")
+    return index, weight_map, [_inside(folder, name, index) for name in sorted(set(weight_map.values()))]
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor of a folder's safetensors files (see `safetensors_sources`), headers checked, and
+    every tensor of an index present in the shard it names."""
+    index, weight_map, files = safetensors_sources(folder)
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        tensors.update(read_safetensors_header(path))
+    for name, file in (weight_map or {}).items():
+        info = tensors.get(name)
+        if info is None or info.file.name != Path(file).name:
+            raise WeightsError(f"{index}: {name} is not in {file}; download the model again")
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json values.
+
+
+def _text_configs(config: dict) -> list[dict]:
+    """The config and the nested text config of a multimodal model (where the decoder's sizes are)."""
+    nested = [config[k] for k in ("text_config", "llm_config") if isinstance(config.get(k), dict)]
+    return [config, *nested]
+
+
+def _first(configs: Iterable[dict], names: tuple[str, ...]) -> tuple[str, int] | None:
+    for config in configs:
+        for name in names:
+            if isinstance(config.get(name), int) and not isinstance(config[name], bool):
+                return name, config[name]
+    return None
+
+
+def check_config(config: dict, where: str) -> None:
+    """Types and ranges of the config.json values a model is built from; BadConfigError naming the key."""
+    for part in _text_configs(config):
+        for key in (*_SIZES, *_EXPERTS):
+            if key not in part:
+                continue
+            value, least = part[key], 0 if key in _EXPERTS else 1
+            if value is None and key not in _NOT_NULL:
+                continue
+            if type(value) is not int or value < least:
+                want = "a non-negative integer" if least == 0 else "a positive integer"
+                raise BadConfigError(f"{where}: config.json: {key} must be {want}, found {json.dumps(value)[:40]}; "
+                                     "restore the model's config.json")
+        for key in _POSITIVE_FLOATS:
+            _positive_number(part, key, key, where)
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = part.get(key)
+            for sub, params in ([("", rope)] if isinstance(rope, dict) else []):
+                nested = [(f"{sub}{k}.", v) for k, v in params.items() if isinstance(v, dict)]
+                for prefix, values in [(sub, params), *nested]:
+                    for name in _ROPE_FLOATS:
+                        _positive_number(values, name, f"{key}.{prefix}{name}", where)
+        heads = _first([part], _HEADS)
+        kv = part.get("num_key_value_heads")
+        if heads and type(kv) is int and heads[1] % kv:
+            raise BadConfigError(f"{where}: config.json: num_key_value_heads {kv} does not divide {heads[0]} "
+                                 f"{heads[1]}; restore the model's config.json")
+        hidden = _first([part], _HIDDEN)
+        if heads and hidden and part.get("head_dim") is None and hidden[1] % heads[1]:
+            raise BadConfigError(f"{where}: config.json: {hidden[0]} {hidden[1]} is not divisible by {heads[0]} "
+                                 f"{heads[1]} (and no head_dim is given); restore the model's config.json")
+
+
+def _positive_number(values: dict, key: str, label: str, where: str) -> None:
+    if key not in values or values[key] is None:
+        return
+    value = values[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise BadConfigError(f"{where}: config.json: {label} must be a positive finite number, found "
+                             f"{json.dumps(value)[:40]}; restore the model's config.json")
+
+
+def check_weights_fit(config: dict, stored: int, where: str, what: str) -> None:
+    """Refuse sizes whose weights exceed what the files hold (`stored` values, `what` says how counted).
+
+    Each bound is a lower bound on the weights of any decoder (an embedding of vocab × hidden, a layer with
+    at least hidden²/2 weights, one FFN matrix, learned positions, one vector per expert), far below a real
+    model's size, so only sizes no file could back are refused, naming the key.
+    """
+    configs = _text_configs(config)
+    values = {k: v for part in reversed(configs) for k, v in part.items() if type(v) is int}
+    hidden = _first(configs, _HIDDEN)
+    if hidden is None:
+        return
+    h_key, h = hidden
+    bounds: list[tuple[str, int, str]] = [(h_key, h * h // 2, f"{h_key}²/2 (one layer)")]
+    for keys, per, text in (
+        (("vocab_size",), h, "× {h} (the embedding)"),
+        (_LAYERS, h * h // 2, "× {h}²/2 (the layers)"),
+        (("intermediate_size", "n_inner", "ffn_dim"), h, "× {h} (one MLP matrix)"),
+        (("n_positions",), h, "× {h} (learned positions)"),
+        (("num_local_experts", "num_experts"), h, "× {h} (one vector per expert)"),
+    ):
+        found = _first(configs, keys)
+        if found is not None:
+            bounds.append((found[0], found[1] * per, f"{found[0]} {found[1]} " + text.format(h=f"{h_key} {h}")))
+    heads, head_dim = _first(configs, _HEADS), values.get("head_dim")
+    if heads and head_dim:
+        bounds.append(("head_dim", heads[1] * head_dim * h, f"{heads[0]} × head_dim × {h_key} (the query projection)"))
+    for key, need, text in bounds:
+        if need > stored:
+            raise BadConfigError(f"{where}: config.json: {key} {values.get(key)} does not fit the weight files: "
+                                 f"{text} needs at least {need:,} weights, {what} hold {stored:,}; restore the "
+                                 "model's config.json or download the model again")
+
+
+# --------------------------------------------------------------------------------------------------
+# Code a folder would have run.
+
+
+def _json(path: Path) -> dict:
+    try:
+        with open_regular(path) as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def custom_code(folder: Path, *, any_map: bool = False) -> str | None:
+    """What in `folder` needs its own Python code that transformers does not implement (`auto_map` in
+    config.json with an unknown model_type, or in tokenizer_config.json with an unknown tokenizer class),
+    described for an error line; None when transformers' own classes load it. any_map: report any
+    `auto_map` (what `trust_remote_code=True` would run even where transformers has the class)."""
+    folder = Path(folder)
+    config = _json(folder / "config.json")
+    if isinstance(config.get("auto_map"), dict) and config["auto_map"]:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if any_map or config.get("model_type") not in CONFIG_MAPPING:
+            first = next(iter(config["auto_map"].values()))
+            return f"config.json: model_type {config.get('model_type')!r} is implemented by its own code ({first})"
+    tokenizer = _json(folder / "tokenizer_config.json")
+    auto = tokenizer.get("auto_map")
+    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto if isinstance(auto, list) else None
+    if ref:
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+        name = str(tokenizer.get("tokenizer_class") or "").removesuffix("Fast")
+        if any_map or not name or (tokenizer_class_from_name(name) is None
+                                   and tokenizer_class_from_name(name + "Fast") is None):
+            shown = next((r for r in (ref if isinstance(ref, list) else [ref]) if r), ref)
+            return f"tokenizer_config.json: tokenizer class {name or '?'} is implemented by its own code ({shown})"
+    return None
+
+
+def refuse_custom_code(folder: Path, flag: str) -> None:
+    """ModelFileError when `folder` needs code of its own (see `custom_code`): megatron-jreg never runs it."""
+    found = custom_code(folder)
+    if found is not None:
+        raise ModelFileError(f"{flag} {folder}: {found}, which megatron-jreg never runs (trust_remote_code=False); "
+                             "use a folder that transformers' own classes load (e.g. a tokenizer.json)")
+
+
+# --------------------------------------------------------------------------------------------------
+# The one check.
+
+
+def pickled_weights(folder: Path) -> list[str]:
+    """Names of pickle-format weight files in `folder` (torch.load would unpickle them)."""
+    return sorted({p.name for pattern in PICKLE_PATTERNS for p in Path(folder).glob(pattern)})
+
+
+def check_model_folder(folder: str | Path, flag: str, *, allow_pickle: bool = False) -> dict:
+    """Check a Hugging Face model folder before anything loads it (module docstring); its config.json as a
+    dict. allow_pickle: accept pickle-format weights when there are no safetensors (`convert hf-to-mcore`,
+    which reads them with torch.load(weights_only=True)); analyze and evaluate never do."""
+    folder = Path(folder)
+    where = f"{flag} {folder}"
+    check_entries(folder, flag)
+    config = read_config(folder, flag)
+    check_config(config, where)
+    refuse_custom_code(folder, flag)
+    _, _, files = safetensors_sources(folder)
+    tensors = read_safetensors_folder(folder) if files else {}
+    single = folder / SAFETENSORS_SINGLE
+    if single.is_file() and single not in files:  # beside an index: transformers loads this one
+        tensors = read_safetensors_header(single)
+    if tensors or files:
+        check_weights_fit(config, sum(t.numel for t in tensors.values()), where, "the safetensors headers")
+        return config
+    pickles = pickled_weights(folder)
+    if pickles and not allow_pickle:
+        raise ModelFileError(f"{where}: pickle-format weights ({', '.join(pickles[:3])}): megatron-jreg does not "
+                             "unpickle weight files (a pickle can run code); convert to safetensors where you trust "
+                             "the file (save_pretrained(..., safe_serialization=True))")
+    if pickles:
+        size = sum((folder / name).stat().st_size for name in pickles)
+        check_weights_fit(config, size, where, f"the {len(pickles)} weight file(s) of {size:,} bytes")
+        return config
+    raise ModelFileError(f"{where}: no weight files: no file named {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
+                         "there; download the model again")
