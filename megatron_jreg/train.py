@@ -5,6 +5,9 @@ Megatron-LM's own parser, validation, model builder, datasets, training loop, ch
 datasets (training/data.py), forward step and loss (training/step.py) — and adds its flags, JREG's
 telemetry (training/loop.py) and checkpoint safety (training/checkpointing.py). Launch with torchrun or
 Slurm exactly like pretrain_gpt.py; a plain single process also works.
+
+A bad flag or input is one line, `megatron-jreg train: error: …` (exit 2; a failed checkpoint save: exit 1),
+printed by rank 0 only; `--debug` (or MEGATRON_JREG_DEBUG=1) prints the traceback behind it on every rank.
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ def main(argv: list[str] | None = None) -> int:
 
         parse_args(argv)  # argparse prints Megatron-LM's help with our group, then exits
         return 0
+    debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     _single_process_env()
     from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.training.checkpointing import SaveError
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
-    except UsageError as e:
-        print(f"megatron-jreg train: error: {e}", file=sys.stderr)
-        return 2
+    except (UsageError, SaveError) as e:
+        if debug:
+            import traceback
+
+            traceback.print_exception(e.__cause__ or e, file=sys.stderr)
+        if debug or os.environ.get("RANK", "0") == "0":  # one line per run, not per rank
+            print(f"megatron-jreg train: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import __main__

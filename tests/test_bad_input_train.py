@@ -2,14 +2,21 @@
 fix, exit 2, before any work; no pickled code run; the good checkpoint still loads afterwards.
 
 One spawned rank runs every case through the CLI's own `main` (in-process); the checkpoint cases damage
-copies of one small checkpoint trained at the start.
+copies of one small checkpoint trained at the start (FIFOs, symlinks and `.metadata` storage paths out of
+the folder among them). A full disk during a save is a small tmpfs where this process may mount one, and an
+injected ENOSPC from the checkpoint writer in any case. Two ranks check that a refusal is one line from
+rank 0, not one per rank.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import json
 import os
 import pickle
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +75,53 @@ def _damage(good: Path, tmp: Path) -> dict[str, Path]:
     (root / "iter_0000002" / "metadata.json").unlink()
     (root / "iter_0000002" / ".metadata").unlink()
     cases["partial-iteration"] = root
+    outside = tmp / "outside"
+    outside.mkdir()
+    os.mkfifo(outside / "fifo")
+    shutil.copy(next((good / "iter_0000002").glob("*.distcp")), outside / "shard.distcp")
+    for name, target in (("shard-fifo", "*.distcp"), ("metadata-fifo", ".metadata"), ("tracker-fifo", None)):
+        root = _checkpoint_copy(good, tmp, name)
+        path = root / "latest_checkpointed_iteration.txt" if target is None else next(
+            (root / "iter_0000002").glob(target))
+        path.unlink()
+        os.mkfifo(path)  # reading it would wait for a writer forever
+        cases[name] = root
+    root = _checkpoint_copy(good, tmp, "shard-symlink-out")
+    shard = next((root / "iter_0000002").glob("*.distcp"))
+    shard.unlink()
+    shard.symlink_to(outside / "shard.distcp")
+    cases["shard-symlink-out"] = root
+    for name, target in (("storage-absolute", str(outside / "fifo")), ("storage-parent", "../../outside/fifo")):
+        root = _checkpoint_copy(good, tmp, name)
+        _redirect_storage(root / "iter_0000002", target)
+        cases[name] = root
     return cases
+
+
+def _redirect_storage(ckpt: Path, target: str) -> None:
+    """Point every storage entry of `.metadata` at `target` (a crafted file; the manifest would name it)."""
+    from megatron_jreg.checkpoints.files import MetadataUnpickler
+
+    metadata = MetadataUnpickler((ckpt / ".metadata").open("rb")).load()
+    for info in metadata.storage_data.values():
+        info.relative_path = target
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    (ckpt / "integrity.json").unlink()
+
+
+def _custom_tokenizer(tmp: Path, name: str, tokenizer_class: str) -> Path:
+    """A Hugging Face tokenizer folder whose tokenizer_config.json names code that creates tmp/pickle-ran."""
+    from megatron_jreg.analysis.toy import train_tokenizer
+    from megatron_jreg.data.text import lambada_passages
+
+    folder = tmp / name
+    train_tokenizer(lambada_passages()[:50], vocab_size=300).save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class=tokenizer_class, auto_map={"AutoTokenizer": [None, "tokenization_evil.Evil"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_evil.py").write_text(f"import os\nos.mkdir({str(tmp / 'pickle-ran')!r})\n")
+    return folder
 
 
 def _bad_data(tmp: Path) -> dict[str, str]:
@@ -83,6 +136,12 @@ def _bad_data(tmp: Path) -> dict[str, str]:
     shutil.copy(str(big) + ".bin", str(truncated) + ".bin")
     (Path(str(truncated) + ".idx")).write_bytes(Path(str(big) + ".idx").read_bytes()[:20])
     return {"big": str(big), "truncated": str(truncated)}
+
+
+def _tokenizer(nomock: list[str], folder: Path) -> list[str]:
+    """TINY on mock data with a Hugging Face tokenizer folder instead of the NullTokenizer."""
+    argv = [a for a in nomock if a not in ("--tokenizer-type", "NullTokenizer")]
+    return argv + ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder)]
 
 
 def _without(argv: list[str], flag: str) -> list[str]:
@@ -140,6 +199,32 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "pretrained-hostile": (TINY + ["--pretrained-checkpoint", str(damaged["hostile-metadata"])],
                                f"--pretrained-checkpoint: {damaged['hostile-metadata'] / 'iter_0000002'}"
                                "/.metadata: refused to load (class posix.mkdir"),
+        # what Megatron-LM's optimizer, scheduler and layers need (it asserts, or torch raises, after the build)
+        "no-lr": (_without(TINY, "--lr"), "--lr is required"),
+        "warmup-not-below-decay": (TINY + ["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be smaller than "
+                                                                      "--train-iters 4"),
+        "warmup-fraction-1": (_without(TINY, "--lr-warmup-iters") + ["--lr-warmup-fraction", "1"],
+                              "--lr-warmup-fraction 1.0"),
+        "decay-iters-0": (TINY + ["--lr-decay-iters", "0"], "--lr-decay-iters 0"),
+        "wsd-without-decay": (TINY + ["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
+        "warmup-init-above-lr": (TINY + ["--lr-warmup-init", "1"], "--lr-warmup-init <= --lr"),
+        "weight-decay-negative": (TINY + ["--weight-decay", "-0.1"], "--weight-decay -0.1"),
+        "cp-without-te": (TINY + ["--context-parallel-size", "2"], "--context-parallel-size 2 needs Transformer "
+                                                                  "Engine's attention"),
+        "ep-alltoall-on-gloo": (TINY + ["--num-experts", "4", "--expert-model-parallel-size", "2",
+                                        "--moe-token-dispatcher-type", "alltoall"],
+                                "--moe-token-dispatcher-type alltoall"),
+        "async-save-on-cpu": (TINY + ["--async-save", "--use-persistent-ckpt-worker", "--save", str(tmp / "as"),
+                                      "--save-interval", "2"], "--async-save --use-persistent-ckpt-worker needs a GPU"),
+        "optimizer-build-adam-beta": (TINY + ["--adam-beta1", "1.5"], "cannot build the optimizer (check --lr, "
+                                                                      "--adam-beta1"),
+        "optimizer-build-sgd-momentum": (TINY + ["--optimizer", "sgd", "--sgd-momentum", "-1"],
+                                         "Invalid momentum value: -1.0"),
+        "tokenizer-custom-code": (_tokenizer(nomock, _custom_tokenizer(tmp, "evil-tok", "EvilTokenizer")),
+                                  "tokenizer class EvilTokenizer is implemented by its own code"),
+        "tokenizer-trust-remote-code": (_tokenizer(nomock, _custom_tokenizer(tmp, "known-tok",
+                                                                             "PreTrainedTokenizerFast"))
+                                        + ["--trust-remote-code"], "which --trust-remote-code would run"),
     }
     needles = {
         "tracker-garbage": "expected an iteration number, found 'garbage!'",
@@ -151,6 +236,12 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "overwritten-shard": "contents differ from the digest recorded at save",
         "truncated-shard-unverified": "Megatron-LM could not load the checkpoint",
         "partial-iteration": "incomplete checkpoint",
+        "shard-fifo": "__0_0.distcp is a FIFO, not a regular file",
+        "metadata-fifo": "iter_0000002/.metadata is a FIFO, not a regular file",
+        "tracker-fifo": "latest_checkpointed_iteration.txt is a FIFO, not a regular file",
+        "shard-symlink-out": "outside the checkpoint",
+        "storage-absolute": "storage entry",
+        "storage-parent": "'../../outside/fifo' is not a file name inside",
     }
     for name, root in damaged.items():
         cases[name] = (TINY + SAVE + ["--load", str(root)], needles[name])
@@ -166,23 +257,90 @@ def bad_input_suite(rank: int, world: int, tmp_dir: str) -> dict:
     out: dict = {"good": train(TINY + SAVE + ["--save", str(good)])[0]}
     data = _bad_data(tmp)
     damaged = _damage(good, tmp)
-    out["cases"] = {name: train(argv) for name, (argv, _) in _cases(tmp, good, data, damaged).items()}
-    out["needles"] = {name: needle for name, (_, needle) in _cases(tmp, good, data, damaged).items()}
+    cases = _cases(tmp, good, data, damaged)
+    out["cases"] = {name: train(argv) for name, (argv, _) in cases.items()}
+    out["needles"] = {name: needle for name, (_, needle) in cases.items()}
     # The other readers refuse the hostile checkpoint without running it.
     from megatron_jreg.analysis.cli import main as analyze_main
     from megatron_jreg.convert.cli import main as convert_main
     from megatron_jreg.evaluate.cli import main as evaluate_main
 
-    hostile = str(damaged["hostile-metadata"])
-    out["readers"] = {
-        "analyze": analyze_main(["--model", hostile, "--num-samples", "2", "--output", str(tmp / "a")]),
-        "evaluate": evaluate_main(["--load", hostile, "--tasks", "lambada", "--limit", "2"]),
-        "convert": convert_main(["mcore-to-hf", "--load", hostile, "--output", str(tmp / "hf")]),
-    }
+    out["readers"] = {}
+    for case in ("hostile-metadata", "shard-fifo", "storage-parent", "shard-symlink-out"):
+        hostile = str(damaged[case])
+        out["readers"][case] = {
+            "analyze": analyze_main(["--model", hostile, "--num-samples", "2", "--output", str(tmp / "a")]),
+            "evaluate": evaluate_main(["--load", hostile, "--tasks", "lambada", "--limit", "2"]),
+            "convert": convert_main(["mcore-to-hf", "--load", hostile, "--output", str(tmp / "hf")]),
+        }
     out["pickle_ran"] = (tmp / "pickle-ran").exists()
+    out["disk-full"] = _disk_full_runs(tmp, good)
     # Nothing lost: the good checkpoint still resumes after all of the above.
     rc, _, err = train(TINY + SAVE + ["--load", str(good)])
     out["good-resume"] = (rc, err[-1500:])
+    return out
+
+
+def _mount_tmpfs(folder: Path, size: int) -> bool:
+    """A tmpfs of `size` bytes at `folder`, where this process may mount one (root, CAP_SYS_ADMIN)."""
+    folder.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(folder)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+class _InjectedENOSPC:
+    """The checkpoint writer's writes into iteration `iteration` fail with ENOSPC after 4 KiB, as on a full
+    disk (for machines where no tmpfs can be mounted, and for a first save that fails)."""
+
+    def __init__(self, iteration: int) -> None:
+        self.folder = f"iter_{iteration:07d}"
+
+    def __enter__(self) -> _InjectedENOSPC:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        self.module, self.original = filesystem_async, filesystem_async._write_item
+
+        @functools.wraps(self.original)  # megatron passes the arguments its signature names
+        def write_item(*args, **kwargs):
+            stream = next(a for a in args if hasattr(a, "write") and hasattr(a, "name"))
+            if self.folder in str(stream.name):
+                stream.write(bytes(4096))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.original(*args, **kwargs)
+
+        filesystem_async._write_item = write_item
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module._write_item = self.original
+
+
+def _disk_full_runs(tmp: Path, good: Path) -> dict:
+    """Saves that run out of space: (rc, stderr, files left, tracker) per case, and the resumes after them."""
+    out: dict = {}
+    size = sum(p.stat().st_size for p in (good / "iter_0000002").iterdir())
+    runs = TINY + ["--save-interval", "2", "--train-iters", "4", "--eval-interval", "100"]
+
+    def record(name: str, save: Path, argv: list[str]) -> None:
+        rc, _, err = train(argv + ["--save", str(save)])
+        tracker = save / "latest_checkpointed_iteration.txt"
+        out[name] = (rc, err[-3000:], sorted(p.name for p in save.iterdir()) if save.is_dir() else [],
+                     tracker.read_text() if tracker.is_file() else None)
+        out[name + "-resume"] = train(TINY + ["--load", str(save)])[0] if tracker.is_file() else None
+
+    mount = tmp / "tmpfs"
+    if _mount_tmpfs(mount, int(size * 1.5)):  # room for one checkpoint, not two
+        try:
+            record("tmpfs", mount / "ckpt", runs)
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+    with _InjectedENOSPC(4):
+        record("injected", tmp / "injected", runs)
+    with _InjectedENOSPC(2):
+        record("injected-first", tmp / "injected-first", runs)
     return out
 
 
@@ -204,7 +362,11 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "sft-missing-file", "eval-interval-missing", "fsdp-on-cpu", "nsys-profile-on-cpu",
     "pretrained-missing", "pretrained-hostile", "tracker-garbage", "tracker-empty", "tracker-release",
     "tracker-missing-iter", "hostile-metadata", "truncated-metadata", "overwritten-shard",
-    "truncated-shard-unverified", "partial-iteration", "larger-train-iters",
+    "truncated-shard-unverified", "partial-iteration", "larger-train-iters", "shard-fifo", "metadata-fifo",
+    "tracker-fifo", "shard-symlink-out", "storage-absolute", "storage-parent", "no-lr", "warmup-not-below-decay",
+    "warmup-fraction-1", "decay-iters-0", "wsd-without-decay", "warmup-init-above-lr", "weight-decay-negative",
+    "cp-without-te", "ep-alltoall-on-gloo", "async-save-on-cpu", "optimizer-build-adam-beta",
+    "optimizer-build-sgd-momentum", "tokenizer-custom-code", "tokenizer-trust-remote-code",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]
@@ -216,6 +378,48 @@ def test_bad_input_is_one_clear_line(suite, name):
         assert "--override-opt_param-scheduler" in lines[0] and "truncated" not in lines[0]
 
 
-def test_hostile_pickle_never_runs_in_any_reader(suite):
-    assert suite["readers"] == {"analyze": 2, "evaluate": 2, "convert": 2}
+def test_hostile_checkpoints_are_refused_by_every_reader(suite):
+    for case, codes in suite["readers"].items():
+        assert codes == {"analyze": 2, "evaluate": 2, "convert": 2}, case
     assert suite["pickle_ran"] is False
+
+
+@pytest.mark.parametrize("case", ["tmpfs", "injected"])
+def test_full_disk_is_one_line_and_the_previous_checkpoint_stays(suite, case):
+    if case not in suite["disk-full"]:
+        pytest.skip("no tmpfs can be mounted here (the injected case covers the same path)")
+    rc, err, files, tracker = suite["disk-full"][case]
+    lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "saving iteration 4 failed ([Errno 28] No space left on device" in lines[0], lines[0]
+    assert "a checkpoint needs about" in lines[0] and "MiB (the size of iter_0000002)" in lines[0], lines[0]
+    assert "the partial iter_0000004 was removed; latest_checkpointed_iteration.txt still names iteration 2" in lines[0]
+    assert files == ["iter_0000002", "latest_checkpointed_iteration.txt"] and tracker == "2"
+    assert suite["disk-full"][case + "-resume"] == 0
+
+
+def test_full_disk_at_the_first_save_estimates_the_space(suite):
+    rc, err, files, tracker = suite["disk-full"]["injected-first"]
+    lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert rc == 1 and len(lines) == 1, err
+    assert "saving iteration 2 failed" in lines[0] and "(this run's parameters and optimizer state)" in lines[0]
+    assert "no checkpoint was written" in lines[0] and files == [] and tracker is None
+
+
+def two_rank_refusals(rank: int, world: int) -> dict:
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    cases = {"ep-alltoall-on-gloo": TINY + moe, "optimizer-build": TINY + ["--adam-beta1", "1.5"]}
+    return {name: train(argv)[::2] for name, argv in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(two_rank_refusals, 2)
+
+
+@pytest.mark.parametrize("name", ["ep-alltoall-on-gloo", "optimizer-build"])  # before the build, and during it
+def test_multi_rank_refusal_is_one_line_from_rank_0(two_ranks, name):
+    (rc0, err0), (rc1, err1) = two_ranks[0][name], two_ranks[1][name]
+    assert rc0 == rc1 == 2, err0 + err1
+    assert len([line for line in err0.splitlines() if line.startswith("megatron-jreg train: error:")]) == 1, err0
+    assert "megatron-jreg train: error:" not in err1 and "Traceback" not in err0 + err1, err1

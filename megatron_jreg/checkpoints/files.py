@@ -6,8 +6,12 @@ Layout (Megatron-LM's torch_dist format):
     ROOT/iter_0000100/                          .metadata (torch DCP, pickled), __*_*.distcp, metadata.json,
                                                 integrity.json (SHA-256 per file, with --verify-integrity)
 
-Three protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
+Four protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
 - `resolve` turns every malformed tracker or directory into one line naming the file and the fix.
+- `check_files` (run by `resolve`, before any read): every entry of the iteration folder is a regular
+  file or folder inside it, and every file `.metadata` points the reader at (`check_storage_paths`) is a
+  regular file inside it: a FIFO would block the first read forever, a device would read without end,
+  a symlink or an absolute/`..` storage path would read a file outside the checkpoint.
 - torch's DCP reader unpickles `.metadata` with plain `pickle.load`, and its load planner every stored
   Python object (Megatron-LM's common state: args, RNG, scheduler, ...) with `torch.load(weights_only=
   False)`, so a crafted file runs code. `install_safe_checkpoint_reader()` makes the reader use
@@ -31,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.model_files import NotRegularFile, open_regular, special_kind
+
 TRACKER = "latest_checkpointed_iteration.txt"
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
 _CHUNK = 16 << 20
@@ -53,10 +59,13 @@ def is_checkpoint_dir(path: Path) -> bool:
 def read_tracker(root: str | Path) -> int | str | None:
     """The iteration (or "release") the tracker names; None when there is no tracker file."""
     tracker = Path(root) / TRACKER
-    if not tracker.is_file():
+    if not tracker.exists():
         return None
     try:
-        text = tracker.read_text().strip()
+        with open_regular(tracker) as f:
+            text = f.read().decode().strip()
+    except NotRegularFile as e:
+        raise CheckpointError(f"{e}: replace it with a text file holding the iteration to resume from") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{tracker}: unreadable ({e}); write the iteration to resume from into it") from None
     if text == "release":
@@ -94,7 +103,57 @@ def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
     if not is_checkpoint_dir(ckpt):
         raise CheckpointError(f"{ckpt}: incomplete checkpoint (no metadata.json/.metadata; a save was "
                               "interrupted?): resume from an earlier iteration")
+    check_files(ckpt)
     return ckpt, (0 if found == "release" else int(found))
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_files(ckpt: str | Path) -> None:
+    """Every entry below an iteration folder is a regular file or folder, and every symlink resolves inside
+    it; CheckpointError naming the entry otherwise. Nothing is opened (lstat/stat only)."""
+    ckpt = Path(ckpt)
+    root = ckpt.resolve()
+    for folder, dirs, files in os.walk(ckpt):
+        for name in sorted(dirs + files):
+            path = Path(folder) / name
+            if path.is_symlink() and not _inside(path.resolve(), root):
+                raise CheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint {ckpt}; "
+                                      "readers open only files inside it: copy the file in")
+            try:
+                kind = special_kind(os.stat(path).st_mode)
+            except OSError as e:
+                raise CheckpointError(f"{path}: unreadable ({e.strerror}); restore it or resume from another "
+                                      "iteration") from None
+            if kind is not None:
+                raise CheckpointError(f"{path} is {kind}, not a regular file (reading it could block forever): "
+                                      "restore the checkpoint file or resume from another iteration")
+
+
+def check_storage_paths(metadata, ckpt: str | Path) -> None:  # noqa: ANN001 - torch's Metadata
+    """Every file a DCP `.metadata` directs the reader to (its storage_data) is a regular file inside `ckpt`:
+    a crafted `.metadata` could name a FIFO, a device or a file elsewhere (absolute or `..` paths)."""
+    ckpt = Path(ckpt)
+    root = ckpt.resolve()
+    storage = getattr(metadata, "storage_data", None)
+    names = {getattr(info, "relative_path", None) for info in (storage.values() if isinstance(storage, dict) else [])}
+    for name in sorted(names, key=str):
+        where = f"{ckpt / '.metadata'}: storage entry {str(name)[:120]!r}"
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{where} is not a file name inside {ckpt}; this checkpoint is damaged or crafted: "
+                                  "do not use it")
+        path = ckpt / name
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            raise CheckpointError(f"{where}: {path} is missing; the checkpoint is incomplete: resume from another "
+                                  "iteration") from None
+        if not _inside(path.resolve(), root) or special_kind(mode) is not None or not os.path.isfile(path):
+            what = special_kind(mode) or "outside the checkpoint"
+            raise CheckpointError(f"{where}: {path} is {what}, not a regular file inside it; this checkpoint is "
+                                  "damaged or crafted: do not use it")
 
 
 class UnsafeClass(pickle.UnpicklingError):
@@ -141,7 +200,8 @@ def load_metadata(path: str | Path):
     """A DCP `.metadata` file's Metadata object; CheckpointError (naming the file) for hostile or broken files."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            data = f.read()
         return MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeClass as e:
         raise CheckpointError(f"{path}: refused to load ({e}); this file could run code: do not use this "
@@ -164,7 +224,9 @@ def install_safe_checkpoint_reader() -> None:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     def read_metadata(self, *args, **kwargs):  # noqa: ANN001, ANN202 - torch's signature
-        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = load_metadata(path)
+        check_storage_paths(metadata, path.parent)  # before the reader opens any of them
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -194,7 +256,7 @@ def install_safe_checkpoint_reader() -> None:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -210,7 +272,8 @@ def verify_integrity(ckpt: str | Path) -> int | None:
     if not manifest_path.is_file():
         return None
     try:
-        manifest = json.loads(manifest_path.read_text())
+        with open_regular(manifest_path) as f:
+            manifest = json.loads(f.read())
         files = manifest["files"]
         if manifest.get("algorithm", "sha256") != "sha256" or not isinstance(files, dict):
             raise ValueError("unexpected layout")

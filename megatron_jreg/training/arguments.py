@@ -353,6 +353,63 @@ def _check_model_config(args: argparse.Namespace) -> None:
         raise UsageError(_assertion_text(e, args)) from None
 
 
+def check_megatron_prerequisites(args: argparse.Namespace) -> None:
+    """What Megatron-LM's optimizer, scheduler and layers need but its validate_args does not check: it finds
+    out only after the model is built (a bare `assert`, torch's TypeError from AdamW without --lr) or in the
+    first step (gloo's all_to_all), once per rank. Refused here, before any work, naming the flag."""
+    import torch
+
+    from megatron_jreg.model_files import custom_code
+
+    if not args.skip_train:
+        if args.lr is None:
+            raise UsageError("--lr is required: Megatron-LM's optimizer has no default learning rate (e.g. --lr 3e-4; "
+                             "the --min-lr/--lr-* schedule flags have defaults)")
+        if args.train_iters is None and args.train_samples is None:
+            raise UsageError("give --train-iters N or --train-samples N (Megatron-LM's scheduler needs the length)")
+        unit = "iters" if args.train_iters is not None else "samples"
+        decay_flag = f"--lr-decay-{unit}" if getattr(args, f"lr_decay_{unit}") is not None else f"--train-{unit}"
+        decay = getattr(args, decay_flag[2:].replace("-", "_"))
+        if decay <= 0:
+            raise UsageError(f"{decay_flag} {decay}: the learning-rate schedule needs a positive length")
+        if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:
+            raise UsageError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: give a fraction in [0, 1) of "
+                             f"{decay_flag}")
+        warmup = getattr(args, f"lr_warmup_{unit}")
+        if args.lr_warmup_fraction is None and warmup >= decay:
+            raise UsageError(f"--lr-warmup-{unit} {warmup} must be smaller than {decay_flag} {decay} (Megatron-LM's "
+                             "scheduler decays after the warmup)")
+        if args.lr_decay_style == "WSD" and getattr(args, f"lr_wsd_decay_{unit}") is None:
+            raise UsageError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the length of its decay phase)")
+        if not 0 <= args.min_lr <= args.lr or args.lr_warmup_init > args.lr:
+            raise UsageError(f"--lr {args.lr}, --min-lr {args.min_lr}, --lr-warmup-init {args.lr_warmup_init}: "
+                             "Megatron-LM's scheduler needs 0 <= --min-lr <= --lr and --lr-warmup-init <= --lr")
+        for name in ("weight_decay", "start_weight_decay", "end_weight_decay"):
+            if getattr(args, name) is not None and getattr(args, name) < 0:
+                raise UsageError(f"{flag(name)} {getattr(args, name)}: weight decay must be >= 0")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local":
+        raise UsageError(f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine's attention "
+                         "(Megatron-LM's local DotProductAttention has no context parallelism): use --transformer-impl "
+                         "transformer_engine on GPUs with Transformer Engine, or --context-parallel-size 1")
+    if (args.expert_model_parallel_size > 1 and args.moe_token_dispatcher_type in ("alltoall", "flex")
+            and args.distributed_backend == "gloo"):
+        raise UsageError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} with --expert-model-parallel-"
+                         f"size {args.expert_model_parallel_size} exchanges tokens with all_to_all_single, which "
+                         "Megatron-LM calls in a form gloo (CPU) does not accept: use --moe-token-dispatcher-type "
+                         "allgather (Megatron-LM's default)")
+    if args.async_save and args.use_persistent_ckpt_worker and not torch.cuda.is_available():
+        raise UsageError("--async-save --use-persistent-ckpt-worker needs a GPU (its writer process selects a CUDA "
+                         "device and would hang here): drop --async-save on a CPU")
+    tokenizer = Path(args.tokenizer_model) if args.tokenizer_model else None
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "SFTTokenizer") and tokenizer is not None and tokenizer.is_dir():
+        found = custom_code(tokenizer)
+        if found is None and args.trust_remote_code and custom_code(tokenizer, any_map=True):
+            found = "tokenizer_config.json names its own code (auto_map), which --trust-remote-code would run"
+        if found is not None:
+            raise UsageError(f"--tokenizer-model {tokenizer}: {found}; megatron-jreg never runs a tokenizer's own "
+                             "code: save it as a fast tokenizer (tokenizer.json) and drop --trust-remote-code")
+
+
 def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     """Flags → Megatron-LM's validated args (global state set), or UsageError before any work.
 
@@ -385,6 +442,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
         _check_cpu(args)
         apply_cpu_training_compat(args)
     check_transformer_impl(args)
+    check_megatron_prerequisites(args)
     try:
         arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:

@@ -8,6 +8,11 @@
   --verify-integrity would refuse checkpoints saved without it, e.g. by Megatron-LM's defaults), and
   the loaded checkpoint is reported.
 - Saves record the manifest: `--verify-integrity` is on by default here (`--no-verify-integrity`).
+- A save that fails (a full disk: the writer's OSError reaches Megatron-LM only as "Worker failure ...
+  <class 'OSError'>") stops the run with one line naming the folder, the space free and the space a
+  checkpoint needs (the last complete one's size, else this run's parameters and optimizer state); the
+  partial iteration folder is removed, and the tracker, which Megatron-LM writes only after a complete
+  save, still names the previous checkpoint. Exit 1 (`SaveError`).
 - Without apex or Transformer Engine (CPU, plain PyTorch images) megatron-core's DistributedOptimizer
   keeps torch Adam's `step` in torch's per-parameter state, which exists only after a first step:
   describing the state for loading then fails (`assert len(steps) == 1`), and the load gives every
@@ -22,9 +27,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -38,10 +46,15 @@ from megatron_jreg.checkpoints import (
     resolve,
     verify_integrity,
 )
+from megatron_jreg.checkpoints.files import TRACKER, check_storage_paths
 from megatron_jreg.training.arguments import UsageError
 
 SIDECAR = "megatron_jreg.json"
 _originals: dict = {}
+
+
+class SaveError(RuntimeError):
+    """A checkpoint save that failed (disk full, write error); the message is one line (exit 1)."""
 
 
 def _load_dir(args: argparse.Namespace) -> str | None:
@@ -75,7 +88,7 @@ def check_load(args: argparse.Namespace) -> None:
             return  # Megatron-LM: "could not find the metadata file ... will start from random"
         ckpt, _ = resolve(root, args.ckpt_step)
         if (ckpt / ".metadata").is_file():
-            load_metadata(ckpt / ".metadata")
+            check_storage_paths(load_metadata(ckpt / ".metadata"), ckpt)
     except CheckpointError as e:
         raise UsageError(f"{option}: {e}") from None
 
@@ -97,24 +110,132 @@ def uninstall() -> None:
 
 
 def _save_checkpoint(iteration, model, optimizer, *a, **k):
-    """Megatron-LM's save_checkpoint, then megatron_jreg.json (Adam's step count, JREG settings) beside it."""
+    """Megatron-LM's save_checkpoint, then megatron_jreg.json (Adam's step count, JREG settings) beside it;
+    a failed save becomes one SaveError line (module docstring)."""
     import torch
     from megatron.training import get_args
     from megatron.training.checkpointing import get_checkpoint_name
 
-    result = _originals["save_checkpoint"](iteration, model, optimizer, *a, **k)
     args = get_args()
+    persistent = not k.get("non_persistent_ckpt", False)
+    ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
+    previous = _tracked(args.save)
+    writer = logging.getLogger(_WRITER_LOG)
+    writer_errors = _Collect()
+    writer.addFilter(writer_errors)
+    try:
+        result = _originals["save_checkpoint"](iteration, model, optimizer, *a, **k)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        if not persistent:
+            raise
+        cause = writer_errors.messages[0].rsplit("error: ", 1)[-1] if writer_errors.messages else failure_text(e)
+        raise SaveError(_save_failure(args.save, iteration, ckpt, previous, cause, model, optimizer)) from e
+    finally:
+        writer.removeFilter(writer_errors)
+    for message in writer_errors.messages:  # logged without failing the save: show them after all
+        writer.error(message)
     steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
-    if torch.distributed.get_rank() == 0 and not k.get("non_persistent_ckpt", False):
-        ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
-        ckpt.mkdir(parents=True, exist_ok=True)
+    error: list = [None]
+    if torch.distributed.get_rank() == 0 and persistent:
+        tmp = ckpt / (SIDECAR + ".tmp")
         record = {"torch_adam_step": next((s for s in steps if s is not None), None),
                   "jreg": {"lambda": args.jreg_lambda, "alpha": args.jreg_alpha, "distance": args.jreg_distance,
                            "layers": args.jreg_layers}}
-        tmp = ckpt / (SIDECAR + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, ckpt / SIDECAR)
+        try:
+            ckpt.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record, indent=2))
+            os.replace(tmp, ckpt / SIDECAR)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            error = [f"--save {args.save}: iteration {iteration} was saved, but {ckpt / SIDECAR} could not be written "
+                     f"({e.strerror}; {_free(args.save) / 2**20:.1f} MiB free): free space and resume from it "
+                     "(Adam's step count is lost without the file)"]
+    if persistent and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(error, src=0)  # every rank stops, or none
+    if error[0] is not None:
+        raise SaveError(error[0])
     return result
+
+
+_WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+class _Collect(logging.Filter):
+    """Keeps the checkpoint writer's error records (the only place its OSError text survives: Megatron-LM
+    re-raises it as "<class 'OSError'>") out of the console; the SaveError line carries the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.messages.append(record.getMessage())
+        return False
+
+
+def _tracked(root: str) -> int | str | None:
+    try:
+        return read_tracker(root)
+    except CheckpointError:
+        return None
+
+
+def _free(root: str | Path) -> int:
+    """Free bytes on the file system holding `root` (or its nearest existing parent)."""
+    existing = next((p for p in [Path(root), *Path(root).absolute().parents] if p.exists()), Path("/"))
+    return shutil.disk_usage(existing).free
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _checkpoint_bytes(model, optimizer) -> int:
+    """About what one checkpoint of this run holds: this rank's parameters and optimizer tensors (main
+    parameters, Adam moments; a distributed optimizer's shard times the data-parallel size), times the
+    model-parallel ranks."""
+    import torch
+    from megatron.core import parallel_state
+
+    chunks = model if isinstance(model, list) else [model]
+    params = {id(p): p.numel() * p.element_size() for m in chunks for p in m.parameters()}
+    state = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        inner = getattr(opt, "optimizer", None)
+        tensors = [p for g in getattr(inner, "param_groups", []) for p in g["params"] if id(p) not in params]
+        tensors += [t for st in getattr(inner, "state", {}).values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0]
+        shard = parallel_state.get_data_parallel_world_size() if "Distributed" in type(opt).__name__ else 1
+        state += shard * sum(t.numel() * t.element_size() for t in tensors)
+    world = torch.distributed.get_world_size()
+    model_parallel = world // max(parallel_state.get_data_parallel_world_size(with_context_parallel=True), 1)
+    return model_parallel * (sum(params.values()) + state)
+
+
+def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, model, optimizer) -> str:
+    """The one line for a failed save (`text`: the writer's error), after removing the partial iteration
+    folder (one rank per node)."""
+    import torch
+
+    removed = False
+    if int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0 and ckpt.exists() and previous != iteration:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        removed = not ckpt.exists()
+    last = Path(save) / (f"iter_{int(previous):07d}" if isinstance(previous, int) else str(previous))
+    if previous is not None and last.is_dir():
+        need, basis = _size(last), f"the size of {last.name}"
+    else:
+        need, basis = _checkpoint_bytes(model, optimizer), "this run's parameters and optimizer state"
+    free = _free(save)
+    full = free < need or any(s in text for s in (f"Errno {errno.ENOSPC}]", f"Errno {errno.EDQUOT}]"))
+    cause = (f"{text}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB ({basis}); "
+             "free space or choose another --save" if full else f"{text}; check the folder and the disk")
+    partial = (f"the partial {ckpt.name} was removed" if removed else f"{ckpt} is incomplete: delete it"
+               if ckpt.exists() else f"nothing of {ckpt.name} was written")
+    kept = f"{TRACKER} still names iteration {previous}" if previous is not None else "no checkpoint was written"
+    return f"--save {save}: saving iteration {iteration} failed ({cause}); {partial}; {kept}"
 
 
 def _adam_step(opt) -> int | None:

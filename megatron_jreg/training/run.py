@@ -3,7 +3,9 @@
 Megatron-LM keeps its state in module globals (args, timers, microbatch calculator, parallel groups,
 rerun state machine); `run` tears them down afterwards so that one process can run several trainings
 (tests do), and turns `sys.exit` from Megatron-LM's exit paths (--exit-interval, SIGTERM, NaN) into the
-return code.
+return code. An AssertionError, TypeError or ValueError raised while Megatron-LM builds the model or the
+optimizer (its bare `assert`s on flag combinations, torch's argument checks) becomes a UsageError naming
+the flags (chained to the original, which `--debug` prints).
 """
 
 from __future__ import annotations
@@ -36,6 +38,37 @@ def _one_process_store():  # -> torch.distributed.Store | None
     if os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
         return torch.distributed.HashStore()
     return None
+
+
+# The flags torch's optimizers check (their errors name the argument, not the flag).
+_OPTIMIZER_FLAGS = {"adam": "--lr, --adam-beta1, --adam-beta2, --adam-eps, --weight-decay",
+                    "sgd": "--lr, --sgd-momentum, --weight-decay"}
+
+
+def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup_model_and_optimizer
+    """`setup` with its flag-combination errors turned into one UsageError line naming the flags."""
+    import traceback
+
+    from megatron_jreg.training.arguments import UsageError, _assertion_text
+
+    def setup_model_and_optimizer(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        from megatron.training import get_args
+
+        try:
+            return setup(*a, **k)
+        except UsageError:
+            raise
+        except (AssertionError, TypeError, ValueError, NotImplementedError) as e:
+            args = get_args()
+            files = [frame.filename for frame in traceback.extract_tb(e.__traceback__)]
+            if any("/torch/optim/" in f or "/megatron/core/optimizer/" in f for f in files):
+                what = f"the optimizer (check {_OPTIMIZER_FLAGS.get(args.optimizer, '--optimizer and its flags')})"
+            else:
+                what = "the model"
+            raise UsageError(f"Megatron-LM cannot build {what} for these flags: {_assertion_text(e, args)} "
+                             "(rerun with --debug for the traceback)") from e
+
+    return setup_model_and_optimizer
 
 
 def run(argv: list[str]) -> int:
@@ -76,12 +109,16 @@ def run(argv: list[str]) -> int:
         config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
         loop.install()
         checkpointing.install(args)
+        setup = training.setup_model_and_optimizer
+        training.setup_model_and_optimizer = _build_errors_as_usage(setup)
         try:
             training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                               partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
                               store=_one_process_store())
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            training.setup_model_and_optimizer = setup
         return 0
     finally:
         if loop is not None:
@@ -97,7 +134,10 @@ def _stop_data_workers() -> None:
     handler was installed, they ignore the SIGTERM that Python's exit sends them, and the process would
     wait for them forever. (Registered with atexit after multiprocessing's own exit hook, so it runs first.)"""
     import multiprocessing
+    import signal
 
+    # torch's DataLoader SIGCHLD handler would raise "worker killed by signal" in whatever exit code runs next
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
 
