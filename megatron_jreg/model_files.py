@@ -16,7 +16,8 @@ code:
   library requires, named here instead of raised from Rust); `model.safetensors.index.json` may name only
   files inside the folder (a weight map pointing at `/etc/passwd` or `../x` is refused as such);
 - code: pickle-format weights (`pytorch_model.bin`, `*.pt`, ...) are refused — `torch.load` unpickles, and
-  transformers loads only safetensors here (`use_safetensors=True`); a folder whose config or tokenizer
+  transformers loads only safetensors here (`use_safetensors=True`); `convert hf-to-mcore` alone imports
+  old `.bin` folders, through `torch.load(weights_only=True)`; a folder whose config or tokenizer
   names its own Python classes (`auto_map`) that transformers does not implement is refused, since every
   loader is called with `trust_remote_code=False` and nothing from a folder ever runs;
 - special files: a FIFO or device where a file should be would block the first read forever; every entry
@@ -402,10 +403,14 @@ def pickled_weights(folder: Path) -> list[str]:
     return sorted({p.name for pattern in PICKLE_PATTERNS for p in Path(folder).glob(pattern)})
 
 
-def check_model_folder(folder: str | Path, flag: str, *, allow_pickle: bool = False) -> dict:
+def check_model_folder(
+    folder: str | Path, flag: str, *, allow_pickle: bool = False, require_weights: bool = True
+) -> dict:
     """Check a Hugging Face model folder before anything loads it (module docstring); its config.json as a
-    dict. allow_pickle: accept pickle-format weights when there are no safetensors (`convert hf-to-mcore`,
-    which reads them with torch.load(weights_only=True)); analyze and evaluate never do."""
+    dict. allow_pickle: accept pickle-format weights when there are no safetensors, unchecked
+    (`convert hf-to-mcore` reads them with torch.load(weights_only=True) and maps every tensor by name and
+    shape); analyze and evaluate never do. require_weights=False leaves a folder without weight files to
+    the caller (convert names what is missing after refusing an architecture it cannot map)."""
     folder = Path(folder)
     where = f"{flag} {folder}"
     check_entries(folder, flag)
@@ -425,9 +430,7 @@ def check_model_folder(folder: str | Path, flag: str, *, allow_pickle: bool = Fa
         raise ModelFileError(f"{where}: pickle-format weights ({', '.join(pickles[:3])}): megatron-jreg does not "
                              "unpickle weight files (a pickle can run code); convert to safetensors where you trust "
                              "the file (save_pretrained(..., safe_serialization=True))")
-    if pickles:
-        size = sum((folder / name).stat().st_size for name in pickles)
-        check_weights_fit(config, size, where, f"the {len(pickles)} weight file(s) of {size:,} bytes")
-        return config
-    raise ModelFileError(f"{where}: no weight files: no file named {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
-                         "there; download the model again")
+    if not pickles and require_weights:
+        raise ModelFileError(f"{where}: no weight files: no file named {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
+                             "there; download the model again")
+    return config

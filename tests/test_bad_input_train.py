@@ -275,6 +275,7 @@ def bad_input_suite(rank: int, world: int, tmp_dir: str) -> dict:
         }
     out["pickle_ran"] = (tmp / "pickle-ran").exists()
     out["disk-full"] = _disk_full_runs(tmp, good)
+    out["debug"] = train(TINY + ["--adam-beta1", "1.5", "--debug"])
     # Nothing lost: the good checkpoint still resumes after all of the above.
     rc, _, err = train(TINY + SAVE + ["--load", str(good)])
     out["good-resume"] = (rc, err[-1500:])
@@ -396,6 +397,12 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays(suite, case):
     assert "the partial iter_0000004 was removed; latest_checkpointed_iteration.txt still names iteration 2" in lines[0]
     assert files == ["iter_0000002", "latest_checkpointed_iteration.txt"] and tracker == "2"
     assert suite["disk-full"][case + "-resume"] == 0
+
+
+def test_debug_shows_the_traceback_behind_the_line(suite):
+    rc, _, err = suite["debug"]
+    assert rc == 2 and "Traceback" in err and "torch/optim/adam" in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]) == 1
 
 
 def test_full_disk_at_the_first_save_estimates_the_space(suite):

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_jreg.model_files import check_model_folder
 
             folder = hub.resolve(args.hf, "--hf")
-            check_model_folder(folder, "--hf", allow_pickle=True)  # .bin weights: read with weights_only
+            check_model_folder(folder, "--hf", allow_pickle=True, require_weights=False)  # .bin: weights_only
             result = hf_to_mcore(folder, args.output, args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seq_length, args.make_vocab_size_divisible_by,
                                  args.verify, args.verify_threshold)

@@ -158,6 +158,7 @@ def _save_checkpoint(iteration, model, optimizer, *a, **k):
 
 
 _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 class _Collect(logging.Filter):
@@ -230,8 +231,13 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
         need, basis = _checkpoint_bytes(model, optimizer), "this run's parameters and optimizer state"
     free = _free(save)
     full = free < need or any(s in text for s in (f"Errno {errno.ENOSPC}]", f"Errno {errno.EDQUOT}]"))
-    cause = (f"{text}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB ({basis}); "
-             "free space or choose another --save" if full else f"{text}; check the folder and the disk")
+    if any(s in text for s in _PEER_LOST):
+        cause = f"another rank stopped during the save: {text}"
+    elif full:
+        cause = (f"{text}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB ({basis}); "
+                 "free space or choose another --save")
+    else:
+        cause = f"{text}; check the folder and the disk"
     partial = (f"the partial {ckpt.name} was removed" if removed else f"{ckpt} is incomplete: delete it"
                if ckpt.exists() else f"nothing of {ckpt.name} was written")
     kept = f"{TRACKER} still names iteration {previous}" if previous is not None else "no checkpoint was written"
@@ -296,7 +302,7 @@ def _load_checkpoint(*a, **k):
                          "truncated, or saved for another model or layout?") from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for unreadable checkpoints
         detail = failure_text(e)
-        raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({type(e).__name__}: {detail}); "
+        raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({detail}); "
                          "is it truncated, or saved for another model or layout?") from None
     finally:
         args.verify_integrity = saved
