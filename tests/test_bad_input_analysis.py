@@ -570,6 +570,33 @@ for _name, (_build, _expect) in HOSTILE.items():
         CASES[f"convert/{_name}"] = ("convert", lambda i, b=_build: ["hf-to-mcore", "--hf", str(b(i))], _expect)
 
 
+def bin_config_value(key: str, value: object):
+    """bin_weights with config.json's `key` set to `value`."""
+
+    def build(i: Inputs) -> Path:
+        folder = bin_weights(i)
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    return build
+
+
+# convert imports .bin weights through torch.load(weights_only=True) and maps each by name and shape.
+for _name, (_build, _expect) in {
+    "pickle-hostile": (pickled(hostile_bin), ("pytorch_model.bin", "refused to load", "GLOBAL posix.mkdir")),
+    "pickle-raw": (pickled(raw=pickle.dumps({"model.embed_tokens.weight": [1.0, 2.0]})),
+                   ("pytorch_model.bin", "refused to load", "Unsupported operand")),
+    "pickle-not-tensors": (pickled(lambda i: {"model.embed_tokens.weight": [1.0, 2.0]}),
+                           ("not a state dict of tensors", "'model.embed_tokens.weight' is a list")),
+    "bin-layers-1e9": (bin_config_value("num_hidden_layers", 10**9), ("no model.layers.", "not a complete Llama")),
+    "bin-hidden-1e9": (bin_config_value("hidden_size", 10**9), ("model.embed_tokens.weight has shape",
+                                                                "config.json implies")),
+}.items():
+    CASES[f"convert/{_name}"] = ("convert", lambda i, b=_build: ["hf-to-mcore", "--hf", str(b(i))], _expect)
+
+
 def run(command: str, argv: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of one command run in this process; argparse's exit counts as a return."""
     err = io.StringIO()
@@ -616,6 +643,7 @@ def test_bad_input_is_one_clear_line(name, case_inputs, tmp_path):
     assert rc == 2, (name, rc, err[-2000:])
     assert "Traceback" not in err, err
     assert len(errors) == 1, errors
+    assert err.rstrip().endswith(errors[0]), err[-2000:]  # nothing after the line (a message of one line)
     for fragment in expect:
         assert fragment in errors[0], (fragment, errors[0])
     assert not out.exists(), "a failed run wrote output"

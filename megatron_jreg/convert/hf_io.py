@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -68,14 +70,33 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
         if path.suffix == ".safetensors":
             part = load_file(str(path))
         else:
-            try:
-                part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:  # torch.save's zip format maps; a pre-1.6 (legacy) file cannot, and loads unmapped
+                with warnings.catch_warnings():  # "please file an issue" about a raw pickle's protocol
+                    warnings.simplefilter("ignore", UserWarning)
+                    part = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
             except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others for non-tensor pickles
                 raise ConversionError(
-                    f"{path}: refused to load (weights_only=True allows tensors only, no pickled code): {e}"
+                    f"{path}: refused to load (torch.load with weights_only=True reads tensors only and never runs "
+                    f"pickled code): {_load_failure(e)}; convert the file to safetensors where you trust it"
                 ) from None
+        if not isinstance(part, dict):
+            what = f"a {type(part).__name__}"
+        else:
+            what = next((f"{k!r} is a {type(v).__name__}" for k, v in part.items()
+                         if not isinstance(v, torch.Tensor)), None)
+        if what is not None:
+            raise ConversionError(f"{path}: not a state dict of tensors ({what}); give the folder that "
+                                  "save_pretrained wrote")
         state.update(part)
     return state
+
+
+def _load_failure(e: BaseException) -> str:
+    """One line for torch.load's error: its weights_only message spans lines (and advises weights_only=False,
+    which would run the file's code); the line naming what was refused is kept."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
+    return (named or (lines[0] if lines else type(e).__name__))[:200]
 
 
 def shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
