@@ -7,7 +7,8 @@ telemetry (training/loop.py) and checkpoint safety (training/checkpointing.py). 
 Slurm exactly like pretrain_gpt.py; a plain single process also works.
 
 A bad flag or input is one line, `megatron-jreg train: error: …` (exit 2; a failed checkpoint save: exit 1),
-printed by rank 0 only; `--debug` (or MEGATRON_JREG_DEBUG=1) prints the traceback behind it on every rank.
+printed by rank 0 only; a rank that died mid-collective is one line from each survivor naming the checkpoint
+to resume (exit 1); `--debug` (or MEGATRON_JREG_DEBUG=1) prints the traceback behind it on every rank.
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     _single_process_env()
     from megatron_jreg.training.arguments import UsageError
-    from megatron_jreg.training.checkpointing import SaveError
+    from megatron_jreg.training.checkpointing import RankLost, SaveError
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
-    except (UsageError, SaveError) as e:
+    except (UsageError, SaveError, RankLost) as e:
         if debug:
             import traceback
 
             traceback.print_exception(e.__cause__ or e, file=sys.stderr)
-        if debug or os.environ.get("RANK", "0") == "0":  # one line per run, not per rank
+        # one line per run, not per rank; a lost rank is reported by every survivor (rank 0 may be the lost one)
+        if debug or os.environ.get("RANK", "0") == "0" or isinstance(e, RankLost):
             print(f"megatron-jreg train: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
 

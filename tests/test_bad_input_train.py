@@ -16,7 +16,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -430,3 +433,34 @@ def test_multi_rank_refusal_is_one_line_from_rank_0(two_ranks, name):
     assert rc0 == rc1 == 2, err0 + err1
     assert len([line for line in err0.splitlines() if line.startswith("megatron-jreg train: error:")]) == 1, err0
     assert "megatron-jreg train: error:" not in err1 and "Traceback" not in err0 + err1, err1
+
+
+def test_a_rank_killed_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
+    """kill -9 of rank 1 of two (plain processes, as srun starts them) after the first checkpoint: rank 0's
+    first error is one line naming the checkpoint to resume, not gloo's "Connection reset by peer" traceback."""
+    from tests.distributed import free_port
+
+    save = tmp_path / "ckpt"
+    argv = TINY + ["--train-iters", "400", "--save", str(save), "--save-interval", "2", "--eval-interval", "1000"]
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    logs = [tmp_path / f"rank{r}.err" for r in (0, 1)]  # files, not pipes: an undrained pipe would block a rank
+    ranks = [subprocess.Popen([sys.executable, "-m", "megatron_jreg.train", *argv], stdout=subprocess.DEVNULL,
+                              stderr=logs[r].open("w"), env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 600  # a guard against a hang, not a timing claim
+        while not (save / "latest_checkpointed_iteration.txt").is_file() and time.monotonic() < deadline:
+            assert ranks[0].poll() is None and ranks[1].poll() is None, "a rank ended before its first checkpoint"
+            time.sleep(0.2)
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[0].wait(timeout=600)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    err = logs[0].read_text()
+    lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert ranks[0].returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "another rank stopped" in lines[0] and "Connection" in lines[0], lines[0]
+    assert f"--load {save}" in lines[0] or "saving iteration" in lines[0], lines[0]

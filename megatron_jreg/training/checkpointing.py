@@ -57,6 +57,24 @@ class SaveError(RuntimeError):
     """A checkpoint save that failed (disk full, write error); the message is one line (exit 1)."""
 
 
+class RankLost(RuntimeError):
+    """Another rank died during a collective; the message is one line naming the checkpoint to resume (exit 1)."""
+
+
+def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None:
+    """RankLost for `error` when it is a collective's report of a dead peer (the first error a surviving rank
+    sees: a gloo traceback ending in "Connection reset by peer"), naming where to resume; else None."""
+    text = str(error)
+    if isinstance(error, SaveError) or not any(s in text for s in PEER_LOST):
+        return None
+    seen = " ".join(re.sub(r"^\[[^\]]*\] ", "", text.split(". This is typically")[0]).split())[:160]
+    last = _tracked(args.save) if args.save else None
+    resume = (f"the last complete checkpoint in --save {args.save} is iteration {last}: find why that rank stopped "
+              f"(its log, the OOM killer), then rerun the same command with --load {args.save} to resume from it"
+              if last is not None else "no checkpoint was saved (no --save, or none yet): this run's progress is lost")
+    return RankLost(f"another rank stopped (rank {os.environ.get('RANK', '0')} saw: {seen}); {resume}")
+
+
 def _load_dir(args: argparse.Namespace) -> str | None:
     """The folder Megatron-LM's load_checkpoint reads: --load when it holds a checkpoint, else
     --pretrained-checkpoint (fine-tuning starts there; its requeued jobs resume from --load)."""
@@ -158,7 +176,8 @@ def _save_checkpoint(iteration, model, optimizer, *a, **k):
 
 
 _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# How gloo and NCCL report a collective whose peer process died (kill -9, the OOM killer, a lost node).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
 class _Collect(logging.Filter):
@@ -231,7 +250,7 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
         need, basis = _checkpoint_bytes(model, optimizer), "this run's parameters and optimizer state"
     free = _free(save)
     full = free < need or any(s in text for s in (f"Errno {errno.ENOSPC}]", f"Errno {errno.EDQUOT}]"))
-    if any(s in text for s in _PEER_LOST):
+    if any(s in text for s in PEER_LOST):
         cause = f"another rank stopped during the save: {text}"
     elif full:
         cause = (f"{text}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB ({basis}); "

@@ -117,6 +117,11 @@ def run(argv: list[str]) -> int:
                               store=_one_process_store())
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except RuntimeError as e:  # a collective whose peer died: one line naming the checkpoint to resume
+            lost = checkpointing.rank_lost(args, e)
+            if lost is None:
+                raise
+            raise lost from e
         finally:
             training.setup_model_and_optimizer = setup
         return 0
