@@ -1,7 +1,8 @@
 """Layer streaming (`analyze --stream`): the same Ψ as the in-memory path, one decoder layer in memory at a time.
 
-Tiny random models of each streamable family, saved in small safetensors shards so that a layer spans
-several files; samples of different lengths in batches of 3, so every batch is padded.
+Tiny random models of many families (dense, MoE, post-norm, sliding window, soft-capping, parallel blocks,
+learned positions), saved in small safetensors shards so that a layer spans several files; samples of
+different lengths in batches of 3, so every batch is padded.
 """
 
 from __future__ import annotations
@@ -38,8 +39,20 @@ def texts() -> list[str]:
     return [" ".join(p.split()[:n]) for p, n in zip(passages, (4, 33, 12, 27, 9, 19, 40))]
 
 
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+# Families family_config does not build: MoE (per-expert tensors in the files, fused experts in transformers 5),
+# and Phi-3 (fused qkv and gate/up projections).
+OTHER_CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SIZES, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16, shared_expert_intermediate_size=32),
+    "phi3": lambda: transformers.Phi3Config(**SIZES),
+}
+
+
 def _config(family: str, **extra):
-    config = family_config(family, layers=4)
+    config = OTHER_CONFIGS[family]() if family in OTHER_CONFIGS else family_config(family, layers=4)
     for key, value in extra.items():
         setattr(config, key, value)
     return config
@@ -82,6 +95,14 @@ VARIANTS = {
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "qwen3": ("qwen3", {}),  # per-head q/k norms
+    "mixtral": ("mixtral", {}),  # sparse MoE, experts fused on load
+    "qwen2_moe": ("qwen2_moe", {}),  # MoE with a gated shared expert
+    # post-norms, soft-capping, scaled embeddings, alternating sliding-window layers (window < samples)
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 8}),
+    "olmo2": ("olmo2", {}),  # post-norms and QK-norm
+    "phi3": ("phi3", {}),  # fused qkv and gate/up
+    "gpt_neox": ("gpt_neox", {}),  # parallel attention/MLP, partial rotary, LayerNorm with bias
+    "gpt2": ("gpt2", {}),  # learned absolute positions, Conv1D
 }
 
 
@@ -91,12 +112,28 @@ def test_streaming_equals_in_memory(variant, tokenizer, texts, tmp_path):
     folder = _save_sharded(_config(family, **extra), tmp_path / variant, tokenizer)
     reference = _psi(load_hf_source(folder, label="m"), texts)
     streamed_source = load_stream_source(folder, label="m")
+    assert stream_source.not_streamable(folder) is None
     streamed = _psi(streamed_source, texts)
     assert streamed == pytest.approx(reference, abs=1e-5)
     assert len(set(reference)) == len(reference)  # distinct layers: a swapped or skipped layer would show
-    if variant == "mistral_window":  # the window was applied: without it Ψ is different
-        streamed_source.windows = [None] * streamed_source.num_layers
-        assert _psi(streamed_source, texts) != pytest.approx(reference, abs=1e-5)
+    print(f"{variant}: max |Ψ streamed - Ψ in memory| = {max(abs(a - b) for a, b in zip(streamed, reference)):.1e}")
+    if variant in ("mistral_window", "gemma2"):  # the window matters: without it Ψ is different
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None if variant == "mistral_window"
+                                                        else 4096}))
+        assert _psi(load_stream_source(folder, label="m"), texts) != pytest.approx(reference, abs=1e-5)
+
+
+def test_legacy_rotary_buffers_in_the_files_are_ignored_as_transformers_ignores_them(tokenizer, texts, tmp_path):
+    """Old Llama checkpoints carry `layers.N.self_attn.rotary_emb.inv_freq`, which transformers skips on load:
+    so does streaming (which the automatic choice picks for exactly the big, often old, models)."""
+    folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
+    tensors = load_file(folder / "model.safetensors")
+    for i in range(4):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    reference = _psi(load_hf_source(folder, label="m"), texts)
+    assert _psi(load_stream_source(folder, label="m"), texts) == pytest.approx(reference, abs=1e-5)
 
 
 def test_streaming_final_norm_and_bfloat16(tokenizer, texts, tmp_path):
@@ -116,22 +153,22 @@ def test_one_layer_in_memory_at_a_time(tokenizer, texts, tmp_path, monkeypatch):
     source = load_stream_source(folder, label="m")
     reads: list[set[str]] = []
     live: list[int] = []
-    original_load, original_filled = SafetensorsFolder.load, StreamingSource._filled
+    original_read, original_load = SafetensorsFolder.load, StreamingSource._load
 
-    def load(self, names):
+    def read(self, names):
         reads.append({n.split(".")[2] if ".layers." in n else n for n in names})
-        return original_load(self, names)
+        return original_read(self, names)
 
-    def filled(self, module, prefix):
+    def load(self, names, what):
         live.append(sum(any(p.device.type != "meta" for p in layer.parameters()) for layer in self.layers))
-        return original_filled(self, module, prefix)
+        return original_load(self, names, what)
 
-    monkeypatch.setattr(SafetensorsFolder, "load", load)
-    monkeypatch.setattr(StreamingSource, "_filled", filled)
+    monkeypatch.setattr(SafetensorsFolder, "load", read)
+    monkeypatch.setattr(StreamingSource, "_load", load)
     _psi(source, texts)
     assert reads == [{str(i)} for i in range(4)]  # one read per layer, of that layer only
     assert live == [0, 0, 0, 0]  # when a layer is read, no other layer holds tensors
-    assert all(p.device.type == "meta" for p in source.base.parameters())  # and none is left afterwards
+    assert all(p.device.type == "meta" for layer in source.layers for p in layer.parameters())  # none left
 
 
 def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
@@ -159,10 +196,15 @@ def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypat
     assert auto["peak_memory_bytes"] > 0 and auto["model_class"] == "LlamaForCausalLM (streamed)"
 
 
-def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path):
-    gpt2 = save_random_model(family_config("gpt2"), tmp_path / "gpt2", tokenizer)
-    with pytest.raises(AnalysisError, match="model_type 'gpt2'"):
-        load_stream_source(gpt2, label="g")
+def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch, capsys):
+    quantized = save_random_model(_config("llama"), tmp_path / "quantized", tokenizer)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(AnalysisError, match=r"--stream cannot read this model: quantized weights \(awq\)"):
+        load_stream_source(quantized, label="q")
+    monkeypatch.setattr(stream_source, "available_bytes", lambda device: 1000)
+    stream, why = stream_source.should_stream(quantized, torch.float32, torch.device("cpu"))
+    assert not stream and "in memory although the weights need" in why and "quantized weights (awq)" in why
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     tensors = load_file(folder / "model.safetensors")

@@ -1,24 +1,31 @@
-"""Layer streaming: Ψ of a Llama-family model read one decoder layer at a time from its safetensors files.
+"""Layer streaming: Ψ of a Hugging Face model read one decoder layer at a time from its safetensors files.
 
-Ψ_ℓ needs only h_{ℓ−1} and h_ℓ, so the model never has to be whole. The embedding rows of the tokens in
-use give h_0 of every sample; then for each layer ℓ its tensors are read (`weights.py`), every batch's
-hidden states go through it (h_{ℓ−1} → h_ℓ, Σ d accumulated over the real tokens), and the layer is
-dropped before the next one is read. Memory: one layer, plus the hidden states of all samples
-(tokens × hidden × dtype size, twice for the batch in flight), plus the embedding rows in use — a
-70B Llama in bf16 needs ~1.7 GB per layer and ~0.16 GB per 10k tokens, against ~140 GB in memory.
+Ψ_ℓ needs only h_{ℓ−1} and h_ℓ, so the model never has to be whole. The model is built by transformers on
+the meta device (its buffers, such as rotary frequencies, filled by transformers' own `_init_weights`), the
+small parts outside the decoder layers (norms, position embeddings, projections) are read once, and of the
+input embedding only the rows of the tokens in use. Then, layer-major: for layer ℓ its tensors are read
+into the family's own decoder-layer module (`weights.py`, through transformers' own checkpoint renamings
+and conversions, e.g. per-expert MoE tensors fused), and every batch runs through the family's own base
+model forward: its embeddings, rotary embedding, causal/sliding-window masks and whatever it does between
+layers, with the layers before ℓ replaced by their recorded outputs and the forward stopped after layer ℓ.
+A hook on layer ℓ reduces (h_{ℓ−1}, h_ℓ) to Σ d, exactly as the in-memory hooks do (`hf_source.py`); the
+layer is dropped before the next one is read. Memory: one layer, the parts outside the layers, plus the
+hidden states of all samples (tokens × hidden × dtype size, twice for the batch in flight) — a 70B Llama in
+bf16 needs ~1.7 GB per layer and ~0.16 GB per 10k tokens, against ~140 GB in memory.
 
-The arithmetic is transformers' own: the model's decoder layer, rotary embedding and final norm are
-built on the meta device from its config and filled with one layer's tensors, so Ψ equals that of the
-in-memory path (`hf_source.py`, tested to 1e-5). Inputs follow the in-memory path: right padding,
-positions 0..t−1, a causal mask that hides padding (and applies the sliding window of the layers that
-have one). Families: those whose base model is embeddings → rotary → layers → final norm, without
-embedding scaling (STREAMABLE).
+Refused, with the reason (`not_streamable`): folders without safetensors, quantized checkpoints, models
+whose decoder layers share weights with each other or with the rest of the model, and what transformers
+cannot build as a causal LM. Checkpoint tensors transformers ignores on load (legacy per-layer
+`rotary_emb.inv_freq`, `_keys_to_ignore_on_load_unexpected`) are ignored here too.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +33,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megatron_jreg.analysis.hf_source import HEAD, context_length, encode_texts, find_decoder_layers, padding_id
+from megatron_jreg.analysis.hf_source import (
+    HEAD,
+    _expected_layers,
+    context_length,
+    encode_texts,
+    find_decoder_layers,
+    padding_id,
+)
 from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
     AnalysisError,
+    UnsupportedArchitectureError,
     first_tensor,
     masked_displacement_sum,
     real_rows,
@@ -39,30 +54,83 @@ from megatron_jreg.analysis.source import (
 from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
 from megatron_jreg.hub import IncompleteWeightsError, check_loading_info, read_config
 
-STREAMABLE = ("llama", "mistral", "qwen2", "qwen3")
-EMBEDDINGS, FINAL_NORM_MODULE = "embed_tokens", "norm"
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
+
+
+class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the forward stops after layer ℓ
+    def __init__(self, output: Any):
+        self.output = output
 
 
 @dataclass
 class _Batch:
-    """One padded batch and what every layer needs for it: rows[n] of real tokens, positions[b, t],
-    the rotary (cos, sin)[b, t, head_dim], attention_mask[b, t]."""
+    """One right-padded batch: input_ids[b, t], attention_mask[b, t], rows[n] of real tokens, the real
+    token count, and the latest layer's full output (what the layers already done return in its place)."""
 
+    ids: Tensor
     mask: Tensor
     rows: Tensor | None
-    positions: Tensor
-    rotary: tuple[Tensor, Tensor]
     tokens: int
+    output: Any = None
 
 
-def not_streamable(folder: Path) -> str | None:
+def _skeleton(config: Any, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """`config`'s causal LM with its parameters on the meta device and its buffers real (on `device`), as
+    from_pretrained has them before loading: buffers re-made by the model's own `_init_weights`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    for module in model.modules():
+        meta = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        if meta:
+            for name in meta:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            model._init_weights(module)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return model.eval()
+
+
+def _shared_parameters(model: nn.Module, layer_path: str) -> list[str]:
+    """Names of decoder-layer parameters that are also reachable under another name (weights shared
+    between layers, or with the rest of the model): streaming one layer at a time cannot hold them."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    prefix = f".{layer_path}."
+    return sorted(n for group in names.values() if len(group) > 1 for n in group if prefix in f".{n}")
+
+
+def not_streamable(folder: Path, config: Any = None) -> str | None:
     """Why layer streaming cannot read `folder` (a sentence), or None when it can."""
-    config = read_config(folder, "--model")
-    if config["model_type"] not in STREAMABLE:
-        return f"model_type {config['model_type']!r} (streaming supports {', '.join(STREAMABLE)})"
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    raw = read_config(folder, "--model")
     if not any(Path(folder).glob("*.safetensors")):
         return "no *.safetensors weights (streaming reads safetensors only)"
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) \
+            else "?"
+        return f"quantized weights ({method}): transformers' quantizer must load them whole"
+    try:
+        config = config or AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        return f"transformers cannot read its config ({str(e).splitlines()[0][:150]})"
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return f"model_type {raw['model_type']!r} has no transformers causal-LM class"
+    try:
+        model = _skeleton(config, torch.float32)
+        layer_path, _ = find_decoder_layers(model.base_model, _expected_layers(config))
+    except UnsupportedArchitectureError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a model transformers cannot build on the meta device
+        return f"transformers cannot build {type(config).__name__} on the meta device ({type(e).__name__}: {e})"
+    shared = _shared_parameters(model.base_model, layer_path)
+    if shared:
+        return f"its decoder layers share weights ({', '.join(shared[:3])}), so no layer can be read alone"
     return None
 
 
@@ -92,36 +160,51 @@ def available_bytes(device: torch.device) -> int:
 
 def should_stream(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
     """(stream?, why) for `--stream` left to auto: stream when the weights in `dtype`, with headroom for
-    activations, exceed the free memory of `device` and the model can be streamed."""
+    activations, exceed the free memory of `device` and the model can be streamed; a model that would
+    need streaming but cannot be streamed is said so, with the reason, before it is loaded whole."""
+    gib = 2**30
+    try:
+        need = SafetensorsFolder(folder).nbytes(dtype)
+    except WeightsError:
+        return False, "in memory (no readable *.safetensors to size the weights from)"
+    free = available_bytes(device)
+    sizes = f"the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
+    if need * HEADROOM <= free:
+        return False, f"in memory: {sizes}"
     reason = not_streamable(folder)
     if reason is not None:
-        return False, f"in memory ({reason})"
-    need = SafetensorsFolder(folder).nbytes(dtype)
-    free = available_bytes(device)
-    gib = 2**30
-    if need * HEADROOM > free:
-        return True, f"streaming layer by layer: the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
-    return False, f"in memory: the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
+        return False, f"in memory although {sizes}, because --stream cannot read this model: {reason}"
+    return True, f"streaming layer by layer: {sizes}"
 
 
-def _causal_mask(mask: Tensor, window: int | None, dtype: torch.dtype) -> Tensor | None:
-    """Additive attention mask [b, 1, t, t] (0 = attend, dtype min = not): causal, real keys only, keys
-    within `window` of the query when the layer has a sliding window. None when that is plain causal
-    (no padding, no window): attention then takes its causal fast path, as in the in-memory run."""
-    if window is None and bool(mask.all()):
-        return None
-    t = mask.shape[1]
-    q = torch.arange(t, device=mask.device)[:, None]
-    k = torch.arange(t, device=mask.device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed = allowed & (k > q - window)
-    allowed = allowed[None, None] & mask.bool()[:, None, None, :]
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)
+@contextmanager
+def _quiet_transformers():
+    """No "Loading weights" progress bar per layer on stderr (the analysis shows its own)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _replaced_forwards(layers: Sequence[nn.Module], outputs: Any):
+    """Layers answer with `outputs` instead of computing (their class, attributes and hooks stay)."""
+    for layer in layers:
+        layer.forward = lambda *args, **kwargs: outputs
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 class StreamingSource:
-    """A Llama-family folder measured layer by layer from safetensors (see the module docstring).
+    """A Hugging Face folder measured layer by layer from safetensors (see the module docstring).
 
     Implements `HiddenStateSource` for encoding and `stream_sums` for measuring: a streamed model cannot
     measure one batch through all layers (`layer_sums`), only all batches through one layer at a time.
@@ -137,102 +220,199 @@ class StreamingSource:
         device: torch.device | str = "cpu",
         include_final_norm: bool = False,
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
+        from transformers.conversion_mapping import get_model_conversion_mapping
 
         return_large_blocks_to_the_os()  # a dropped layer leaves the resident set (see memory.py)
         self.folder = Path(folder)
-        reason = not_streamable(self.folder)
+        config = AutoConfig.from_pretrained(str(self.folder), local_files_only=True, trust_remote_code=False)
+        reason = not_streamable(self.folder, config)
         if reason is not None:
             raise AnalysisError(f"--model {folder}: --stream cannot read this model: {reason}; drop --stream")
         try:
             self.weights = SafetensorsFolder(self.folder)
         except WeightsError as e:
             raise AnalysisError(f"--model {folder}: {e}") from None
-        config = AutoConfig.from_pretrained(str(self.folder), local_files_only=True, trust_remote_code=False)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", trust_remote_code=False)
-        self.config = skeleton.config
-        self.base = skeleton.base_model
-        self.model_class = f"{type(skeleton).__name__} (streamed)"
-        self.label = label
-        self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = torch.device(device)
+        self.model = _skeleton(config, dtype, self.device)
+        self.config = self.model.config
+        self.base = self.model.base_model
+        self.model_class = f"{type(self.model).__name__} (streamed)"
+        self.label = label
+        self.tokenizer = tokenizer
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         self.context_length = context_length(config)
         self.pad_id = padding_id(tokenizer)
-        self.layer_path, self.layers = find_decoder_layers(self.base, config.num_hidden_layers)
+        self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
         self.num_layers = len(self.layers)
-        self.prefix = self._checkpoint_prefix(skeleton.base_model_prefix)
-        self._check_names()
-        layer_types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        self.windows = [
-            window if (layer_types[i] == "sliding_attention" if layer_types else window is not None) else None
-            for i in range(self.num_layers)
-        ]
+        self._mapping = get_model_conversion_mapping(self.model)
+        self._base_prefix = next(n for n, m in self.model.named_modules() if m is self.base)
+        self._pass_positions = "position_ids" in inspect.signature(self.base.forward).parameters
+        self._groups, self._embedding = self._plan()
+        self._load(self._groups["rest"], "the modules outside the decoder layers")
 
-    def _checkpoint_prefix(self, base_prefix: str) -> str:
-        """'model.' when the files hold a *ForCausalLM's names, '' when they hold the base model's."""
-        for prefix in (f"{base_prefix}.", ""):
-            if f"{prefix}{EMBEDDINGS}.weight" in self.weights.tensors:
-                return prefix
-        raise AnalysisError(
-            f"--model {self.folder}: no {base_prefix}.{EMBEDDINGS}.weight in its safetensors files; the weights "
-            "are not those of its config's architecture: download or convert the model again"
-        )
+    # ----------------------------------------------------------------------------------- the files
+    def _target(self, name: str, meta_keys: dict) -> list[str]:
+        """The model keys transformers loads a checkpoint tensor into (renamed; a converted tensor may feed
+        several, e.g. a fused qkv)."""
+        from transformers.core_model_loading import WeightConverter, rename_source_key
 
-    def _check_names(self) -> None:
-        """Every tensor of the base model present with its shape, nothing unknown besides the LM head,
-        before any work (the in-memory path's strict load, done on the file headers)."""
-        expected = {self.prefix + name: tuple(p.shape) for name, p in self.base.state_dict().items()}
-        present = self.weights.tensors
-        info = {
-            "missing_keys": sorted(set(expected) - set(present)),
-            "unexpected_keys": sorted(n for n in present if n not in expected and not n.startswith(HEAD)),
-            "mismatched_keys": sorted(n for n, s in expected.items() if n in present and present[n].shape != s),
-        }
+        renamings = [m for m in self._mapping if not isinstance(m, WeightConverter)]
+        converters = [m for m in self._mapping if isinstance(m, WeightConverter)]
+        renamed, pattern = rename_source_key(name, renamings, converters, self.model.base_model_prefix, meta_keys)
+        if pattern is None:
+            return [renamed]
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        first = converter.target_patterns[0]
+        return [renamed.replace(first, t) for t in converter.target_patterns]
+
+    def _plan(self) -> tuple[dict[str, list[str]], tuple[str, str]]:
+        """Group the file's tensors by the layer they load into ("rest": outside the layers), refusing
+        missing, unknown or misshaped tensors before any work (the in-memory path's strict load); and find
+        the input embedding ((file tensor, model key)), read only for the rows in use."""
+        meta = self.model.state_dict()
+        base = f"{self._base_prefix}." if self._base_prefix else ""
+        embedding_module = self.model.get_input_embeddings()
+        embedding_key = next(f"{n}.weight" for n, m in self.model.named_modules() if m is embedding_module)
+        ignored = set(self.model._keys_to_ignore_on_load_unexpected or ())
+        if any(n.endswith("rotary_emb.inv_freq") for n, _ in self.model.named_buffers()):
+            ignored.add(r"rotary_emb\.inv_freq")  # legacy per-layer buffers, which transformers skips too
+        ignored.add(r"(^|\.)position_ids$")
+        ignore = re.compile("|".join(f"({p})" for p in ignored))
+        groups: dict[str, list[str]] = {"rest": []}
+        covered, unexpected, misshaped, embedding_file = set(), [], [], None
+        layer_prefix = f"{base}{self.layer_path}."
+        for name, info in self.weights.tensors.items():
+            targets = self._target(name, meta)
+            if not all(t in meta for t in targets):
+                if not ignore.search(name) and not name.startswith(HEAD) and not targets[0].startswith(HEAD):
+                    unexpected.append(name)
+                continue
+            covered.update(targets)
+            if not targets[0].startswith(base):
+                continue  # the LM head and other task heads: never run here
+            if targets == [embedding_key]:
+                embedding_file = name
+                if tuple(info.shape) != tuple(meta[embedding_key].shape):
+                    misshaped.append(name)
+                continue
+            if name in meta and targets == [name] and tuple(info.shape) != tuple(meta[name].shape):
+                misshaped.append(name)  # converted tensors are checked as they load
+            if targets[0].startswith(layer_prefix):
+                index = targets[0][len(layer_prefix):].split(".", 1)[0]
+                groups.setdefault(index, []).append(name)
+            else:
+                groups["rest"].append(name)
+        tied = getattr(self.model, "all_tied_weights_keys", {}) or {}
+        if embedding_file is None and embedding_key in tied.values():
+            head = next((k for k, v in tied.items() if v == embedding_key and k in covered), None)
+            embedding_file = next((n for n in self.weights.tensors if self._target(n, meta) == [head]), None)
+            covered.add(embedding_key)
+        skip = [re.compile(p) for p in (self.model._keys_to_ignore_on_load_missing or ())]
+        buffers = {n for n, _ in self.model.named_buffers()}
+        missing = sorted(k for k in meta if k.startswith(base) and k not in covered and k not in buffers
+                         and not any(p.search(k) for p in skip))
+        info = {"missing_keys": missing, "unexpected_keys": sorted(unexpected), "mismatched_keys": misshaped}
         try:
             check_loading_info(info, type(self.base).__name__, f"--model {self.folder}")
+        except IncompleteWeightsError as e:
+            raise AnalysisError(str(e)) from None
+        return groups, (embedding_file, embedding_key)
+
+    def _load(self, names: list[str], what: str) -> None:
+        """Read `names` into the model through transformers' own renaming/conversion, in our dtype and on
+        our device; every tensor must land with its shape."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        if not names:
+            return
+        try:
+            tensors = self.weights.load(names)
+        except WeightsError as e:
+            raise AnalysisError(f"--model {self.folder}: {e}") from None
+        config = LoadStateDictConfig(dtype=self.dtype, device_map={"": self.device}, weight_mapping=self._mapping)
+        with _quiet_transformers():
+            info, _ = convert_and_load_state_dict_in_model(self.model, tensors, config)
+        problems = {"unexpected_keys": sorted(info.unexpected_keys), "mismatched_keys": sorted(info.mismatched_keys)}
+        if info.conversion_errors:
+            problems["unexpected_keys"] += sorted(info.conversion_errors)
+        try:
+            check_loading_info(problems, type(self.base).__name__, f"--model {self.folder} ({what})")
         except IncompleteWeightsError as e:
             raise AnalysisError(str(e)) from None
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return encode_texts(self.tokenizer, texts)
 
-    def _filled(self, module: nn.Module, prefix: str) -> nn.Module:
-        """`module` (on the meta device) with its tensors read from the files, in our dtype and device."""
-        names = {self.prefix + prefix + key: key for key in module.state_dict()}
-        try:
-            tensors = self.weights.load(names)
-        except WeightsError as e:
-            raise AnalysisError(f"--model {self.folder}: {e}") from None
-        state = {names[n]: t.to(device=self.device, dtype=self.dtype) for n, t in tensors.items()}
-        module.load_state_dict(state, strict=True, assign=True)
-        return module.eval()
-
-    def _embeddings(self, batches: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
-        """h_0[b, t, h] of each batch from the embedding rows of the tokens in use (the rest is never read)."""
+    def _embed_rows(self, batches: Sequence[tuple[Tensor, Tensor]]) -> torch.utils.hooks.RemovableHandle:
+        """Give the input embedding only the rows of the tokens in use, and a hook that maps token ids to
+        those rows; the model's own embedding module (its scaling included) then runs as usual."""
         used = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches]))
-        name = f"{self.prefix}{EMBEDDINGS}.weight"
-        vocab = self.weights.tensors[name].shape[0]
+        file_key, _ = self._embedding
+        vocab = self.weights.tensors[file_key].shape[0]
         if int(used[-1]) >= vocab or int(used[0]) < 0:
             raise AnalysisError(
                 f"--model {self.folder}: token id {int(used[-1])} is outside its {vocab}-row embedding; the "
                 "tokenizer does not belong to this model (pass the right one with --tokenizer)"
             )
-        table = self.weights.rows(name, used.tolist()).to(device=self.device, dtype=self.dtype)
-        return [table[torch.searchsorted(used, ids).to(self.device)] for ids, _ in batches]
+        module = self.model.get_input_embeddings()
+        table = self.weights.rows(file_key, used.tolist()).to(device=self.device, dtype=self.dtype)
+        module.weight = nn.Parameter(table, requires_grad=False)
+        used = used.to(self.device)
 
-    def _prepare(self, batches: Sequence[tuple[Tensor, Tensor]], hidden: list[Tensor]) -> list[_Batch]:
-        rotary = type(self.base.rotary_emb)(config=self.config).to(self.device)
-        out = []
-        for (ids, mask), h in zip(batches, hidden):
-            mask = mask.to(self.device)
-            positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-            out.append(_Batch(mask, real_rows(mask), positions, rotary(h, positions), int(mask.sum())))
-        return out
+        def to_rows(_module: nn.Module, args: tuple) -> tuple:
+            return (torch.searchsorted(used, args[0]), *args[1:])
+
+        return module.register_forward_pre_hook(to_rows)
+
+    def _forward(self, batch: _Batch, output_hidden_states: bool) -> Any:
+        kwargs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.mask, "use_cache": False}
+        if self._pass_positions:
+            kwargs["position_ids"] = (batch.mask.long().cumsum(-1) - 1).clamp_min(0)
+        if output_hidden_states:
+            kwargs["output_hidden_states"] = True
+        return self.base(**kwargs)
+
+    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> Tensor:
+        """Batch through layer i (the layers before it answer with their recorded output): [Σ d, count]."""
+        layer = self.layers[i]
+        captured: dict[str, Tensor] = {}
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            captured["h_in"] = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            batch.output = output
+            if not last_with_norm:
+                raise _LayerDone(output)
+
+        handles = [layer.register_forward_pre_hook(pre, with_kwargs=True),
+                   layer.register_forward_hook(post, with_kwargs=True)]
+        try:
+            with _replaced_forwards(self.layers[:i], batch.output):
+                try:
+                    out = self._forward(batch, output_hidden_states=last_with_norm)
+                except _LayerDone:
+                    out = None
+        finally:
+            for handle in handles:
+                handle.remove()
+        h_in = captured.get("h_in")
+        if last_with_norm:
+            measured = out.hidden_states[-1]
+        else:
+            measured = first_tensor(batch.output)
+        if h_in is None or measured is None or measured.shape != h_in.shape:
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__}: decoder layer {i + 1} does not map hidden states of shape "
+                f"{tuple(h_in.shape) if h_in is not None else '?'} to the same shape"
+                + (" after the final norm (--include-final-norm cannot compare them: drop it)" if last_with_norm
+                   else "")
+            )
+        return torch.stack(masked_displacement_sum(h_in, measured, batch.rows, kind))
 
     @torch.no_grad()
     def stream_sums(
@@ -249,38 +429,31 @@ class StreamingSource:
         """
         if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask in batches):
             raise ValueError("stream_sums needs right-padded batches (padding_side='right')")
-        hidden = self._embeddings(batches)
-        state = self._prepare(batches, hidden)
+        hook = self._embed_rows(batches)
+        state = []
+        for ids, mask in batches:
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            state.append(_Batch(ids, mask, real_rows(mask), int(mask.sum())))
         sums = torch.zeros(self.num_layers, dtype=torch.float64)
         counts = torch.zeros(self.num_layers, dtype=torch.float64)
-        for i, meta_layer in enumerate(self.layers):
-            layer = self._filled(meta_layer, f"{self.layer_path}.{i}.")
-            last = i == self.num_layers - 1
-            norm = self._filled(getattr(self.base, FINAL_NORM_MODULE), f"{FINAL_NORM_MODULE}.") if (
-                last and self.include_final_norm
-            ) else None
-            partial = []
-            for j, batch in enumerate(state):
-                h_in = hidden[j]
-                h_out = first_tensor(
-                    layer(
-                        h_in,
-                        attention_mask=_causal_mask(batch.mask, self.windows[i], self.dtype),
-                        position_ids=batch.positions,
-                        position_embeddings=batch.rotary,
-                        use_cache=False,
-                    )
-                )
-                measured = norm(h_out) if norm is not None else h_out
-                partial.append(torch.stack(masked_displacement_sum(h_in, measured, batch.rows, kind)))
-                hidden[j] = h_out
-                if on_batch is not None:
-                    on_batch(batch.tokens)
-            layer.to("meta")  # drop this layer's tensors before the next layer is read
-            if norm is not None:
-                norm.to("meta")
-            totals = torch.stack(partial).double().cpu()  # [batches, 2]
-            sums[i], counts[i] = totals[:, 0].sum(), totals[:, 1].sum()
+        try:
+            for i, layer in enumerate(self.layers):
+                self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
+                unloaded = [n for n, p in layer.named_parameters() if p.device.type == "meta"]
+                if unloaded:
+                    raise AnalysisError(f"--model {self.folder}: decoder layer {i + 1} got no tensor for "
+                                        f"{', '.join(unloaded[:3])}; download or convert the model again")
+                last_with_norm = self.include_final_norm and i == self.num_layers - 1
+                partial = []
+                for batch in state:
+                    partial.append(self._layer_pass(i, batch, kind, last_with_norm))
+                    if on_batch is not None:
+                        on_batch(batch.tokens)
+                layer.to("meta")  # drop this layer's tensors before the next layer is read
+                totals = torch.stack(partial).double().cpu()  # [batches, 2]
+                sums[i], counts[i] = totals[:, 0].sum(), totals[:, 1].sum()
+        finally:
+            hook.remove()
         return sums, counts
 
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
@@ -288,7 +461,7 @@ class StreamingSource:
         return self.stream_sums([(input_ids, attention_mask)], kind)
 
     def close(self) -> None:
-        del self.base, self.layers, self.weights
+        del self.model, self.base, self.layers, self.weights
 
 
 def load_stream_source(
@@ -300,7 +473,7 @@ def load_stream_source(
     include_final_norm: bool = False,
     tokenizer: str | None = None,
 ) -> StreamingSource:
-    """A local Llama-family folder (never downloads) as a layer-streaming source."""
+    """A local Hugging Face folder (never downloads) as a layer-streaming source."""
     from megatron_jreg.analysis.hf_source import load_tokenizer
 
     return StreamingSource(
