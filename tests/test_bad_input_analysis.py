@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,7 +35,7 @@ from megatron_jreg.data.text import lambada_passages
 from megatron_jreg.evaluate import cli as evaluate_cli
 from megatron_jreg.evaluate import compare
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
-from tests.test_analysis_gguf import write_llama_gguf
+from tests.test_analysis_gguf import write_gguf, write_llama_gguf
 
 transformers = pytest.importorskip("transformers")
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
@@ -153,6 +154,33 @@ def without(*names: str):
         return folder
 
     return build
+
+
+def gguf_with(**extra):
+    """The Llama as a GGUF file with extra metadata keys or tensors that transformers' loader would drop."""
+
+    def build(i: Inputs) -> list[str]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(i.llama)
+        return ["--model", str(write_gguf(model, i.tokenizer, i.tmp / "extra.gguf", **extra))]
+
+    return build
+
+
+def opt_350m_style(i: Inputs) -> Path:
+    """OPT-350m's layout: post-norm layers (no final norm) and a projection to a narrower width after them."""
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256, do_layer_norm_before=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return save_random_model(config, i.tmp / "opt", i.tokenizer)
+
+
+def quantized_config(i: Inputs) -> Path:
+    folder = i.copy("quantized")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    return folder
 
 
 def bin_weights(i: Inputs) -> Path:
@@ -420,10 +448,20 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     "analyze/hub-id-not-cached": ("analyze", lambda i: ["--model", "org/absent"], ("org/absent", "hf download")),
     # analyze: --stream on what cannot stream
     "analyze/stream-gguf": ("analyze", lambda i: ["--model", str(i.gguf), "--stream"], ("--stream", "gguf")),
-    "analyze/stream-gpt2": (
-        "analyze",
-        lambda i: ["--model", str(save_random_model(family_config("gpt2"), i.tmp / "g", i.tokenizer)), "--stream"],
-        ("--stream", "model_type 'gpt2'"),
+    "analyze/stream-quantized": ("analyze", model(quantized_config, "--stream"), ("--stream", "quantized weights")),
+    # analyze: GGUF files whose keys or tensors transformers' loader would drop
+    "analyze/gguf-unknown-key": (
+        "analyze", gguf_with(metadata={"llama.attention.sliding_window": 8}), ("extra.gguf", "sliding_window")
+    ),
+    "analyze/gguf-unused-tensor": (
+        "analyze", gguf_with(tensors={"blk.1.attn_k_norm.weight": np.ones(16, np.float32)}), ("blk.1.attn_k_norm",)
+    ),
+    # analyze: family edge cases
+    "analyze/final-norm-projection": (
+        "analyze", model(opt_350m_style, "--include-final-norm"), ("--include-final-norm", "different widths")
+    ),
+    "analyze/final-norm-projection-stream": (
+        "analyze", model(opt_350m_style, "--include-final-norm", "--stream"), ("--include-final-norm",)
     ),
     "analyze/stream-bin-weights": ("analyze", model(bin_weights, "--stream"), ("pickle-format weights",)),
     "analyze/bin-weights": ("analyze", model(bin_weights), ("pytorch_model.bin", "pickle-format weights")),

@@ -78,6 +78,43 @@ def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[
     return name, layers
 
 
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The module whose decoder layers are measured: the base model, or for a multimodal model the text
+    decoder (`get_decoder()`), which runs alone on text and whose layers are not the vision tower's."""
+    config = model.config
+    found = model.base_model
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config and hasattr(model, "get_decoder"):
+        found = model.get_decoder()
+    if found is model and isinstance(getattr(model, "model", None), nn.Module):
+        found = model.model  # e.g. Llama4ForCausalLM, whose base_model_prefix names no attribute: not the LM head
+    return found
+
+
+def other_towers(config: Any) -> tuple[str, ...]:
+    """Weight-name prefixes of the non-text parts of a multimodal checkpoint (vision or audio towers,
+    projectors: the top-level modules of its `architectures` class besides the language model), which the
+    causal LM transformers builds for it does not have; () for a text-only config."""
+    import transformers
+
+    if not hasattr(config, "get_text_config") or config.get_text_config() is config:
+        return ()
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        return ()
+    with torch.device("meta"):
+        full = cls._from_config(config)
+    prefixes = []
+    for holder in (full, getattr(full, "model", None)):
+        if not isinstance(holder, nn.Module):
+            continue
+        for name, child in holder.named_children():
+            text = child is getattr(full, "language_model", None) or name in ("language_model", "lm_head", "model")
+            if not text and any(True for _ in child.parameters()):
+                prefixes += [f"{name}.", f"model.{name}."]
+    return tuple(dict.fromkeys(prefixes))
+
+
 def context_length(config: Any) -> int | None:
     """The longest sequence the config declares, or None (no truncation then)."""
     return _declared(config, ("max_position_embeddings", "n_positions", "max_sequence_length"))
@@ -105,7 +142,7 @@ class HFSource:
 
     def __init__(self, model: nn.Module, tokenizer: Any, label: str, include_final_norm: bool = False):
         self.model = model.eval()
-        self.base = model.base_model
+        self.base = text_decoder(model)
         self.tokenizer = tokenizer
         self.label = label
         self.model_class = type(model).__name__
@@ -150,6 +187,13 @@ class HFSource:
             raise UnsupportedArchitectureError(
                 f"{self.model_class} returned {len(hidden)} hidden states for {self.num_layers} layers; "
                 "--include-final-norm needs L + 1 (embeddings and every layer): drop the flag"
+            )
+        widths = [h.shape[-1] for h in hidden]
+        if len(set(widths)) > 1:
+            raise UnsupportedArchitectureError(
+                f"--include-final-norm: {self.model_class}'s output_hidden_states are {widths[0]} wide but the last "
+                f"one is {widths[-1]} (a projection after the final norm, as in OPT-350m): Ψ_L cannot compare "
+                "vectors of different widths; drop --include-final-norm (the default measures the layers themselves)"
             )
         rows = real_rows(attention_mask)
         pairs = [masked_displacement_sum(a, b, rows, kind) for a, b in zip(hidden[:-1], hidden[1:])]
@@ -221,10 +265,16 @@ def load_hf_source(
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
+    plan = None
     if gguf_file:
+        from megatron_jreg.analysis.gguf_model import plan_gguf
+
         check_gguf(path)
+        plan = plan_gguf(path, f"--model {path}")  # nothing in the file may be dropped by the loader
+    towers = () if gguf_file else other_towers(_config(folder))
     try:
-        model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD,), gguf_file=gguf_file, dtype=dtype)
+        model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD, *towers), gguf_file=gguf_file,
+                               dtype=dtype, **({"config": plan.config} if plan else {}))
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
@@ -232,5 +282,23 @@ def load_hf_source(
             f"--model {path}: transformers cannot load it as a causal LM ({one_line(e)}); the folder needs the "
             "model's config.json and weight files"
         ) from e
+    if plan is not None and plan.rope_freqs is not None:
+        from megatron_jreg.analysis.gguf_model import apply_rope_freqs
+
+        apply_rope_freqs(model, plan.rope_freqs, f"--model {path}")
     model.to(device)
-    return HFSource(model, load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)
+    source = HFSource(model, load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)
+    source.notes = plan.notes if plan else []
+    if towers:
+        parts = ", ".join(t.rstrip(".") for t in towers if not t.startswith("model."))
+        source.notes.append(f"multimodal model: measured its text decoder; {parts} (not the text model) not loaded")
+    return source
+
+
+def _config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise AnalysisError(f"--model {folder}: transformers cannot read its config.json ({one_line(e)})") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
@@ -15,12 +16,34 @@ from megatron_jreg.analysis.measure import ModelResult, measure
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.plot import write_plots
 from megatron_jreg.analysis.report import format_table, write_results
-from megatron_jreg.analysis.source import AnalysisError, load_source
+from megatron_jreg.analysis.source import AnalysisError, load_source, one_line
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
+from megatron_jreg.hub import ModelFileError
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# What the model code of a family (transformers', run on this model's config) raises when it cannot run it.
+_MODEL_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, NotImplementedError,
+                      AssertionError)
+
+
+@contextlib.contextmanager
+def _model_failures(spec):  # noqa: ANN001 - a ModelSpec
+    """One line instead of a traceback when the model's own code fails on its config or the samples (e.g. a
+    config whose rotary width exceeds its heads); our own refusals pass through unchanged."""
+    try:
+        yield
+    except (AnalysisError, ModelFileError):
+        raise
+    except _MODEL_CODE_ERRORS as e:
+        raise AnalysisError(
+            f"--model {spec.path}: its model code failed on the samples ({type(e).__name__}: {one_line(e, 200)}); "
+            "its config.json does not describe a model transformers can run, or `megatron-jreg analyze` does not "
+            "support this architecture"
+        ) from e
 
 
 def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tuple[list[ModelResult], list[Path]]:
@@ -47,7 +70,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
             stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device)
             log(f"[{i}/{len(specs)}] {spec.path} ({spec.kind}): {why}")
         log(f"[{i}/{len(specs)}] {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
-        with PeakMemory(cfg.torch_device) as memory:
+        with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
             source = load_source(
                 spec,
                 dtype=cfg.torch_dtype,
@@ -56,6 +79,8 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
                 tokenizer=cfg.tokenizer,
                 stream=bool(stream),
             )
+            for note in getattr(source, "notes", ()):
+                log(f"    note: {note}")
             try:
                 result = measure(
                     source,

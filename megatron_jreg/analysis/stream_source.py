@@ -39,7 +39,9 @@ from megatron_jreg.analysis.hf_source import (
     context_length,
     encode_texts,
     find_decoder_layers,
+    other_towers,
     padding_id,
+    text_decoder,
 )
 from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
@@ -82,11 +84,14 @@ def _skeleton(config: Any, dtype: torch.dtype, device: torch.device | str = "cpu
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     for module in model.modules():
-        meta = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
-        if meta:
-            for name in meta:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-            model._init_weights(module)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type == "meta":
+                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+        for tensor in [*module._buffers.values(), *module._parameters.values(), module]:
+            if tensor is not None and hasattr(tensor, "_is_hf_initialized"):
+                del tensor._is_hf_initialized
+    model.initialize_weights()  # as from_pretrained re-makes buffers; on meta parameters it does nothing
+    for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
@@ -123,12 +128,12 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
         return f"model_type {raw['model_type']!r} has no transformers causal-LM class"
     try:
         model = _skeleton(config, torch.float32)
-        layer_path, _ = find_decoder_layers(model.base_model, _expected_layers(config))
+        layer_path, _ = find_decoder_layers(text_decoder(model), _expected_layers(config))
     except UnsupportedArchitectureError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a model transformers cannot build on the meta device
         return f"transformers cannot build {type(config).__name__} on the meta device ({type(e).__name__}: {e})"
-    shared = _shared_parameters(model.base_model, layer_path)
+    shared = _shared_parameters(text_decoder(model), layer_path)
     if shared:
         return f"its decoder layers share weights ({', '.join(shared[:3])}), so no layer can be read alone"
     return None
@@ -237,7 +242,8 @@ class StreamingSource:
         self.device = torch.device(device)
         self.model = _skeleton(config, dtype, self.device)
         self.config = self.model.config
-        self.base = self.model.base_model
+        self.base = text_decoder(self.model)
+        self._towers = other_towers(config)  # a multimodal checkpoint's vision/audio parts: not read
         self.model_class = f"{type(self.model).__name__} (streamed)"
         self.label = label
         self.tokenizer = tokenizer
@@ -287,7 +293,8 @@ class StreamingSource:
         for name, info in self.weights.tensors.items():
             targets = self._target(name, meta)
             if not all(t in meta for t in targets):
-                if not ignore.search(name) and not name.startswith(HEAD) and not targets[0].startswith(HEAD):
+                skipped = name.startswith((HEAD, *self._towers)) or targets[0].startswith(HEAD)
+                if not ignore.search(name) and not skipped:
                     unexpected.append(name)
                 continue
             covered.update(targets)
