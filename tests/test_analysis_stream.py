@@ -218,3 +218,20 @@ def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch,
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(WeightsError, match=r"model.safetensors: tensor .* \(truncated or corrupt\)"):
         SafetensorsFolder(folder)
+
+
+def test_multimodal_folder_measures_its_text_decoder(tokenizer, texts, tmp_path):
+    """A Llama-4 image-text folder: its text decoder (2 layers; the vision encoder has 3) is measured, in memory
+    and streamed alike, and its vision tower's weights are left unread (said in a note), not refused."""
+    text = dict(SIZES, num_hidden_layers=2, intermediate_size_mlp=64, head_dim=8, num_local_experts=2)
+    vision = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=56,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text,
+                                                                                   vision_config=vision))
+    model.save_pretrained(tmp_path / "l4")
+    tokenizer.save_pretrained(tmp_path / "l4")
+    source = load_hf_source(tmp_path / "l4", label="l4")
+    assert source.num_layers == 2 and any("vision_model" in note for note in source.notes)
+    reference = _psi(source, texts)
+    assert _psi(load_stream_source(tmp_path / "l4", label="l4"), texts) == pytest.approx(reference, abs=1e-6)
