@@ -42,6 +42,8 @@ TP2 = ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--te
 # vocabulary 384 (a multiple of 128: no padding).
 PP2 = ["--num-query-groups", "4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "384",
        "--pipeline-model-parallel-size", "2", "--bf16"]
+# SP: the SentencePiece model of `train-tokenizer`'s default kind (384 pieces, eod 2), two data-parallel ranks.
+SP = ["--num-query-groups", "2", "--tokenizer-type", "SentencePieceTokenizer"]
 
 
 # ---------------------------------------------------------------------------------------------- in ranks
@@ -69,11 +71,12 @@ def train(argv: list[str]) -> tuple[int, str, str]:
     return _capture(main, argv)
 
 
-def training_runs(rank: int, world: int, tmp: str, tokenizer: str) -> dict:
+def training_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: str) -> dict:
     tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer]
     tp2 = train(TRAIN + TP2 + tok + ["--save", f"{tmp}/tp2", "--metrics-file", f"{tmp}/tp2.jsonl"])
     pp2 = train(TRAIN + PP2 + ["--save", f"{tmp}/pp2", "--metrics-file", f"{tmp}/pp2.jsonl"])
-    return {"tp2": (tp2[0], tp2[2]), "pp2": (pp2[0], pp2[2])}
+    sp = train(TRAIN + SP + ["--tokenizer-model", sp_model, "--save", f"{tmp}/sp", "--metrics-file", f"{tmp}/sp.jsonl"])
+    return {"tp2": (tp2[0], tp2[2]), "pp2": (pp2[0], pp2[2]), "sp": (sp[0], sp[2])}
 
 
 def _hf_models(tmp: Path, tokenizer: str) -> None:
@@ -174,6 +177,9 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
         "hf_tp2_bf16": ["--load", f"{tmp}/tp2", "--dtype", "bfloat16"],  # rounds float32 weights
         "hf_pp2": ["--load", f"{tmp}/pp2", "--max-shard-size", "40KB"],  # bf16 run → bf16, several shards
         "hf_pp2_fp32": ["--load", f"{tmp}/pp2", "--dtype", "float32"],
+        "hf_sp": ["--load", f"{tmp}/sp"],  # SentencePiece run → transformers' conversion of its .model
+        "hf_pp2_sp": ["--load", f"{tmp}/pp2", "--tokenizer-model", sp_model],  # NullTokenizer run + the 384-piece model
+        "hf_tp2_no_tokenizer": ["--load", f"{tmp}/tp2", "--no-tokenizer"],
     }
     for name, argv in exports.items():
         out["export"][name] = convert(["mcore-to-hf", *argv, "--output", f"{tmp}/{name}"])
@@ -191,7 +197,7 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
     cases["layernorm_ckpt"] = ["mcore-to-hf", "--load", str(refuse["layernorm_ckpt"])]
     cases["tp3"] = ["hf-to-mcore", "--hf", f"{tmp}/native_tied", "--tensor-model-parallel-size", "3"]
     cases["verify_fails"] = ["mcore-to-hf", "--load", f"{tmp}/tp2", "--dtype", "bfloat16", "--verify-threshold", "1e-9"]
-    cases["sp_tokenizer"] = ["mcore-to-hf", "--load", f"{tmp}/pp2", "--tokenizer-model", sp_model]
+    cases["wrong_tokenizer"] = ["mcore-to-hf", "--load", f"{tmp}/sp", "--tokenizer-model", tokenizer]
     cases["tokenizer_too_big"] = ["mcore-to-hf", "--load", f"{tmp}/mc_native_bin", "--tokenizer-model", sp_model]
     for name, argv in cases.items():
         out["refuse"][name] = convert([*argv, "--output", f"{tmp}/refused_{name}"])
@@ -204,7 +210,26 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
         with torch.no_grad():
             reference[name] = model(input_ids=TOKENS).logits
     torch.save(reference, t / "reference_logits.pt")
+    out["sp_logits"] = _sp_logits(t)
     return out
+
+
+def _sp_logits(tmp: Path) -> dict:
+    """The SentencePiece export, read as a user would: AutoTokenizer + AutoModelForCausalLM on a sentence,
+    against the checkpoint's own model on the ids of the run's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_jreg.checkpoints.model import load_megatron_model
+
+    text = WIKITEXT.read_text(encoding="utf-8")[20000:20400]
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp / "hf_sp"), local_files_only=True)
+    ids = hf_tok(text, return_tensors="pt")["input_ids"][:, :32]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp / "hf_sp"), dtype=torch.float32, local_files_only=True)
+    ours = load_megatron_model(tmp / "sp")
+    with torch.no_grad():
+        diff = float((model(input_ids=ids).logits - ours.logits(ids)).abs().max())
+    return {"ids_equal": ids[0].tolist() == ours.tokenizer.tokenize(text)[:32], "diff": diff,
+            "pad": hf_tok.pad_token_id, "eos": hf_tok.eos_token_id, "max_length": hf_tok.model_max_length}
 
 
 def layout_logits(ckpt: str, tp: int, pp: int) -> torch.Tensor | None:
@@ -284,7 +309,7 @@ def runs(tmp_path_factory):
     (tmp / "text.txt").write_text(text, encoding="utf-8")
     tokenizer = train_tokenizer([str(tmp / "text.txt")], str(tmp / "tok"), 300, kind="hf-bpe")
     sp_model = train_tokenizer([str(tmp / "text.txt")], str(tmp / "sp" / "sp"), 384, kind="sentencepiece")
-    trained = run_ranks(training_runs, 2, str(tmp), tokenizer)[0]
+    trained = run_ranks(training_runs, 2, str(tmp), tokenizer, sp_model)[0]
     assert all(rc == 0 for rc, _ in trained.values()), trained
     converted = run_ranks(conversion_runs, 1, str(tmp), tokenizer, sp_model)[0]
     printed = {name: _printed_flags(converted["import"][name][1]) for name in ("mc_tp2", "mc_pp2")}
@@ -317,7 +342,7 @@ def _first_validation(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("name", ["hf_tp2", "hf_pp2", "hf_pp2_fp32"])
+@pytest.mark.parametrize("name", ["hf_tp2", "hf_pp2", "hf_pp2_fp32", "hf_sp", "hf_pp2_sp", "hf_tp2_no_tokenizer"])
 def test_export_matches_megatron_logits(runs, name):
     """Exports that keep the weights exact reproduce megatron's logits to float32 precision."""
     diff = _diff(runs["converted"]["export"][name])
@@ -353,6 +378,24 @@ def test_export_writes_llama_config_shards_and_tokenizer(runs):
     assert len(shards) > 1 and all((tmp / "hf_pp2" / s).is_file() for s in shards)
     assert "lm_head.weight" not in index["weight_map"]
     assert not list(tmp.glob(".*partial*"))
+    tokenizer_config = json.loads((tmp / "hf_tp2" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["pad_token"] == "<|endoftext|>" and config["pad_token_id"] == 0  # pad: the eod
+    assert tokenizer_config["model_max_length"] == 32  # the model's context, not 1073741824
+    assert not (tmp / "hf_tp2_no_tokenizer" / "tokenizer.json").exists()
+    assert json.loads((tmp / "hf_tp2_no_tokenizer" / "config.json").read_text())["vocab_size"] == 300
+
+
+def test_sentencepiece_run_exports_and_loads_in_transformers_with_equal_logits(runs):
+    """The default `train-tokenizer` kind: the export carries transformers' conversion of the .model, whose ids
+    equal the run's on a WikiText passage, and the exported model gives the checkpoint's logits on them."""
+    sp = runs["converted"]["sp_logits"]
+    assert sp["ids_equal"] and sp["diff"] < FP32
+    assert (sp["eos"], sp["pad"], sp["max_length"]) == (2, 2, 32)
+    config = json.loads((runs["tmp"] / "hf_sp" / "config.json").read_text())
+    assert config["vocab_size"] == 384 and config["eos_token_id"] == 2 and config["bos_token_id"] == 1
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        assert (runs["tmp"] / "hf_sp" / name).is_file(), name
+    print(f"hf_sp: logits diff through AutoTokenizer ids {sp['diff']:.3e}")
 
 
 @pytest.mark.parametrize("name,source", [
@@ -443,8 +486,8 @@ def test_training_cli_loads_import_like_its_source_run(runs, name, source):
     ("pickle", "weights_only"),
     ("layernorm_ckpt", "--normalization LayerNorm"),
     ("tp3", "--tensor-model-parallel-size (3)"),
-    ("sp_tokenizer", "other ids"),
-    ("tokenizer_too_big", "has 384 tokens but the model's vocabulary is 300"),
+    ("wrong_tokenizer", "300 tokens, the run's SentencePieceTokenizer"),
+    ("tokenizer_too_big", "384 tokens, the run's NullTokenizer (--vocab-size) has 300"),
 ])
 def test_refuses_with_the_mismatch_and_writes_nothing(runs, case, needle):
     rc, out, err = runs["converted"]["refuse"][case]
@@ -452,6 +495,11 @@ def test_refuses_with_the_mismatch_and_writes_nothing(runs, case, needle):
     assert needle in err and "Traceback" not in err
     assert not (runs["tmp"] / f"refused_{case}").exists()
     assert not list(runs["tmp"].glob(f".refused_{case}*"))
+
+
+def test_wrong_tokenizer_names_both_vocabularies_and_eod_ids(runs):
+    err = runs["converted"]["refuse"]["wrong_tokenizer"][2]
+    assert "has 384" in err and "end-of-document id 0" in err and "has 2" in err and "--no-tokenizer" in err
 
 
 def test_megatron_refusal_lists_every_non_llama_feature(runs):

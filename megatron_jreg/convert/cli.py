@@ -1,6 +1,7 @@
 """`megatron-jreg convert` / `tools/convert_checkpoint.py`: Megatron-LM checkpoints <-> Hugging Face Llama.
 
-    mcore-to-hf --load CKPT_DIR [--iteration N] --output HF_DIR [--dtype bfloat16|float32] [--tokenizer-model PATH]
+    mcore-to-hf --load CKPT_DIR [--iteration N] --output HF_DIR [--dtype bfloat16|float32]
+                [--tokenizer-model PATH | --no-tokenizer]
     hf-to-mcore --hf HF_DIR --output CKPT_DIR [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
 
 Both check the written model's logits against the source (on by default when both fit in memory) and
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="direction", required=True)
     verify_help = ("compare the logits of the written model with the source's on a fixed token batch "
                    "(default: when both models fit in memory); --no-verify skips it")
-    threshold_help = "largest allowed |logit difference| in float32 (default 1e-4)"
+    threshold_help = ("largest allowed |logit difference| in float32 (default: max(1e-4, 16·ε₃₂·(layers + 1)·"
+                      "max|logit|), float32 rounding along the layers; see docs/convert.md)")
 
     out = sub.add_parser("mcore-to-hf", help="Megatron-LM/megatron-jreg checkpoint (any TP/PP) → Hugging Face "
                          "LlamaForCausalLM",
@@ -40,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype of the written weights (default: the run's precision: --bf16 → bfloat16, "
                      "else float32)")
     out.add_argument("--tokenizer-model",
-                     help="tokenizer to write next to the weights: a Hugging Face folder (tokenizer.json) or a "
-                     "SentencePiece .model (default: the run's own tokenizer when it is one of those)")
+                     help="tokenizer to write next to the weights, converted to a Hugging Face tokenizer and checked "
+                     "id for id: a folder with tokenizer.json, a SentencePiece .model, a tiktoken .json/.tiktoken, or "
+                     "a folder with GPT-2's vocab.json and merges.txt; it must match the checkpoint's vocabulary "
+                     "(default: the run's own tokenizer)")
     out.add_argument("--tokenizer-type", help="--tokenizer-type of --tokenizer-model (default: from the file)")
+    out.add_argument("--no-tokenizer", action="store_true",
+                     help="write the model without a tokenizer (e.g. when the run's tokenizer cannot be converted)")
     out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     out.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help=verify_help)
     out.add_argument("--verify-threshold", type=float, help=threshold_help)
@@ -97,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_jreg.convert.to_hf import mcore_to_hf
 
             result = mcore_to_hf(args.load, args.output, args.iteration, args.dtype, args.tokenizer_model,
-                                 args.tokenizer_type, args.verify, args.verify_threshold, args.max_shard_size)
+                                 args.tokenizer_type, args.verify, args.verify_threshold, args.max_shard_size,
+                                 args.no_tokenizer)
             print(f"wrote {result.output} from iteration {result.iteration}: {len(result.files)} files, "
                   f"{str(result.dtype).removeprefix('torch.')}")
             _report(result.verification, [result.note])

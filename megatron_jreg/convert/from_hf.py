@@ -123,7 +123,8 @@ def hf_to_mcore(
             loaded = load_megatron_model(tmp, dtype=torch.float32)
             device = next(loaded.model.parameters()).device
             tokens = probe_tokens(arch.vocab_size, arch.seq_length)
-            verification = compare_logits(hf_logits_fn(folder, device), loaded.logits, tokens, threshold)
+            verification = compare_logits(hf_logits_fn(folder, device), loaded.logits, tokens, threshold,
+                                          depth=arch.num_layers)
         else:
             notes.append(why)
     extra = ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []

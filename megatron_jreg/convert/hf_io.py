@@ -1,5 +1,5 @@
 """Hugging Face folders on disk: read config and weights without running pickled code, write sharded
-safetensors with their index, and carry a tokenizer across.
+safetensors with their index (the tokenizer: convert/tokenizer.py).
 
 Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_model*.bin` through
 `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
@@ -19,11 +19,6 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
-# Tokenizer files a Hugging Face folder may hold; copied as they are.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-)
 
 
 class ConversionError(RuntimeError):
@@ -143,50 +138,6 @@ def parse_size(text: str) -> int:
     return int(upper)
 
 
-def tokenizer_kind(tokenizer_type: str | None, path: Path) -> str:
-    """'hf' (a folder or tokenizer.json) or 'sentencepiece' (a .model file); others cannot be exported."""
-    if tokenizer_type in (None, "HuggingFaceTokenizer") and (
-        (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json"
-    ):
-        return "hf"
-    if tokenizer_type in (None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and (
-        path.is_file() and path.suffix == ".model"
-    ):
-        return "sentencepiece"
-    raise ConversionError(
-        f"--tokenizer-model {path} ({tokenizer_type or 'type unknown'}): only a Hugging Face tokenizer (a folder "
-        "with tokenizer.json) or a SentencePiece .model can be written next to the weights; convert the "
-        "tokenizer to one of those, or leave --tokenizer-model out and add the tokenizer files yourself"
-    )
-
-
-def write_tokenizer(kind: str, path: Path, folder: Path, bos: str | None, eos: str | None) -> list[str]:
-    """Copy a tokenizer into an exported folder; the files written.
-
-    A SentencePiece model becomes `tokenizer.model` with a LlamaTokenizer config that adds no BOS/EOS,
-    the megatron-jreg convention the model was trained with.
-    """
-    written = []
-    if kind == "hf":
-        source = path if path.is_dir() else path.parent
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, folder / name)
-                written.append(name)
-        return written
-    shutil.copy2(path, folder / "tokenizer.model")
-    config = {
-        "tokenizer_class": "LlamaTokenizer",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "bos_token": bos,
-        "eos_token": eos,
-        "model_max_length": 1 << 30,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return ["tokenizer.model", "tokenizer_config.json"]
-
-
 def hf_tokenizer_flags(folder: Path) -> tuple[str, str] | None:
     """(--tokenizer-type, --tokenizer-model) for a Hugging Face folder's own tokenizer, if it has one."""
     if (folder / "tokenizer.json").is_file():
@@ -194,31 +145,3 @@ def hf_tokenizer_flags(folder: Path) -> tuple[str, str] | None:
     if (folder / "tokenizer.model").is_file():
         return "SentencePieceTokenizer", str((folder / "tokenizer.model").resolve())
     return None
-
-
-def special_tokens(kind: str, path: Path) -> dict[str, tuple[str, int] | None]:
-    """{'bos'|'eos'|'pad': (token text, id) or None} of an exportable tokenizer, for config.json and
-    generation_config.json."""
-    out: dict[str, tuple[str, int] | None] = dict.fromkeys(("bos", "eos", "pad"))
-    if kind == "sentencepiece":
-        import sentencepiece
-
-        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
-        for key, token_id in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())):
-            if token_id >= 0:
-                out[key] = (sp.id_to_piece(token_id), token_id)
-        return out
-    from tokenizers import Tokenizer
-
-    folder = path if path.is_dir() else path.parent
-    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    config: dict = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        if (folder / name).is_file():
-            config.update(json.loads((folder / name).read_text(encoding="utf-8")))
-    for key in out:
-        value = config.get(f"{key}_token")
-        text = value.get("content") if isinstance(value, dict) else value
-        if text is not None and hf.token_to_id(text) is not None:
-            out[key] = (text, hf.token_to_id(text))
-    return out

@@ -336,6 +336,16 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: list[int]) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
+    def backend_tokenizer(self) -> Any:
+        """A copy of the `tokenizers.Tokenizer` that defines the ids (special tokens added; without its
+        post-processor when the run leaves the post-processor's ids out), for an export."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        copy = HFTokenizer.from_str(self._hf.to_str())
+        if not self._with_specials:
+            copy.post_processor = None
+        return copy
+
 
 class GPT2BPETokenizer(HuggingFaceTokenizer):
     """GPT-2 byte-level BPE from `--vocab-file vocab.json --merge-file merges.txt`; eod = <|endoftext|>."""
@@ -438,6 +448,9 @@ class SentencePieceTokenizer:
         self._keep_spaces = collapses and not ignore_extra_whitespaces
         self.eod = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        self.model_file, self.processor = str(model), self._sp
+        self.special_tokens = dict(self._specials)  # Megatron-LM's legacy special tokens: text → id
+        self.keeps_extra_spaces = self._keep_spaces
         self.backend = "sentencepiece"
         self.identity = {
             "type": type_name,

@@ -1,0 +1,343 @@
+"""The run's tokenizer in an exported Hugging Face folder, id for id, for every `--tokenizer-type` that
+`megatron-jreg train` accepts.
+
+    --tokenizer-type          written as
+    HuggingFaceTokenizer      its files, copied (a run's extra special tokens or no-BOS setting: rebuilt)
+    SentencePieceTokenizer    transformers' own SentencePiece conversion (`TokenizersBackend` from the
+    (GPTSentencePiece, Llama2) model's proto: its normalizer, dummy prefix, byte fallback and merges) as
+                              tokenizer.json, plus the .model as tokenizer.model; text such as "<s>" stays
+                              text (`split_special_tokens`), as in Megatron-LM's SentencePiece wrapper
+    GPT2BPETokenizer          vocab.json + merges.txt as the byte-level BPE tokenizer.json megatron-jreg runs
+    TikTokenizer              transformers' TikTokenConverter over the run's ranks, pattern and special ids
+    NullTokenizer             nothing: the run's text was its ids (give --tokenizer-model)
+
+Every folder gets a pad token (the tokenizer's own, else its end-of-document token, as Llama-3 and most
+Hugging Face causal LMs do) and the model's context length as `model_max_length`. Then the written folder,
+loaded with `AutoTokenizer`, must give the run's ids on a corpus sample (the vendored LAMBADA passages, a
+probe text with accents, CJK, full-width letters and runs of spaces, and the special tokens' own text);
+otherwise the export is refused naming the first difference (`--no-tokenizer` exports the weights alone).
+
+A tokenizer given with --tokenizer-model must also fit the checkpoint: its vocabulary must pad to the
+checkpoint's embedding rows, and its size and end-of-document id must equal the run's (from the run's own
+tokenizer when it is on disk, else from the preprocess manifests of the run's data).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_jreg.convert.hf_io import ConversionError
+from megatron_jreg.data.tokenizers import PROBE_TEXT, SP_TYPES, TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+CHECK_PASSAGES = 200  # LAMBADA passages in the id check (with the probe texts: ~60k tokens, < 1 s)
+# Files a Hugging Face tokenizer folder may hold; copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+_NO_TOKENIZER = "or pass --no-tokenizer to export the weights without a tokenizer"
+
+
+@dataclass
+class TokenizerSource:
+    """A tokenizer by Megatron-LM's flags: `--tokenizer-type`, `--tokenizer-model` (or GPT-2's
+    `--vocab-file`/`--merge-file`) and the run's tokenizer options (`build_tokenizer` keywords)."""
+
+    type: str
+    model: str | None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    options: dict = field(default_factory=dict)
+    where: str = ""  # "--tokenizer-model PATH" or "the run's tokenizer PATH", for messages
+
+    def build(self) -> Tokenizer:
+        try:
+            return build_tokenizer(self.type, self.model, self.vocab_file, self.merge_file, **self.options)
+        except (ValueError, OSError, KeyError) as e:
+            raise ConversionError(f"{self.where}: {e}") from None
+
+
+def _run_type(args) -> str | None:  # noqa: ANN001 - Megatron-LM's args namespace
+    kind = getattr(args, "tokenizer_type", None)
+    return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind  # SFT: an HF tokenizer + prompt format
+
+
+def _run_options(args, tokenizer_type: str) -> dict:  # noqa: ANN001
+    """The `build_tokenizer` options of the run's Megatron-LM tokenizer flags that apply to `tokenizer_type`."""
+    options: dict[str, Any] = {"special_tokens": getattr(args, "special_tokens", None) or None}
+    if tokenizer_type in SP_TYPES:
+        options["sentencepiece_legacy"] = bool(getattr(args, "tokenizer_sentencepiece_legacy", False))
+        options["sentencepiece_ignore_extra_whitespaces"] = bool(
+            getattr(args, "tokenizer_sentencepiece_ignore_extra_whitespaces", True))
+    elif tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        options["include_special_tokens"] = not getattr(args, "tokenizer_hf_no_include_special_tokens", False)
+    elif tokenizer_type == "TikTokenizer":
+        options["tiktoken_pattern"] = getattr(args, "tiktoken_pattern", None) or "v2"
+        options["tiktoken_num_special_tokens"] = int(getattr(args, "tiktoken_num_special_tokens", 1000))
+        options["vocab_size"] = getattr(args, "vocab_size", None)
+    return options
+
+
+def infer_type(path: Path) -> str:
+    """The --tokenizer-type of a tokenizer file or folder, from what it holds."""
+    if (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json":
+        return "HuggingFaceTokenizer"
+    if path.is_file() and path.suffix == ".model":
+        return "SentencePieceTokenizer"
+    if path.is_file() and path.suffix in (".tiktoken", ".json"):
+        return "TikTokenizer"
+    if path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return "GPT2BPETokenizer"
+    raise ConversionError(
+        f"--tokenizer-model {path}: not a tokenizer megatron-jreg can export (a folder with tokenizer.json, a "
+        "SentencePiece .model, a tiktoken .json/.tiktoken, or a folder with vocab.json and merges.txt); name its "
+        f"type with --tokenizer-type, {_NO_TOKENIZER}"
+    )
+
+
+def resolve_source(
+    args, tokenizer_model: str | None, tokenizer_type: str | None, no_tokenizer: bool  # noqa: ANN001
+) -> tuple[TokenizerSource | None, str]:
+    """(the tokenizer to write next to the weights or None, a note), checked before anything is loaded."""
+    if no_tokenizer:
+        if tokenizer_model:
+            raise ConversionError("--no-tokenizer and --tokenizer-model contradict each other: give one of them")
+        return None, "no tokenizer written (--no-tokenizer)"
+    run_type = _run_type(args)
+    if tokenizer_model is None:
+        if run_type in (None, "NullTokenizer"):
+            return None, ("no tokenizer written: the run used NullTokenizer (its text was token ids); give "
+                          "--tokenizer-model with the tokenizer that made those ids")
+        if run_type == "GPT2BPETokenizer":
+            files = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
+            missing = [f for f in files if not f or not Path(f).is_file()]
+            if missing:
+                raise ConversionError(
+                    f"the run's GPT2BPETokenizer files {missing} (recorded in the checkpoint) do not exist: pass "
+                    f"--tokenizer-model DIR with its vocab.json and merges.txt, {_NO_TOKENIZER}")
+            source = TokenizerSource(run_type, None, *files, _run_options(args, run_type), f"the run's {run_type}")
+            return source, f"tokenizer from {files[0]} and {files[1]}"
+        model = getattr(args, "tokenizer_model", None)
+        if not model or not Path(model).exists():
+            raise ConversionError(
+                f"the run's tokenizer {model} ({run_type}, recorded in the checkpoint) does not exist: pass "
+                f"--tokenizer-model with its current location, {_NO_TOKENIZER}")
+        source = TokenizerSource(run_type, model, options=_run_options(args, run_type),
+                                 where=f"the run's tokenizer {model}")
+        return source, f"tokenizer from {model}"
+    path = Path(tokenizer_model)
+    if not path.exists():
+        raise ConversionError(f"--tokenizer-model {path} does not exist: pass an existing tokenizer, {_NO_TOKENIZER}")
+    ttype = tokenizer_type or infer_type(path)
+    if ttype not in TOKENIZER_TYPES or ttype == "NullTokenizer":
+        raise ConversionError(f"--tokenizer-type {ttype}: cannot be written as a Hugging Face tokenizer; export "
+                              f"one of {', '.join(t for t in TOKENIZER_TYPES if t != 'NullTokenizer')}")
+    options = _run_options(args, ttype) if ttype == run_type else {}
+    if ttype == "GPT2BPETokenizer":
+        folder = path if path.is_dir() else path.parent
+        source = TokenizerSource(ttype, None, str(folder / "vocab.json"), str(folder / "merges.txt"), options)
+    else:
+        source = TokenizerSource(ttype, str(path), options=options)
+    source.where = f"--tokenizer-model {path}"
+    return source, f"tokenizer from {path}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Does the tokenizer belong to the checkpoint?
+
+
+def recorded_vocabulary(args) -> tuple[str, int, int | None] | None:  # noqa: ANN001
+    """(what, vocabulary size, end-of-document id) the run recorded: its own tokenizer when it is on disk,
+    else the tokenizer identity in the preprocess manifests of its data, else NullTokenizer's --vocab-size."""
+    run_type = _run_type(args)
+    if run_type == "NullTokenizer":
+        vocab = getattr(args, "vocab_size", None)
+        eod = getattr(args, "null_tokenizer_eod_id", None)  # only an explicit one says anything
+        return ("the run's NullTokenizer (--vocab-size)", int(vocab), eod) if vocab else None
+    try:
+        source, _ = resolve_source(args, None, None, False)
+    except ConversionError:
+        source = None
+    if source is not None:
+        tok = source.build()
+        return f"the run's {run_type} {source.model or source.vocab_file}", tok.vocab_size, tok.eod
+    from megatron_jreg.data.manifest import read_manifest
+    from megatron_jreg.training.data import data_prefixes
+
+    try:
+        prefixes = data_prefixes(args)
+    except Exception:  # noqa: BLE001 - a recorded data path we cannot parse only means no manifest to read
+        prefixes = []
+    for _, prefix in prefixes:
+        identity = (read_manifest(prefix) or {}).get("tokenizer") or {}
+        if isinstance(identity.get("vocab_size"), int):
+            return f"the tokenizer that prepared {prefix} (its manifest)", identity["vocab_size"], identity.get("eod")
+    return None
+
+
+def check_fits_checkpoint(tok: Tokenizer, source: TokenizerSource, args) -> None:  # noqa: ANN001
+    """Refuse, with the numbers, a tokenizer whose vocabulary does not pad to the checkpoint's embedding or
+    whose size or end-of-document id differ from what the run used."""
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    problems = []
+    divisible, tp = int(args.make_vocab_size_divisible_by), int(args.tensor_model_parallel_size)
+    padded = calculate_padded_vocab_size(tok.vocab_size, divisible, tp, logging_enabled=False)
+    if padded != int(args.padded_vocab_size):
+        problems.append(f"its {tok.vocab_size} tokens pad to {padded} embedding rows (multiple of "
+                        f"{divisible} × TP {tp}), the checkpoint has {args.padded_vocab_size}")
+    recorded = None if source.where.startswith("the run's") else recorded_vocabulary(args)
+    if recorded is not None:
+        what, vocab, eod = recorded
+        if vocab != tok.vocab_size:
+            problems.append(f"{tok.vocab_size} tokens, {what} has {vocab}")
+        if eod is not None and tok.eod != eod:
+            problems.append(f"end-of-document id {tok.eod}, {what} has {eod}")
+    if problems:
+        raise ConversionError(
+            f"{source.where} ({source.type}) is not the tokenizer this checkpoint was trained with: "
+            f"{'; '.join(problems)}. Pass the run's tokenizer, {_NO_TOKENIZER}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing it.
+
+
+def _token_text(tok: Tokenizer, token_id: int | None) -> str | None:
+    """The text of one token id (a SentencePiece control piece such as "</s>" decodes to nothing)."""
+    if token_id is None:
+        return None
+    processor = getattr(tok, "processor", None)
+    if processor is not None and token_id < processor.get_piece_size():
+        return processor.id_to_piece(token_id)
+    return tok.detokenize([token_id]) or None
+
+
+def _save_fast(backend: Any, folder: Path, specials: dict[str, str | None], context_length: int,
+               extra: dict | None = None) -> None:
+    """A `tokenizers.Tokenizer` saved as a transformers fast tokenizer folder. The class is written as
+    `PreTrainedTokenizerFast`, which transformers 4.x and 5.x (where it is `TokenizersBackend`) both load."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=context_length,
+                                   **{f"{k}_token": v for k, v in specials.items() if v is not None})
+    fast.save_pretrained(str(folder))
+    _patch_config(folder, {"tokenizer_class": "PreTrainedTokenizerFast", **(extra or {})})
+
+
+def _patch_config(folder: Path, updates: dict) -> None:
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    config.update(updates)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _sentencepiece(tok: Any, folder: Path, context_length: int) -> None:
+    """transformers' SentencePiece conversion, as `AutoTokenizer` does it for a folder holding only a .model."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    sp = tok.processor
+    piece = {k: sp.id_to_piece(i) if i >= 0 else None
+             for k, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()), ("pad", sp.pad_id()))}
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(tok.model_file, Path(tmp) / "tokenizer.model")
+        fast = TokenizersBackend.from_pretrained(tmp, local_files_only=True)
+    if tok.special_tokens:  # Megatron-LM's legacy special tokens: those the model lacks get the next ids
+        fast.add_tokens(list(tok.special_tokens), special_tokens=True)
+    specials = {**piece, "pad": piece["pad"] or piece["eos"]}
+    _save_fast(fast.backend_tokenizer, folder, specials, context_length,
+               {} if tok.special_tokens else {"split_special_tokens": True})
+    shutil.copy(tok.model_file, folder / "tokenizer.model")  # for readers that want the SentencePiece model
+
+
+def _tiktoken_backend(encoding: Any) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` for a tiktoken encoding (transformers' TikTokenConverter),
+    with the encoding's special tokens at their own ids."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class _EncodingConverter(TikTokenConverter):
+        def load_tiktoken_bpe(self, _url: str) -> dict[bytes, int]:
+            return encoding._mergeable_ranks
+
+        def extract_vocab_merges_from_model(self, url: str):
+            vocab, merges = super().extract_vocab_merges_from_model(url)
+            vocab.update(encoding._special_tokens)  # existing ids are kept when the specials are added
+            return vocab, merges
+
+    converter = _EncodingConverter(pattern=encoding._pat_str, extra_special_tokens=list(encoding._special_tokens))
+    return converter.converted()
+
+
+def write_tokenizer(tok: Tokenizer, source: TokenizerSource, folder: Path, context_length: int) -> list[str]:
+    """Write `tok` (built from `source`) into the export folder as a Hugging Face tokenizer; the files written."""
+    before = {p.name for p in folder.iterdir()}
+    eos = _token_text(tok, tok.eod)
+    pad = _token_text(tok, tok.pad) or eos
+    default = not source.options.get("special_tokens") and source.options.get("include_special_tokens", True)
+    if source.type == "HuggingFaceTokenizer" and default:
+        path = Path(source.model)
+        origin = path if path.is_dir() else path.parent
+        for name in TOKENIZER_FILES:
+            if (origin / name).is_file():
+                shutil.copy2(origin / name, folder / name)
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) if (
+            folder / "tokenizer_config.json").is_file() else {}
+        updates: dict[str, Any] = {"model_max_length": context_length}
+        if not config.get("pad_token") and pad:
+            updates["pad_token"] = pad
+        if not config.get("eos_token") and eos:
+            updates["eos_token"] = eos
+        _patch_config(folder, updates)
+    elif source.type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        _save_fast(tok.backend_tokenizer(), folder, {"eos": eos, "pad": pad}, context_length)
+    elif source.type in SP_TYPES:
+        _sentencepiece(tok, folder, context_length)
+    elif source.type == "TikTokenizer":
+        _save_fast(_tiktoken_backend(tok.encoding), folder, {"eos": eos, "pad": pad}, context_length)
+    else:
+        raise ConversionError(f"{source.where}: {source.type} cannot be written as a Hugging Face tokenizer")
+    return sorted({p.name for p in folder.iterdir()} - before)
+
+
+def check_texts(tok: Tokenizer) -> list[str]:
+    """The corpus sample of the id check: a probe text, each special token's text inside a sentence (as
+    text, Megatron-LM's SentencePiece reads it literally; other tokenizers read it as the special id), and
+    the first CHECK_PASSAGES vendored LAMBADA passages."""
+    from megatron_jreg.data.text import lambada_passages
+
+    specials = {_token_text(tok, i) for i in (tok.eod, tok.pad) if i is not None}
+    specials |= set(getattr(tok, "special_tokens", {}) or {})
+    probes = [f"before{t}after and {t} {t}" for t in sorted(s for s in specials if s)]
+    return [PROBE_TEXT, *probes, *lambada_passages()[:CHECK_PASSAGES]]
+
+
+def check_written(tok: Tokenizer, source: TokenizerSource, folder: Path, vocab_size: int) -> Any:
+    """The written tokenizer, loaded by transformers from `folder`, must give `tok`'s ids on `check_texts`
+    and fit the model's `vocab_size` embedding rows; returns the loaded tokenizer."""
+    from transformers import AutoTokenizer
+
+    if tok.vocab_size > vocab_size:
+        raise ConversionError(
+            f"{source.where} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}: ids past the "
+            f"embedding would be undefined; pass the tokenizer the model was trained with, {_NO_TOKENIZER}")
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{source.where}: transformers cannot load the tokenizer written from it ({e}); "
+                              f"{_NO_TOKENIZER}") from None
+    texts = check_texts(tok)
+    for n, text in enumerate(texts):
+        expected, got = tok.tokenize(text), list(theirs(text, verbose=False)["input_ids"])
+        if got != expected:
+            at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+            raise ConversionError(
+                f"{source.where} ({source.type}), as transformers loads it from the exported folder, gives other "
+                f"ids than the run's tokenizer on sample {n} of the id check (token {at}: {got[at:at + 3]} instead "
+                f"of {expected[at:at + 3]}; e.g. a Megatron-LM tokenizer option transformers cannot reproduce); "
+                f"{_NO_TOKENIZER}")
+    return theirs
