@@ -2,8 +2,8 @@
 
 The model is read from the checkpoint's own saved `args` (megatron_jreg/checkpoints), loaded into one
 TP=1/PP=1 GPTModel (dist_checkpointing reshards any saved layout), mapped to LlamaForCausalLM tensors,
-written with config.json, generation_config.json, sharded safetensors + index and the tokenizer into a
-temporary folder, checked by logits, then renamed.
+written with config.json, generation_config.json, sharded safetensors + index and the tokenizer (converted
+and checked id for id by convert/tokenizer.py) into a temporary folder, checked by logits, then renamed.
 """
 
 from __future__ import annotations
@@ -78,16 +78,16 @@ def mcore_to_hf(
     max_bytes = hf_io.parse_size(max_shard_size)
 
     with staged_output(Path(output)) as tmp:
-        loaded = load_megatron_model(ckpt_dir, iteration, torch.float32, load_tokenizer=False, verify=False)
         vocab_size, vocab_note = _true_vocab_size(tok, args)
         note = "; ".join(n for n in (note, vocab_note) if n)
         model_cfg = llama.LlamaArch.from_args(args, vocab_size)
         files = []
         ids: dict[str, int | None] = dict.fromkeys(("bos", "eos", "pad"))
-        if tok is not None:
+        if tok is not None:  # written and checked id for id before the weights are loaded
             files += tokenizer.write_tokenizer(tok, source, tmp, model_cfg.max_position_embeddings)
             written = tokenizer.check_written(tok, source, tmp, vocab_size)
             ids = {"bos": written.bos_token_id, "eos": written.eos_token_id, "pad": written.pad_token_id}
+        loaded = load_megatron_model(ckpt_dir, iteration, torch.float32, load_tokenizer=False, verify=False)
         tensors = {k: v.to(out_dtype) for k, v in llama.megatron_to_hf(loaded.model.state_dict(), model_cfg).items()}
         files += _write_config(tmp, model_cfg, ids, out_dtype)
         files += hf_io.write_safetensors(tensors, tmp, max_bytes)
@@ -97,6 +97,7 @@ def mcore_to_hf(
         if run:
             device = next(loaded.model.parameters()).device
             tokens = probe_tokens(vocab_size, model_cfg.seq_length)
+
             def reference(t: torch.Tensor) -> torch.Tensor:
                 return loaded.logits(t)[..., :vocab_size]  # the run's args may know only the padded size
 

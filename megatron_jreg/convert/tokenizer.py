@@ -151,21 +151,24 @@ def resolve_source(
 # Does the tokenizer belong to the checkpoint?
 
 
-def recorded_vocabulary(args) -> tuple[str, int, int | None] | None:  # noqa: ANN001
-    """(what, vocabulary size, end-of-document id) the run recorded: its own tokenizer when it is on disk,
-    else the tokenizer identity in the preprocess manifests of its data, else NullTokenizer's --vocab-size."""
+def recorded_vocabulary(args) -> tuple[str, int, int | None, int | None] | None:  # noqa: ANN001
+    """(what, vocabulary size, end-of-document id, pad id) the run recorded: its own tokenizer when it is on
+    disk, else the tokenizer identity in the preprocess manifests of its data, else NullTokenizer's flags."""
     run_type = _run_type(args)
     if run_type == "NullTokenizer":
         vocab = getattr(args, "vocab_size", None)
-        eod = getattr(args, "null_tokenizer_eod_id", None)  # only an explicit one says anything
-        return ("the run's NullTokenizer (--vocab-size)", int(vocab), eod) if vocab else None
+        eod = getattr(args, "null_tokenizer_eod_id", None)  # only explicit ones say anything
+        pad = getattr(args, "null_tokenizer_pad_id", -1)
+        if not vocab:
+            return None
+        return "the run's NullTokenizer (--vocab-size)", int(vocab), eod, None if pad in (None, -1) else pad
     try:
         source, _ = resolve_source(args, None, None, False)
     except ConversionError:
         source = None
     if source is not None:
         tok = source.build()
-        return f"the run's {run_type} {source.model or source.vocab_file}", tok.vocab_size, tok.eod
+        return f"the run's {run_type} {source.model or source.vocab_file}", tok.vocab_size, tok.eod, tok.pad
     from megatron_jreg.data.manifest import read_manifest
     from megatron_jreg.training.data import data_prefixes
 
@@ -176,7 +179,8 @@ def recorded_vocabulary(args) -> tuple[str, int, int | None] | None:  # noqa: AN
     for _, prefix in prefixes:
         identity = (read_manifest(prefix) or {}).get("tokenizer") or {}
         if isinstance(identity.get("vocab_size"), int):
-            return f"the tokenizer that prepared {prefix} (its manifest)", identity["vocab_size"], identity.get("eod")
+            what = f"the tokenizer that prepared {prefix} (its manifest)"
+            return what, identity["vocab_size"], identity.get("eod"), identity.get("pad")
     return None
 
 
@@ -193,11 +197,13 @@ def check_fits_checkpoint(tok: Tokenizer, source: TokenizerSource, args) -> None
                         f"{divisible} × TP {tp}), the checkpoint has {args.padded_vocab_size}")
     recorded = None if source.where.startswith("the run's") else recorded_vocabulary(args)
     if recorded is not None:
-        what, vocab, eod = recorded
+        what, vocab, eod, pad = recorded
         if vocab != tok.vocab_size:
             problems.append(f"{tok.vocab_size} tokens, {what} has {vocab}")
         if eod is not None and tok.eod != eod:
             problems.append(f"end-of-document id {tok.eod}, {what} has {eod}")
+        if pad is not None and tok.pad is not None and tok.pad != pad:
+            problems.append(f"pad id {tok.pad}, {what} has {pad}")
     if problems:
         raise ConversionError(
             f"{source.where} ({source.type}) is not the tokenizer this checkpoint was trained with: "
@@ -239,8 +245,11 @@ def _patch_config(folder: Path, updates: dict) -> None:
 
 def _sentencepiece(tok: Any, folder: Path, context_length: int) -> None:
     """transformers' SentencePiece conversion, as `AutoTokenizer` does it for a folder holding only a .model."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # transformers 4.x converts SentencePiece models through LlamaTokenizer's rules only
+        raise ConversionError("converting a SentencePiece model exactly needs transformers >= 5 (TokenizersBackend); "
+                              f"upgrade it, {_NO_TOKENIZER}") from None
     sp = tok.processor
     piece = {k: sp.id_to_piece(i) if i >= 0 else None
              for k, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()), ("pad", sp.pad_id()))}
