@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="read Llama-family safetensors one decoder layer at a time (memory: one layer + the samples' "
+        help="read the safetensors one decoder layer at a time, any family (memory: one layer + the samples' "
         "hidden states); default: stream only when the weights do not fit in free memory",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

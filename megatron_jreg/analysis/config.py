@@ -47,7 +47,7 @@ class AnalyzeConfig:
     """--tokenizer: a tokenizer folder for models that carry none (a GGUF file without vocabulary)."""
     padding_side: str = "right"
     stream: bool | None = None
-    """--stream / --no-stream: layer-by-layer from safetensors (Llama family), or in memory; None: stream
+    """--stream / --no-stream: layer-by-layer from safetensors (any family), or in memory; None: stream
     only the models whose weights do not fit in free memory (`stream_source.should_stream`)."""
     progress: bool = True
 
