@@ -1,6 +1,6 @@
 """Peak memory and speed of layer streaming (`analyze --stream`) against the in-memory analysis, same model.
 
-    python benchmarks/analyze_stream.py [--model DIR] [--num-samples 16] [--batch-size 8] [--threads 1]
+    python benchmarks/analyze_stream.py [--model DIR | --family llama|mixtral] [--num-samples 16] [--batch-size 8]
 
 Both variants measure Ψ of the same safetensors folder on the same LAMBADA passages, each in a fresh
 process (so neither inherits the other's allocations), timed from loading the model (in memory) or
@@ -10,9 +10,11 @@ reading the first layer (streamed) to the last Ψ:
 
 Memory is the process's peak resident set (VmHWM; `megatron_jreg.analysis.memory.PeakMemory`), shown
 whole and above the level after importing the model's modeling code (~160 MiB of Python modules for a
-Llama in transformers 5, paid by both variants). Without --model, a random 12-layer Llama
-(hidden 1024, FFN 2816, 16 heads / 4 KV heads, vocabulary 8192; ~606 MiB of fp32 weights) is built
-and saved here, big enough for the weights to dominate the in-memory peak.
+Llama in transformers 5, paid by both variants). Without --model, a random model is built and saved here,
+big enough for the weights to dominate the in-memory peak: `--family llama` (default) a 12-layer Llama
+(hidden 1024, FFN 2816, 16 heads / 4 KV heads, vocabulary 8192; ~580 MiB of fp32 weights); `--family
+mixtral` an 8-layer Mixtral (hidden 512, 8 experts of FFN 1408, top-2; ~570 MiB), whose per-expert tensors
+stream through transformers' own expert fusion.
 
 The last line is `rss_ratio=<streamed peak above imports ÷ in-memory peak above imports>
 speed_ratio=<streamed tok/s ÷ in-memory tok/s> psi_max_abs_diff=<largest |ΔΨ_ℓ|>`.
@@ -37,13 +39,21 @@ from megatron_jreg.data.text import lambada_passages
 VARIANTS = ("in_memory", "streamed")
 
 
-def build_default_model(folder: Path) -> Path:
-    from megatron_jreg.analysis.toy import save_random_llama
+def build_default_model(folder: Path, family: str) -> Path:
+    from megatron_jreg.analysis.toy import save_random_llama, save_random_model, train_tokenizer
 
     texts = lambada_passages()[1000:3000]  # not among the measured samples
-    return save_random_llama(
-        folder, texts, layers=12, hidden=1024, ffn=2816, heads=16, kv_heads=4, vocab=8192, tied=False
-    )
+    if family == "llama":
+        return save_random_llama(
+            folder, texts, layers=12, hidden=1024, ffn=2816, heads=16, kv_heads=4, vocab=8192, tied=False
+        )
+    from transformers import MixtralConfig
+
+    tokenizer = train_tokenizer(texts, vocab_size=8192)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    return save_random_model(config, folder, tokenizer)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -72,7 +82,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="Llama-family HF folder with safetensors (default: a random one)")
+    p.add_argument("--model", type=Path, help="HF folder with safetensors (default: a random one of --family)")
+    p.add_argument("--family", choices=("llama", "mixtral"), default="llama", help="the random model's family")
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=512)
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or build_default_model(Path(tmp) / "llama")
+        model = args.model or build_default_model(Path(tmp) / args.family, args.family)
         weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
         common = ["--model", str(model), "--num-samples", str(args.num_samples), "--batch-size", str(args.batch_size),
                   "--max-length", str(args.max_length), "--threads", str(args.threads)]  # fmt: skip
@@ -99,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
 
     mib = 2**20
-    name = str(model) if args.model else "random Llama L=12 h=1024 FFN=2816 V=8192"
+    name = str(model) if args.model else {"llama": "random Llama L=12 h=1024 FFN=2816 V=8192",
+                                          "mixtral": "random Mixtral L=8 h=512 8x FFN=1408 top-2 V=8192"}[args.family]
     print(f"model={name} ({weights / mib:.0f} MiB of safetensors) device=cpu threads={args.threads} "
           f"samples={args.num_samples} batch={args.batch_size}")  # fmt: skip
     for r in results.values():
