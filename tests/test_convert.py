@@ -38,12 +38,10 @@ TRAIN = (
 # TP=2: grouped-query attention, untied output layer, float32, the Hugging Face tokenizer of the fixture
 # (300 tokens: padded to 512 at TP=2, 384 at TP=1).
 TP2 = ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2"]
-# PP=2: multi-head attention, tied embeddings (Megatron-LM's default), bf16, no tokenizer (NullTokenizer),
-# vocabulary 384 (a multiple of 128: no padding).
-PP2 = ["--num-query-groups", "4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "384",
-       "--pipeline-model-parallel-size", "2", "--bf16"]
-# SP: the SentencePiece model of `train-tokenizer`'s default kind (384 pieces, eod 2), two data-parallel ranks.
-SP = ["--num-query-groups", "2", "--tokenizer-type", "SentencePieceTokenizer"]
+# PP=2: multi-head attention, tied embeddings (Megatron-LM's default), bf16, the SentencePiece model of
+# `train-tokenizer`'s default kind (384 pieces, eod 2: a multiple of 128, no padding).
+PP2 = ["--num-query-groups", "4", "--tokenizer-type", "SentencePieceTokenizer", "--pipeline-model-parallel-size", "2",
+       "--bf16"]
 
 
 # ---------------------------------------------------------------------------------------------- in ranks
@@ -74,9 +72,9 @@ def train(argv: list[str]) -> tuple[int, str, str]:
 def training_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: str) -> dict:
     tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer]
     tp2 = train(TRAIN + TP2 + tok + ["--save", f"{tmp}/tp2", "--metrics-file", f"{tmp}/tp2.jsonl"])
-    pp2 = train(TRAIN + PP2 + ["--save", f"{tmp}/pp2", "--metrics-file", f"{tmp}/pp2.jsonl"])
-    sp = train(TRAIN + SP + ["--tokenizer-model", sp_model, "--save", f"{tmp}/sp", "--metrics-file", f"{tmp}/sp.jsonl"])
-    return {"tp2": (tp2[0], tp2[2]), "pp2": (pp2[0], pp2[2]), "sp": (sp[0], sp[2])}
+    sp = ["--tokenizer-model", sp_model]
+    pp2 = train(TRAIN + PP2 + sp + ["--save", f"{tmp}/pp2", "--metrics-file", f"{tmp}/pp2.jsonl"])
+    return {"tp2": (tp2[0], tp2[2]), "pp2": (pp2[0], pp2[2])}
 
 
 def _hf_models(tmp: Path, tokenizer: str) -> None:
@@ -175,10 +173,9 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
     exports = {
         "hf_tp2": ["--load", f"{tmp}/tp2"],  # float32 run → float32, tokenizer from the run
         "hf_tp2_bf16": ["--load", f"{tmp}/tp2", "--dtype", "bfloat16"],  # rounds float32 weights
-        "hf_pp2": ["--load", f"{tmp}/pp2", "--max-shard-size", "40KB"],  # bf16 run → bf16, several shards
+        "hf_pp2": ["--load", f"{tmp}/pp2", "--max-shard-size", "40KB"],  # bf16 run → bf16, several shards; its
+        # SentencePiece model through transformers' own conversion
         "hf_pp2_fp32": ["--load", f"{tmp}/pp2", "--dtype", "float32"],
-        "hf_sp": ["--load", f"{tmp}/sp"],  # SentencePiece run → transformers' conversion of its .model
-        "hf_pp2_sp": ["--load", f"{tmp}/pp2", "--tokenizer-model", sp_model],  # NullTokenizer run + the 384-piece model
         "hf_tp2_no_tokenizer": ["--load", f"{tmp}/tp2", "--no-tokenizer"],
     }
     for name, argv in exports.items():
@@ -197,7 +194,7 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
     cases["layernorm_ckpt"] = ["mcore-to-hf", "--load", str(refuse["layernorm_ckpt"])]
     cases["tp3"] = ["hf-to-mcore", "--hf", f"{tmp}/native_tied", "--tensor-model-parallel-size", "3"]
     cases["verify_fails"] = ["mcore-to-hf", "--load", f"{tmp}/tp2", "--dtype", "bfloat16", "--verify-threshold", "1e-9"]
-    cases["wrong_tokenizer"] = ["mcore-to-hf", "--load", f"{tmp}/sp", "--tokenizer-model", tokenizer]
+    cases["wrong_tokenizer"] = ["mcore-to-hf", "--load", f"{tmp}/pp2", "--tokenizer-model", tokenizer]
     cases["tokenizer_too_big"] = ["mcore-to-hf", "--load", f"{tmp}/mc_native_bin", "--tokenizer-model", sp_model]
     for name, argv in cases.items():
         out["refuse"][name] = convert([*argv, "--output", f"{tmp}/refused_{name}"])
@@ -222,10 +219,10 @@ def _sp_logits(tmp: Path) -> dict:
     from megatron_jreg.checkpoints.model import load_megatron_model
 
     text = WIKITEXT.read_text(encoding="utf-8")[20000:20400]
-    hf_tok = AutoTokenizer.from_pretrained(str(tmp / "hf_sp"), local_files_only=True)
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp / "hf_pp2"), local_files_only=True)
     ids = hf_tok(text, return_tensors="pt")["input_ids"][:, :32]
-    model = AutoModelForCausalLM.from_pretrained(str(tmp / "hf_sp"), dtype=torch.float32, local_files_only=True)
-    ours = load_megatron_model(tmp / "sp")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp / "hf_pp2"), dtype=torch.float32, local_files_only=True)
+    ours = load_megatron_model(tmp / "pp2")
     with torch.no_grad():
         diff = float((model(input_ids=ids).logits - ours.logits(ids)).abs().max())
     return {"ids_equal": ids[0].tolist() == ours.tokenizer.tokenize(text)[:32], "diff": diff,
@@ -342,7 +339,7 @@ def _first_validation(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("name", ["hf_tp2", "hf_pp2", "hf_pp2_fp32", "hf_sp", "hf_pp2_sp", "hf_tp2_no_tokenizer"])
+@pytest.mark.parametrize("name", ["hf_tp2", "hf_pp2", "hf_pp2_fp32", "hf_tp2_no_tokenizer"])
 def test_export_matches_megatron_logits(runs, name):
     """Exports that keep the weights exact reproduce megatron's logits to float32 precision."""
     diff = _diff(runs["converted"]["export"][name])
@@ -369,7 +366,8 @@ def test_export_writes_llama_config_shards_and_tokenizer(runs):
     assert config["tie_word_embeddings"] is False and config["eos_token_id"] == 0  # <|endoftext|>
     assert config["rms_norm_eps"] == 1e-5 and config["max_position_embeddings"] == 32
     assert json.loads((tmp / "hf_tp2" / "generation_config.json").read_text())["eos_token_id"] == 0
-    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"):
+    # under --max-shard-size (5GB) one model.safetensors, as save_pretrained writes it
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         assert (tmp / "hf_tp2" / name).is_file(), name
     pp2 = json.loads((tmp / "hf_pp2" / "config.json").read_text())
     assert pp2["tie_word_embeddings"] is True and pp2["num_key_value_heads"] == 4 and pp2["dtype"] == "bfloat16"
@@ -386,16 +384,17 @@ def test_export_writes_llama_config_shards_and_tokenizer(runs):
 
 
 def test_sentencepiece_run_exports_and_loads_in_transformers_with_equal_logits(runs):
-    """The default `train-tokenizer` kind: the export carries transformers' conversion of the .model, whose ids
-    equal the run's on a WikiText passage, and the exported model gives the checkpoint's logits on them."""
+    """The default `train-tokenizer` kind (the PP=2 run): the export carries transformers' conversion of the
+    .model, whose ids equal the run's on a WikiText passage, and the exported model gives the checkpoint's
+    logits on them."""
     sp = runs["converted"]["sp_logits"]
     assert sp["ids_equal"] and sp["diff"] < FP32
     assert (sp["eos"], sp["pad"], sp["max_length"]) == (2, 2, 32)
-    config = json.loads((runs["tmp"] / "hf_sp" / "config.json").read_text())
+    config = json.loads((runs["tmp"] / "hf_pp2" / "config.json").read_text())
     assert config["vocab_size"] == 384 and config["eos_token_id"] == 2 and config["bos_token_id"] == 1
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        assert (runs["tmp"] / "hf_sp" / name).is_file(), name
-    print(f"hf_sp: logits diff through AutoTokenizer ids {sp['diff']:.3e}")
+        assert (runs["tmp"] / "hf_pp2" / name).is_file(), name
+    print(f"hf_pp2: logits diff through AutoTokenizer ids {sp['diff']:.3e}")
 
 
 @pytest.mark.parametrize("name,source", [

@@ -1,5 +1,5 @@
-"""Hugging Face folders on disk: read config and weights without running pickled code, write sharded
-safetensors with their index (the tokenizer: convert/tokenizer.py).
+"""Hugging Face folders on disk: read config and weights without running pickled code, write safetensors
+sharded by huggingface_hub as `save_pretrained` does (the tokenizer: convert/tokenizer.py).
 
 Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_model*.bin` through
 `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
@@ -94,38 +94,19 @@ def _load_failure(e: BaseException) -> str:
     return (named or (lines[0] if lines else type(e).__name__))[:200]
 
 
-def shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Split tensors, in order, into groups of at most `max_shard_bytes` (a larger tensor gets its own)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
-    """Write `model-0000i-of-0000n.safetensors` shards and `model.safetensors.index.json`; the file names."""
-    from safetensors.torch import save_file
+    """Write the weights as transformers' `save_pretrained` does (huggingface_hub's own sharding): one
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (a larger
+    tensor gets its own) with `model.safetensors.index.json`; the file names written."""
+    from huggingface_hub import save_torch_state_dict
 
-    groups = shard(tensors, max_shard_bytes)
+    save_torch_state_dict(tensors, folder, max_shard_size=max_shard_bytes)
     umask = os.umask(0)
     os.umask(umask)
-    weight_map, names = {}, []
-    for i, group in enumerate(groups, 1):
-        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file(group, str(folder / name), metadata={"format": "pt"})
+    names = sorted(p.name for p in folder.glob("model*.safetensors"))
+    for name in names:
         os.chmod(folder / name, 0o666 & ~umask)  # safetensors creates 0600 files; readable like the rest
-        weight_map.update(dict.fromkeys(group, name))
-        names.append(name)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return names
+    return names + ([SAFETENSORS_INDEX] if (folder / SAFETENSORS_INDEX).is_file() else [])
 
 
 def parse_size(text: str) -> int:
