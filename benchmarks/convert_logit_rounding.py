@@ -14,6 +14,7 @@ fixed_1e-4_fails=<points above the old fixed threshold>`.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logit-scale", type=float, nargs="+", default=[1.0, 100.0])
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    logging.disable(logging.WARNING)  # megatron-core's deprecation and CPU notes, on stdout
     ratios, over = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:
