@@ -212,3 +212,23 @@ def test_reserved_special_tokens_stay_inside_the_vocabulary(tmp_path, kind):
     for special in ("<|pad|>", "<|user|>"):
         ids = [i for i in tok.tokenize(f"a {special} b") if tok.detokenize([i]).strip() == special]
         assert len(ids) == 1 and ids[0] < 600
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_split_special_tokens_in_the_folders_config_is_honoured_as_transformers_does(hf_bpe, tmp_path, split):
+    """A SentencePiece model exported to Hugging Face keeps a literal "</s>" as text (split_special_tokens:
+    true); AutoTokenizer, hence Megatron-LM's HuggingFaceTokenizer, honours it, and so must we."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(hf_bpe, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": split}))
+    reference = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    ours = HuggingFaceTokenizer(folder)
+    for text in TRICKY:
+        assert ours.tokenize(text) == reference.encode(text, add_special_tokens=False), (split, text)
+    special = "before<|endoftext|>after"
+    assert (ours.eod in ours.tokenize(special)) is not split

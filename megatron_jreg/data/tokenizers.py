@@ -265,10 +265,14 @@ class HuggingFaceTokenizer:
             )
         config = tokenizer_config(json_path.parent)
         eos = _special_token(config.get("eos_token")) or _special_token(config.get("sep_token"))
+        # transformers' split_special_tokens (AutoTokenizer, so Megatron-LM's HuggingFaceTokenizer, honours it):
+        # special-token text in a document stays text, as SentencePiece leaves a literal "</s>"
+        split = config.get("split_special_tokens") is True
         try:
             text = json_path.read_text(encoding="utf-8")
             self._setup(
-                text, eos, _special_token(config.get("pad_token")), threads, special_tokens, include_special_tokens
+                text, eos, _special_token(config.get("pad_token")), threads, special_tokens, include_special_tokens,
+                split,
             )
         except Exception as e:  # not UTF-8, not JSON, or rejected by the `tokenizers` library
             raise ValueError(
@@ -282,6 +286,7 @@ class HuggingFaceTokenizer:
             "vocab_size": self.vocab_size,
             "eod": self.eod,
             **_options_identity(special_tokens=special_tokens, include_special_tokens=include_special_tokens),
+            **({"split_special_tokens": True} if split else {}),
         }
 
     def _setup(
@@ -292,11 +297,13 @@ class HuggingFaceTokenizer:
         threads: int,
         special_tokens: list[str] | None = None,
         include_special_tokens: bool = True,
+        split_special_tokens: bool = False,
     ) -> None:
         """The `tokenizers` object and, when it converts exactly, the tiktoken engine.
 
         `special_tokens` are added as transformers' `add_special_tokens` adds them (new ones get the next
-        ids); without `include_special_tokens` the post-processor's ids (e.g. a BOS) are left out.
+        ids); without `include_special_tokens` the post-processor's ids (e.g. a BOS) are left out;
+        `split_special_tokens` encodes special-token text as text (transformers' option of that name).
         """
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
@@ -305,6 +312,7 @@ class HuggingFaceTokenizer:
         if special_tokens:
             self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
             tokenizer_json = self._hf.to_str()
+        self._hf.encode_special_tokens = split_special_tokens
         self._with_specials = include_special_tokens
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self.eod = self._hf.token_to_id(eos) if eos else None
@@ -314,6 +322,8 @@ class HuggingFaceTokenizer:
         self.backend = (
             f"tokenizers (no exact tiktoken conversion: {plan})" if isinstance(plan, str) else "tiktoken"
         )
+        if split_special_tokens and not isinstance(plan, str):
+            plan, self.backend = "split_special_tokens", "tokenizers (split_special_tokens: tiktoken not used)"
         if not isinstance(plan, str):
             if not include_special_tokens:
                 plan.prefix, plan.suffix = [], []
