@@ -172,7 +172,8 @@ def plan_gguf(path: Path, where: str) -> GgufPlan:
     values = _fields(reader)
     arch = str(values.get("general.architecture", ""))
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                            trust_remote_code=False)
     except (ValueError, KeyError, OSError, TypeError) as e:
         raise AnalysisError(f"{where}: transformers cannot read the GGUF metadata of architecture {arch!r} "
                             f"({str(e).splitlines()[0][:200]})") from None

@@ -299,6 +299,6 @@ def _config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise AnalysisError(f"--model {folder}: transformers cannot read its config.json ({one_line(e)})") from None

@@ -255,7 +255,7 @@ def _sentencepiece(tok: Any, folder: Path, context_length: int) -> None:
              for k, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()), ("pad", sp.pad_id()))}
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(tok.model_file, Path(tmp) / "tokenizer.model")
-        fast = TokenizersBackend.from_pretrained(tmp, local_files_only=True)
+        fast = TokenizersBackend.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
     if tok.special_tokens:  # Megatron-LM's legacy special tokens: those the model lacks get the next ids
         fast.add_tokens(list(tok.special_tokens), special_tokens=True)
     specials = {**piece, "pad": piece["pad"] or piece["eos"]}
@@ -335,7 +335,7 @@ def check_written(tok: Tokenizer, source: TokenizerSource, folder: Path, vocab_s
             f"{source.where} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}: ids past the "
             f"embedding would be undefined; pass the tokenizer the model was trained with, {_NO_TOKENIZER}")
     try:
-        theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConversionError(f"{source.where}: transformers cannot load the tokenizer written from it ({e}); "
                               f"{_NO_TOKENIZER}") from None
