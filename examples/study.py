@@ -462,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-seeds", type=int, help=f"seeds fine-tuned in the SFT analogue (default {d.sft_seeds})")
     p.add_argument("--report", type=Path, help="write the report here, plots beside it (default OUTPUT/report.md)")
     p.add_argument("--report-only", action="store_true", help="no training: report from what is there")
+    p.add_argument("--runs", nargs="+", metavar="ARM/seed-S",
+                   help="train and measure only these runs and the runs they start from (an SFT run's "
+                        "pretrained model), e.g. to complete a committed study: `study_report.py --merge` then "
+                        "adds them to its raw files")
     p.add_argument("--_post", type=Path, help=argparse.SUPPRESS)
     return p
 
@@ -491,6 +495,17 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
     return cfg
 
 
+def select_runs(pretrain: list[Run], sft: list[Run], names: list[str]) -> tuple[list[Run], list[Run]]:
+    """The named runs and their parents (--runs); an unknown name is refused with the known ones."""
+    known = {r.name: r for r in pretrain + sft}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"study.py: error: --runs {' '.join(unknown)}: no such run in this study's settings "
+                         f"(known: {', '.join(known)})")
+    chosen = {n for n in names} | {known[n].parent.name for n in names if known[n].parent is not None}
+    return [r for r in pretrain if r.name in chosen], [r for r in sft if r.name in chosen]
+
+
 def gate_result(cfg: StudyConfig, pilot: Run) -> dict:
     """The pilot gate, from baseline-small seed 1's final held-out ζ_L (written to gate.json)."""
     measures = json.loads((pilot.dir / "measures.json").read_text())
@@ -511,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     report = (args.report or cfg.output / "report.md").resolve()
     pretrain = pretrain_runs(cfg)
     sft = sft_runs(cfg, pretrain)
+    if args.runs:
+        pretrain, sft = select_runs(pretrain, sft, args.runs)
     argv_used = [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
     code = {**git_state(), "argv": argv_used}
     if args.report_only:
@@ -551,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed += execute(cfg, todo, data, code)
             if failed:
                 break
-            if phase == "pilot":
+            if phase == "pilot" and len(pilot) == 2:
                 gate = gate_result(cfg, pilot[1])
                 verdict = "passed" if gate["passed"] else ("failed, ignored (--ignore-gate)" if gate["ignored"]
                                                            else "failed")
