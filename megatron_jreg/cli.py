@@ -1,13 +1,13 @@
 """`megatron-jreg <command> [flags]`: one console script over the library's entry points.
 
 Each command is a `main(argv) -> int` imported lazily, so `megatron-jreg compare` does not pay for
-importing megatron-core. Each command's `--help` ends with one example (`example()`); exit status 2 is a
-usage or input error in every command.
+importing megatron-core. Each command's `--help` ends with one example
+(`megatron_jreg.usage.example`); exit status 2 is a usage or input error in every command
+(`megatron_jreg.errors`).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -24,12 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megatron_jreg.generate.cli", "chat answers to MT-bench-format questions, for FastChat's judge"),
     "lm-eval": ("megatron_jreg.evaluate.lm_eval_model", "lm-eval's own CLI with --model megatron-jreg registered"),
 }
-
-
-def example(command: str) -> dict:
-    """argparse keyword arguments for a parser whose help ends with `command` as an example, printed as
-    written (line breaks kept)."""
-    return {"epilog": f"example:\n  {command}", "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def version() -> str:

@@ -20,31 +20,23 @@ such a folder instead, naming the keys.
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from megatron_jreg.errors import IncompleteWeightsError, ModelFileError
+from megatron_jreg.model_files import check_model_folder
 
 _HASH = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SHOWN_KEYS = 3  # keys named in an error line before "... and N more"
 
 
-class ModelFileError(ValueError):
-    """A model on disk that cannot be used as it is; the message is one line naming the path and the fix."""
-
-
 class HubError(ModelFileError):
     """A model that is neither a local path nor in the Hugging Face cache; the message says where we looked."""
-
-
-class IncompleteWeightsError(ModelFileError):
-    """A model folder whose weight files do not match its architecture (missing or unexpected tensors)."""
-
-
-class BadConfigError(ModelFileError):
-    """A config.json that is not JSON, or not a model config."""
 
 
 def hub_cache() -> Path:
@@ -179,21 +171,6 @@ def describe(path: Path) -> str | None:
 # Loading a folder, refusing one whose weights do not all load.
 
 
-def read_config(folder: Path, flag: str) -> dict[str, Any]:
-    """config.json of a model folder as a dict; bad JSON or a non-object is one line naming the file."""
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadConfigError(f"{flag} {folder}: cannot read {path} ({e}); restore the model's config.json") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise BadConfigError(
-            f"{flag} {folder}: {path} is not a Hugging Face model config (a JSON object with a model_type); "
-            "restore the model's config.json"
-        )
-    return config
-
-
 def _named(keys: Iterable[str]) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:SHOWN_KEYS])
@@ -234,7 +211,6 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from megatron_jreg.model_files import check_model_folder
 
     if kwargs.get("gguf_file") is None:
         flag, _, _ = where.partition(" ")
@@ -254,3 +230,21 @@ def load_causal_lm(
         hf_logging.set_verbosity(verbosity)
     check_loading_info(info, type(model).__name__, where, ignore)
     return model
+
+
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def force_offline() -> None:
+    """Keep every Hugging Face library on local files for the rest of the process: nothing may download.
+
+    The libraries read their offline switches from the environment when they are imported, so the variables
+    are set and so are the flags of modules already imported (a test run or an embedding program may have
+    imported them first)."""
+    for name in _OFFLINE_VARIABLES:
+        os.environ[name] = "1"
+    if (hub := sys.modules.get("huggingface_hub.constants")) is not None:
+        hub.HF_HUB_OFFLINE = True
+    if (datasets_config := sys.modules.get("datasets.config")) is not None:
+        datasets_config.HF_HUB_OFFLINE = True
+        datasets_config.HF_DATASETS_OFFLINE = True

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from megatron_jreg.hub import BadConfigError, ModelFileError, read_config
+from megatron_jreg.errors import BadConfigError, ModelFileError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -65,6 +65,22 @@ _ROPE_FLOATS = ("rope_theta", "factor")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _HEADS = ("num_attention_heads", "n_head")
+
+
+def read_config(folder: Path, flag: str) -> dict[str, Any]:
+    """config.json of a model folder as a dict; bad JSON or a non-object is one line naming the file."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadConfigError(f"{flag} {folder}: cannot read {path} ({e}); restore the model's config.json") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise BadConfigError(
+            f"{flag} {folder}: {path} is not a Hugging Face model config (a JSON object with a model_type); "
+            "restore the model's config.json"
+        )
+    return config
+
 
 
 class WeightsError(ModelFileError):
@@ -267,6 +283,27 @@ def _first(configs: Iterable[dict], names: tuple[str, ...]) -> tuple[str, int] |
         for name in names:
             if isinstance(config.get(name), int) and not isinstance(config[name], bool):
                 return name, config[name]
+    return None
+
+
+# Config fields that hold the context window, in the order Hugging Face model families use them.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
+
+
+def declared_context(config: Any) -> int | None:
+    """The context window a Hugging Face config declares — the text decoder's for a multimodal model —: the first
+    of CONTEXT_FIELDS set to a positive int, else None. `config` is config.json as a dict or a transformers
+    config; analysis and evaluation both take the window from here."""
+    if isinstance(config, dict):
+        values = _text_configs(config)[-1]
+        get = values.get
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        get = lambda name: getattr(text, name, None)  # noqa: E731 - attribute_map aliases resolve here
+    for name in CONTEXT_FIELDS:
+        value = get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     return None
 
 

@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     _single_process_env()
-    from megatron_jreg.training.arguments import UsageError
-    from megatron_jreg.training.checkpointing import RankLost, SaveError
+    from megatron_jreg.errors import JregError
+    from megatron_jreg.training.checkpointing import RankLost
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
-    except (UsageError, SaveError, RankLost) as e:
+    except JregError as e:
         if debug:
             import traceback
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         # one line per run, not per rank; a lost rank is reported by every survivor (rank 0 may be the lost one)
         if debug or os.environ.get("RANK", "0") == "0" or isinstance(e, RankLost):
             print(f"megatron-jreg train: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return e.exit_code
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import __main__

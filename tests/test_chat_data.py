@@ -216,7 +216,7 @@ def test_targets_only_on_assistant_text_through_megatron_sft_tokenizer(tmp_path,
     an assistant turn's text (its answer and the EOS closing it) and every such token is a target."""
     from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
 
-    from megatron_jreg.training.sft import IGNORE_INDEX, ChatTargets
+    from megatron_jreg.data.chat_targets import IGNORE_INDEX, ChatTargets
 
     src = write_lines(tmp_path / "chat.jsonl", [json.dumps(r) for r in GOOD])
     source = reserved_tokenizer_dir if reserved else tokenizer_dir

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from packaging.version import Version
 
 from megatron_jreg import jreg, plugin
+from megatron_jreg import layer_spec as spec_module
 from megatron_jreg.training import model
 from megatron_jreg.training.arguments import UsageError, parse_args
 
@@ -238,8 +239,8 @@ def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch, one_rank):
 
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _FakeTESpecProvider)
     monkeypatch.setattr(transformer_block, "LayerNormImpl", type("TENorm", (), {}))
-    monkeypatch.setattr(model, "LayerNormImpl", transformer_block.LayerNormImpl)
-    block = model.layer_spec(_model_config("--transformer-impl", "transformer_engine"))
+    monkeypatch.setattr(spec_module, "LayerNormImpl", transformer_block.LayerNormImpl)
+    block = spec_module.layer_spec(_model_config("--transformer-impl", "transformer_engine"))
     spec = block.layer_specs[0]
     assert spec.module is TransformerLayer and plugin.TransformerLayer is TransformerLayer
     assert spec.submodules.input_layernorm is IdentityOp and spec.submodules.pre_mlp_layernorm is IdentityOp
@@ -250,22 +251,23 @@ def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch, one_rank):
 def test_local_spec_is_megatron_lms_with_sequence_parallel_norms(one_rank):
     """Without TE or apex, Megatron-LM's local spec uses a bare torch norm that refuses sequence parallelism;
     megatron-jreg's spec is the same layer with TorchNorm (same math) in the three norm places."""
-    block = model.layer_spec(_model_config("--transformer-impl", "local"))
-    assert len(block.layer_specs) == 4 and block.layer_norm is model.TorchNorm
+    block = spec_module.layer_spec(_model_config("--transformer-impl", "local"))
+    assert len(block.layer_specs) == 4 and block.layer_norm is spec_module.TorchNorm
     layer = block.layer_specs[0]
     assert layer.module is TransformerLayer
-    assert layer.submodules.input_layernorm is model.TorchNorm and layer.submodules.pre_mlp_layernorm is model.TorchNorm
+    norm = spec_module.TorchNorm
+    assert layer.submodules.input_layernorm is norm and layer.submodules.pre_mlp_layernorm is norm
 
 
 def test_torch_norm_equals_torch_rmsnorm_and_supports_zero_centered_gamma():
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
     x = torch.randn(3, 2, 8)
-    ours = model.TorchNorm(config, 8, eps=1e-5)
+    ours = spec_module.TorchNorm(config, 8, eps=1e-5)
     ours.weight.data = torch.linspace(0.5, 1.5, 8)
     ref = torch.nn.RMSNorm(8, eps=1e-5)
     ref.weight.data = ours.weight.data.clone()
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
-    one_p = model.TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), 8, eps=1e-5)
+    one_p = spec_module.TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), 8, eps=1e-5)
     assert torch.equal(one_p.weight, torch.zeros(8))  # γ − 1 is stored, as Transformer Engine's norms do
     one_p.weight.data = ours.weight.data - 1
     torch.testing.assert_close(one_p(x), ref(x))

@@ -85,7 +85,7 @@ def _targets(tok: str) -> dict:
     """Targets of one conversation through Megatron-LM's SFTTokenizer wrapped by megatron-jreg."""
     from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
 
-    from megatron_jreg.training.sft import IGNORE_INDEX, ChatTargets
+    from megatron_jreg.data.chat_targets import IGNORE_INDEX, ChatTargets
 
     inner = SFTTokenizer(tok, "default")
     conv = conversations(1)[0]

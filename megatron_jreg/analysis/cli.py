@@ -16,8 +16,8 @@ from pathlib import Path
 from megatron_jreg import jreg
 from megatron_jreg.analysis.config import DTYPES, AnalyzeConfig
 from megatron_jreg.analysis.source import AnalysisError
-from megatron_jreg.cli import example
-from megatron_jreg.hub import ModelFileError
+from megatron_jreg.errors import ModelFileError
+from megatron_jreg.usage import example
 
 
 def _samples(value: str) -> int | None:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="truncate samples to T tokens (default: the model's context length)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument(
         "--distance",
         choices=jreg.DISTANCES,

@@ -16,8 +16,9 @@ import torch
 from megatron_jreg import hub, jreg
 from megatron_jreg.analysis.source import AnalysisError, ModelSpec, model_kind
 from megatron_jreg.data import text
+from megatron_jreg.dtypes import torch_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # of dtypes.WEIGHT_DTYPES: float16 overflows in the residual stream of deep models
 DATA_FORMATS = ("lambada", "wikitext", "jsonl", "text")
 PADDING_SIDES = ("right", "left")
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -83,7 +84,7 @@ class AnalyzeConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def torch_device(self) -> torch.device:

@@ -24,11 +24,11 @@ from megatron_jreg.analysis.source import (
     UnsupportedArchitectureError,
     is_gguf_file,
     masked_displacement_sum,
-    one_line,
     real_rows,
 )
-from megatron_jreg.hub import ModelFileError, load_causal_lm
-from megatron_jreg.model_files import check_entries, refuse_custom_code
+from megatron_jreg.errors import ModelFileError, one_line
+from megatron_jreg.hub import load_causal_lm
+from megatron_jreg.model_files import check_entries, declared_context, refuse_custom_code
 
 HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent from the files
 
@@ -115,11 +115,6 @@ def other_towers(config: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(prefixes))
 
 
-def context_length(config: Any) -> int | None:
-    """The longest sequence the config declares, or None (no truncation then)."""
-    return _declared(config, ("max_position_embeddings", "n_positions", "max_sequence_length"))
-
-
 def padding_id(tokenizer: Any) -> int:
     """A token id to pad with: the tokenizer's pad token, else its EOS, else 0 (padding is masked anyway)."""
     return int(next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0))
@@ -151,7 +146,7 @@ class HFSource:
         self.num_layers = len(self.layers)
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        self.context_length = context_length(config)
+        self.context_length = declared_context(config)
         self.pad_id = padding_id(tokenizer)
         # Left padding needs explicit positions for absolute-position models (GPT-2); harmless for RoPE.
         self._pass_positions = _accepts(self.base, "position_ids")
@@ -220,7 +215,7 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> 
         raise AnalysisError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise AnalysisError(
-            f"cannot load a tokenizer from {where}: {one_line(e)}. Pass --tokenizer DIR (a folder with "
+            f"cannot load a tokenizer from {where}: {one_line(e, 300)}. Pass --tokenizer DIR (a folder with "
             "tokenizer.json or the model's original Hugging Face folder)"
         ) from e
 
@@ -236,7 +231,7 @@ def check_gguf(path: Path) -> None:
         tensors = list(reader.tensors)
     except Exception as e:  # noqa: BLE001 - any parse failure of the file is the thing to report
         raise AnalysisError(
-            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e)}); "
+            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e, 300)}); "
             "it is truncated or corrupt: download or convert it again"
         ) from None
     if not tensors:
@@ -279,7 +274,7 @@ def load_hf_source(
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
         raise AnalysisError(
-            f"--model {path}: transformers cannot load it as a causal LM ({one_line(e)}); the folder needs the "
+            f"--model {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the folder needs the "
             "model's config.json and weight files"
         ) from e
     if plan is not None and plan.rope_freqs is not None:
@@ -301,4 +296,6 @@ def _config(folder: Path) -> Any:
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
-        raise AnalysisError(f"--model {folder}: transformers cannot read its config.json ({one_line(e)})") from None
+        raise AnalysisError(
+            f"--model {folder}: transformers cannot read its config.json ({one_line(e, 300)})"
+        ) from None

@@ -16,9 +16,9 @@ from megatron_jreg.analysis.measure import ModelResult, measure
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.plot import write_plots
 from megatron_jreg.analysis.report import format_table, write_results
-from megatron_jreg.analysis.source import AnalysisError, load_source, one_line
+from megatron_jreg.analysis.source import AnalysisError, load_source
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
-from megatron_jreg.hub import ModelFileError
+from megatron_jreg.errors import ModelFileError, one_line
 
 
 def _stderr(message: str) -> None:

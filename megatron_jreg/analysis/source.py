@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
+from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import check_model_folder
 
 # The convention labels that end up in results.json and in the plot legends.
@@ -31,7 +32,7 @@ FINAL_NORM = "output_hidden_states (final norm applied to the last layer's outpu
 _ITER_DIR = re.compile(r"^iter_\d+$")
 
 
-class AnalysisError(ValueError):
+class AnalysisError(JregError, ValueError):
     """A problem the user can fix (a flag, a path, a model we cannot read); the CLI prints it."""
 
 
@@ -88,13 +89,6 @@ class LayerStreamingSource(HiddenStateSource, Protocol):
         on the CPU, the sums of `layer_sums` over the batches; on_batch(real tokens) after each batch
         of each layer."""
         ...
-
-
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, shortened: library errors can span pages."""
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def real_rows(mask: Tensor | None) -> Tensor | None:

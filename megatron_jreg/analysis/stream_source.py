@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from megatron_jreg.analysis.hf_source import (
     HEAD,
     _expected_layers,
-    context_length,
     encode_texts,
     find_decoder_layers,
     other_towers,
@@ -54,7 +53,9 @@ from megatron_jreg.analysis.source import (
     real_rows,
 )
 from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
-from megatron_jreg.hub import IncompleteWeightsError, check_loading_info, read_config
+from megatron_jreg.errors import IncompleteWeightsError
+from megatron_jreg.hub import check_loading_info
+from megatron_jreg.model_files import declared_context, read_config
 
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
 
@@ -249,7 +250,7 @@ class StreamingSource:
         self.tokenizer = tokenizer
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        self.context_length = context_length(config)
+        self.context_length = declared_context(config)
         self.pad_id = padding_id(tokenizer)
         self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
         self.num_layers = len(self.layers)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import NotRegularFile, open_regular, special_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -42,7 +43,7 @@ INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
 _CHUNK = 16 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(JregError, ValueError):
     """A checkpoint that cannot be used; the message names the file and the fix (one line)."""
 
 

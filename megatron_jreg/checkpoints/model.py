@@ -188,7 +188,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) ->
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_jreg.training.model import layer_spec
+    from megatron_jreg.layer_spec import layer_spec
 
     init_process_group()
     _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))

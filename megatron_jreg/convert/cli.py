@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_jreg.cli import example
-
-DTYPE_NAMES = ("bfloat16", "float16", "float32")  # hf_io.DTYPES; named here so --help needs no torch
+from megatron_jreg.dtypes import WEIGHT_DTYPES
+from megatron_jreg.usage import example
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--load", required=True, help="checkpoint folder (the --save folder, or one iter_* folder)")
     out.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
     out.add_argument("--output", required=True, help="new Hugging Face folder (must not exist or be empty)")
-    out.add_argument("--dtype", choices=DTYPE_NAMES,
+    out.add_argument("--dtype", choices=WEIGHT_DTYPES,
                      help="dtype of the written weights (default: the run's precision: --bf16 → bfloat16, "
                      "else float32)")
     out.add_argument("--tokenizer-model",
@@ -92,11 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports: --help and usage errors stay instant
 
     from megatron_jreg import hub
-    from megatron_jreg.checkpoints import CheckpointError
-    from megatron_jreg.convert.hf_io import ConversionError
-    from megatron_jreg.convert.llama import UnsupportedModel
     from megatron_jreg.convert.verify import VerificationFailed
-    from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.errors import JregError, exit_code
 
     try:
         if args.direction == "mcore-to-hf":
@@ -121,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                   "with (or the same flags to Megatron-LM's pretrain_gpt.py):\n  megatron-jreg train "
                   + " ".join(result.flags) + " [data, optimizer and --jreg-* flags]")
             _report(result.verification, result.notes)
-    except VerificationFailed as e:
+    except VerificationFailed as e:  # a result, not an error: the numbers that did not pass
         print(f"megatron-jreg convert: {e}", file=sys.stderr)
-        return 1
-    except (UnsupportedModel, ConversionError, CheckpointError, UsageError, hub.ModelFileError,
-            FileNotFoundError) as e:
+        return e.exit_code
+    except (JregError, FileNotFoundError) as e:
         print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 

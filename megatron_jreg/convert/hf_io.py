@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
+from megatron_jreg.errors import JregError
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-class ConversionError(RuntimeError):
+class ConversionError(JregError, RuntimeError):
     """Bad input for a conversion (missing files, unsupported tokenizer, ...); the message says what to do."""
 
 
@@ -38,7 +40,7 @@ def checkpoint_dtype(hf: dict, state: dict[str, torch.Tensor]) -> torch.dtype:
     if len(stored) == 1:
         return stored.pop()
     name = hf.get("dtype") or hf.get("torch_dtype")
-    return DTYPES.get(name, torch.float32) if isinstance(name, str) else torch.float32
+    return torch_dtype(name) if name in WEIGHT_DTYPES else torch.float32
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_jreg.errors import JregError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(JregError, ValueError):
     """An architecture this converter does not map exactly; the message names the mismatch."""
 
 

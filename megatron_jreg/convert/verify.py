@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_jreg.convert.hf_io import ConversionError
+from megatron_jreg.errors import FAILED, JregError
 
 THRESHOLD = 1e-4  # float32 arithmetic, same weights on both sides (the floor of default_threshold)
 EPS32 = torch.finfo(torch.float32).eps
@@ -46,8 +47,10 @@ def default_threshold(depth: int, max_abs_logit: float) -> float:
     return max(THRESHOLD, ROUNDING_BUDGET * EPS32 * (depth + 1) * max_abs_logit)
 
 
-class VerificationFailed(RuntimeError):
+class VerificationFailed(JregError, RuntimeError):
     """The converted model's logits differ from the source's by more than the threshold."""
+
+    exit_code = FAILED
 
 
 @dataclass

@@ -20,7 +20,7 @@ only, in input order; bad records are counted by reason and skipped, as `megatro
     corrupt_stream / unreadable_file   a damaged compressed tail / a file with nothing readable
 
 With `--tokenizer DIR` (a local Hugging Face tokenizer folder) each conversation is also rendered and
-tokenized with the chat template exactly as `--sft` does (`megatron_jreg.training.sft.ChatTargets`: targets on
+tokenized with the chat template exactly as `--sft` does (`megatron_jreg.data.chat_targets.ChatTargets`: targets on
 the assistant turns only): `template_error` when the template refuses it or renders its prefixes
 inconsistently (the assistant-only targets would be wrong), `special_token_text` when a turn contains the
 text of a special token (e.g. a literal EOS, which would end the answer there), `too_long` (a filter) when it
@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.cli import example
-from megatron_jreg.data.checks import DataError, OneLineParser, check_output_folder, check_positive, run_command
+from megatron_jreg.data.checks import DataError, check_output_folder, check_positive
 from megatron_jreg.data.sources import InputFile, iter_units, resolve_inputs
+from megatron_jreg.errors import run_command
+from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg prepare-chat"
 ROLES = ("system", "user", "assistant")
@@ -216,7 +217,7 @@ def _compile(template: str, what: str) -> None:
 
 def load_hf_tokenizer(folder: str | Path, flag: str = "--tokenizer"):  # noqa: ANN201 - a transformers tokenizer
     """A local Hugging Face tokenizer folder through AutoTokenizer, never touching the network."""
-    from megatron_jreg.evaluate.offline import force_offline
+    from megatron_jreg.hub import force_offline
 
     force_offline()
     from transformers import AutoTokenizer
@@ -394,7 +395,7 @@ def prepare_chat(cfg: ChatConfig) -> ChatSummary:
     summary = ChatSummary(output=cfg.output)
     targets = None
     if cfg.tokenizer is not None:
-        from megatron_jreg.training.sft import IGNORE_INDEX, ChatTargets
+        from megatron_jreg.data.chat_targets import IGNORE_INDEX, ChatTargets
 
         hf = _setup_tokenizer(cfg, summary)
         targets, specials = ChatTargets(hf), _special_texts(hf)

@@ -3,54 +3,23 @@
 preprocess, train-tokenizer, merge-datasets and prepare-chat answer bad input with one line on stderr that
 names the file or flag and the fix, and exit status 2 (as argparse for a bad flag), never a traceback; a
 failure of the machine rather than the input (a full disk, an I/O error) exits 1. They check what they can
-(flags, the output folder) before any work. `DataError` is what the library raises for such input,
-`OneLineParser` makes argparse's usage errors one line too, `run_command` turns the expected exceptions
-into that line, and `check_output_prefix` / `check_positive` are the shared up-front checks.
+(flags, the output folder) before any work. `DataError` is what the library raises for such input (the
+line and exit code come from megatron_jreg.errors, the parser from megatron_jreg.usage), and
+`check_output_prefix` / `check_positive` are the shared up-front checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
+from megatron_jreg.errors import JregError
 
-class DataError(ValueError):
+
+class DataError(JregError, ValueError):
     """Bad input or configuration; the message names the file or flag and the fix."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with usage errors on one line (`prog: error: ... (see --help)`), exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def one_line(message: str) -> str:
-    """A message with any line breaks (e.g. from a library) folded into one line."""
-    return " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
-
-
-INPUT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body; expected failures become `prog: error: <one line>`: exit status 2 for bad input
-    (a usage error, as argparse's), 1 when the machine failed (a full disk, an I/O error)."""
-    status = 2
-    try:
-        return body()
-    except ValueError as e:
-        message = str(e)
-    except OSError as e:  # name the file
-        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
-        status = 2 if isinstance(e, INPUT_OS_ERRORS) else 1
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
-    return status
 
 
 def check_positive(flag: str, value: float | None, minimum: float = 1, allow_none: bool = True) -> None:

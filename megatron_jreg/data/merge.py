@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_jreg.cli import example
-from megatron_jreg.data.checks import DataError, OneLineParser, check_output_prefix, run_command
+from megatron_jreg.data.checks import DataError, check_output_prefix
 from megatron_jreg.data.indexed import (
     IndexedWriter,
     bin_path,
@@ -37,6 +36,8 @@ from megatron_jreg.data.manifest import (
     write_json_atomic,
 )
 from megatron_jreg.data.tokenizers import file_sha256
+from megatron_jreg.errors import run_command
+from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg merge-datasets"
 

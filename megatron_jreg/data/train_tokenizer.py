@@ -17,10 +17,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_jreg.cli import example
-from megatron_jreg.data.checks import DataError, OneLineParser, check_output_folder, check_positive, run_command
+from megatron_jreg.data.checks import DataError, check_output_folder, check_positive
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
+from megatron_jreg.errors import run_command
+from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg train-tokenizer"
 

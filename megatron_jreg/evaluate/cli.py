@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from megatron_jreg.checkpoints.files import CheckpointError
-from megatron_jreg.cli import example
 from megatron_jreg.data.text import DEFAULT_LAMBADA
+from megatron_jreg.errors import ModelFileError
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
 from megatron_jreg.evaluate.lambada import LambadaFileError
 from megatron_jreg.evaluate.models import DTYPES
-from megatron_jreg.evaluate.offline import force_offline
 from megatron_jreg.evaluate.tasks import PAPER_TASKS, TaskError
-from megatron_jreg.hub import ModelFileError
+from megatron_jreg.hub import force_offline
+from megatron_jreg.usage import example
 
 
 def _task_data(values: list[str]) -> dict[str, Path]:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from scipy import stats
 
-from megatron_jreg.cli import example
 from megatron_jreg.evaluate.results import EvalResults
 from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided
+from megatron_jreg.usage import example
 
 AVERAGE = "average"
 # Metric directions by name where no file says (lm-eval writes `higher_is_better`; our built-in tasks do not).

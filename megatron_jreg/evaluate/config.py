@@ -10,12 +10,14 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.data.text import DEFAULT_LAMBADA
+from megatron_jreg.errors import BadConfigError, JregError
 from megatron_jreg.evaluate.models import DTYPES
+from megatron_jreg.model_files import read_config
 
 BUILTIN_TASKS = ("lambada",)
 
 
-class ConfigError(ValueError):
+class ConfigError(JregError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 
@@ -59,8 +61,8 @@ class EvaluateConfig:
             if not (Path(self.hf) / "config.json").is_file():
                 raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
             try:
-                hub.read_config(Path(self.hf), "--hf")
-            except hub.BadConfigError as e:
+                read_config(Path(self.hf), "--hf")
+            except BadConfigError as e:
                 raise ConfigError(str(e)) from None
         if self.load is not None and not Path(self.load).exists():
             raise ConfigError(f"--load {self.load}: no such checkpoint directory")

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_jreg.errors import JregError
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
 
@@ -25,7 +26,7 @@ from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
 SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
 
 
-class LambadaFileError(ValueError):
+class LambadaFileError(JregError, ValueError):
     """A --lambada-file that is not LAMBADA JSONL, or holds no passage that can be scored."""
 
 

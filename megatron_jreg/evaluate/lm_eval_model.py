@@ -32,9 +32,9 @@ import torch
 from lm_eval.api.registry import register_model
 
 from megatron_jreg import hub
+from megatron_jreg.errors import JregError, ModelFileError
 from megatron_jreg.evaluate.harness import HarnessLM
 from megatron_jreg.evaluate.models import DTYPES, load_hf_lm, load_megatron_lm
-from megatron_jreg.hub import ModelFileError
 
 NAME = "megatron-jreg"
 USAGE = ("load=CKPT[,iteration=N] or hf=DIR[,dtype=auto|float32|bfloat16|float16][,max_length=N] (pretrained=PATH: "
@@ -44,7 +44,7 @@ EXAMPLE = ("megatron-jreg lm-eval --model megatron-jreg --model_args pretrained=
 logger = logging.getLogger(__name__)
 
 
-class ModelArgsError(ValueError):
+class ModelArgsError(JregError, ValueError):
     """`--model_args` that cannot work; the message names the argument and the fix."""
 
 
@@ -142,7 +142,7 @@ class MegatronJregLM(HarnessLM):
 
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's own command line, offline, with `--model megatron-jreg` registered."""
-    from megatron_jreg.evaluate.offline import force_offline
+    from megatron_jreg.hub import force_offline
 
     force_offline()
     from lm_eval.__main__ import cli_evaluate

@@ -14,14 +14,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_jreg import hub
-from megatron_jreg.hub import ModelFileError
-from megatron_jreg.model_files import check_model_folder
+from megatron_jreg.dtypes import WEIGHT_DTYPES
+from megatron_jreg.errors import ModelFileError, one_line
+from megatron_jreg.model_files import check_model_folder, declared_context
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", *WEIGHT_DTYPES)  # auto: the checkpoint's own (float32 on CPU)
 DEFAULT_MAX_LENGTH = 2048
-# Config fields that hold the context window, in the order Hugging Face model families use them.
-_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-
 
 @runtime_checkable
 class CausalLM(Protocol):
@@ -92,17 +90,12 @@ class HFCausalLM:
 def context_length(config: dict, tokenizer_max: int | None) -> int:
     """The model's context window: the first config field that names one, else the tokenizer's limit
     when it is a real number (HF uses ~1e30 for 'unset'), else 2048 like lm-eval."""
-    for name in _CONTEXT_FIELDS:
-        if isinstance(config.get(name), int) and config[name] > 0:
-            return int(config[name])
+    declared = declared_context(config)
+    if declared is not None:
+        return declared
     if tokenizer_max is not None and 0 < tokenizer_max < 1_000_000:
         return int(tokenizer_max)
     return DEFAULT_MAX_LENGTH
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:300]
 
 
 def default_device() -> str:
@@ -117,14 +110,14 @@ def load_hf_lm(
     dtype "auto" keeps the checkpoint's dtype on GPU and uses float32 on CPU (CPU half precision is
     slow and lossy); max_length None takes the model's own context window. The folder is checked before
     anything loads (`model_files.check_model_folder`); one whose weights do not all load (missing or unused
-    tensors) is refused with hub.IncompleteWeightsError, and every other problem with the files is a
-    one-line hub.ModelFileError.
+    tensors) is refused with errors.IncompleteWeightsError, and every other problem with the files is a
+    one-line ModelFileError.
     """
     from transformers import AutoTokenizer
 
     path = hub.resolve(path, "--hf")
     if not (path / "config.json").is_file():
-        raise hub.ModelFileError(
+        raise ModelFileError(
             f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
             "`hf download REPO --local-dir DIR` on a machine with internet"
         )
@@ -137,20 +130,20 @@ def load_hf_lm(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise hub.ModelFileError(
-            f"--hf {path}: cannot load its tokenizer ({_first_line(e)}); the folder needs tokenizer.json or the "
+        raise ModelFileError(
+            f"--hf {path}: cannot load its tokenizer ({one_line(e, 300)}); the folder needs tokenizer.json or the "
             "tokenizer files save_pretrained writes"
         ) from None
     try:
         model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=torch_dtype)
-    except hub.ModelFileError:
+    except ModelFileError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise hub.ModelFileError(
-            f"--hf {path}: transformers cannot load it as a causal LM ({_first_line(e)}); the folder needs the "
+        raise ModelFileError(
+            f"--hf {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the folder needs the "
             "model's config.json and weight files"
         ) from None
-    window = max_length or context_length(config.get("text_config", config), tokenizer.model_max_length)
+    window = max_length or context_length(config, tokenizer.model_max_length)
     return HFCausalLM(model.to(device), tokenizer, window)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.errors import JregError, one_line
+
 # The paper's downstream tasks, by their lm-eval names, and the folder of lm-eval's task configs that
 # defines each (indexing only those folders takes milliseconds; all of lm-eval's ~15k configs ~20 s).
 PAPER_TASKS: dict[str, str] = {
@@ -29,7 +31,7 @@ PAPER_TASKS: dict[str, str] = {
 }
 
 
-class TaskError(ValueError):
+class TaskError(JregError, ValueError):
     """A requested task cannot run; the message says which and what to do."""
 
 
@@ -99,16 +101,12 @@ def _eval_split(config: Mapping[str, Any]) -> str | None:
     return config.get("test_split") or config.get("validation_split")
 
 
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
-
-
 def _missing(plan: TaskPlan, error: Exception) -> str:
     name, path, subset = plan.name, plan.config["dataset_path"], plan.config.get("dataset_name")
+    reason = f"{type(error).__name__}: {one_line(error, 200)}"
     if plan.replaced_dataset is not None:
         return (
-            f"{name}: --task-data {name}={path} does not load ({_first_line(error)}). It must be a copy "
+            f"{name}: --task-data {name}={path} does not load ({reason}). It must be a copy "
             f"of the dataset repository: `hf download --repo-type dataset {plan.replaced_dataset} "
             "--local-dir DIR` (for a repository that holds a loading script add "
             "`--revision refs/convert/parquet`)."
@@ -119,7 +117,7 @@ def _missing(plan: TaskPlan, error: Exception) -> str:
     where = f" (config {subset})" if subset else ""
     return (
         f"{name}: needs the Hugging Face dataset {path}{where}, which is not in the datasets cache "
-        f"{datasets.config.HF_DATASETS_CACHE} ({_first_line(error)}). Fix: on a machine with internet run "
+        f"{datasets.config.HF_DATASETS_CACHE} ({reason}). Fix: on a machine with internet run "
         f'`python -c "import datasets; datasets.load_dataset({load_args})"` and copy its HF_DATASETS_CACHE '
         "folder here (or point HF_DATASETS_CACHE at the copy), or run "
         f"`hf download --repo-type dataset {path} --local-dir DIR` and pass --task-data {name}=DIR."

@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_jreg.cli import example
 from megatron_jreg.evaluate.models import DTYPES
-from megatron_jreg.evaluate.offline import force_offline
+from megatron_jreg.hub import force_offline
+from megatron_jreg.usage import example
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     force_offline()  # before anything imports a Hugging Face library
     from megatron_jreg.checkpoints.files import CheckpointError
     from megatron_jreg.data.checks import DataError
+    from megatron_jreg.errors import ModelFileError
     from megatron_jreg.generate.config import ConfigError, GenerateConfig
     from megatron_jreg.generate.questions import PromptFileError, read_answers, read_questions
     from megatron_jreg.generate.runner import generate
-    from megatron_jreg.hub import ModelFileError
 
     args = build_parser().parse_args(argv)
     try:

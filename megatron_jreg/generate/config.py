@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_jreg.data.checks import DataError, check_output_folder
+from megatron_jreg.errors import JregError
 from megatron_jreg.evaluate.models import DTYPES
 
 
-class ConfigError(ValueError):
+class ConfigError(JregError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 

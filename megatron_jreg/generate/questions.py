@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.errors import JregError
 
-class PromptFileError(ValueError):
+
+class PromptFileError(JregError, ValueError):
     """A question or answer file that cannot be used; the message names the file, the line and the fix."""
 
 

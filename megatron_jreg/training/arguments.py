@@ -19,6 +19,8 @@ import re
 import sys
 from pathlib import Path
 
+from megatron_jreg.errors import UsageError
+
 PROG = "megatron-jreg train"
 
 # Llama architecture flags common to the presets (RoPE, RMSNorm, SwiGLU, no biases, no dropout).
@@ -41,10 +43,6 @@ PRESETS: dict[str, str] = {
     "llama-3.4b": "--num-layers 30 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 "
                   "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
 }
-
-
-class UsageError(ValueError):
-    """A bad flag or input; the message names it and the fix (printed as one line, exit 2)."""
 
 
 def preset_flags(name: str) -> list[str]:
@@ -85,7 +83,7 @@ def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
 
 def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's `extra_args_provider`: our flags, one-line argparse errors, a help that prints."""
-    from megatron_jreg.cli import example
+    from megatron_jreg.usage import example
 
     parser.prog = PROG
     _escape_bare_percent(parser)

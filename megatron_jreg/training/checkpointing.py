@@ -47,18 +47,22 @@ from megatron_jreg.checkpoints import (
     verify_integrity,
 )
 from megatron_jreg.checkpoints.files import TRACKER, check_storage_paths
-from megatron_jreg.training.arguments import UsageError
+from megatron_jreg.errors import FAILED, JregError, UsageError
 
 SIDECAR = "megatron_jreg.json"
 _originals: dict = {}
 
 
-class SaveError(RuntimeError):
+class SaveError(JregError, RuntimeError):
     """A checkpoint save that failed (disk full, write error); the message is one line (exit 1)."""
 
+    exit_code = FAILED
 
-class RankLost(RuntimeError):
+
+class RankLost(JregError, RuntimeError):
     """Another rank died during a collective; the message is one line naming the checkpoint to resume (exit 1)."""
+
+    exit_code = FAILED
 
 
 def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None:

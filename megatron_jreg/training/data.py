@@ -21,7 +21,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_jreg.data.indexed import verify_dataset
-from megatron_jreg.training.arguments import UsageError
+from megatron_jreg.errors import UsageError
 
 _DATA_OPTIONS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 

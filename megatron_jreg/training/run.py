@@ -49,7 +49,8 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
     """`setup` with its flag-combination errors turned into one UsageError line naming the flags."""
     import traceback
 
-    from megatron_jreg.training.arguments import UsageError, _assertion_text
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.training.arguments import _assertion_text
 
     def setup_model_and_optimizer(*a, **k):  # noqa: ANN002, ANN003, ANN202
         from megatron.training import get_args

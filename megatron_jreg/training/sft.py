@@ -5,10 +5,8 @@ restarting per conversation, padding at the end) and tokenizes them with its `SF
 for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU run):
 
 - With `--sft-tokenizer-prompt-format default` (the tokenizer's own chat template) Megatron-LM's
-  SFTTokenizer puts the loss on *every* token. `ChatTargets` wraps the run's tokenizer so that only the
-  assistant turns are targets: it renders the conversation up to each assistant turn (with the assistant
-  header, `add_generation_prompt=True`) and up to its end, and keeps the tokens between the two, which
-  works for any template that renders prefixes consistently (checked per conversation).
+  SFTTokenizer puts the loss on *every* token; `install_chat_targets` wraps the run's tokenizer in
+  `ChatTargets` (data/chat_targets.py), so that only the assistant turns are targets.
 - Ψ must average over real tokens only: `real_token_mask` marks everything but the end-of-pack padding.
 - Megatron-LM's packed sequences need Transformer Engine's THD attention; the local spec's attention
   refuses them. `packed_attention_mask` gives the same attention as a block-diagonal causal mask (each
@@ -17,61 +15,9 @@ for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU ru
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # Megatron-LM's SFTDataset masks targets equal to it
-
-
-class ChatTargets:
-    """Megatron-LM's tokenizer with `tokenize_conversation` giving targets on assistant tokens only."""
-
-    def __init__(self, tokenizer) -> None:  # noqa: ANN001 - Megatron-LM's tokenizer object
-        self._inner = tokenizer
-        self._hf = self._find_hf(tokenizer)
-
-    @staticmethod
-    def _find_hf(tokenizer):  # noqa: ANN001, ANN205
-        """The transformers tokenizer inside Megatron-LM's tokenizer wrappers (text → SFT → transformers)."""
-        from transformers import PreTrainedTokenizerBase
-
-        node = tokenizer
-        for _ in range(4):
-            if isinstance(node, PreTrainedTokenizerBase):
-                return node
-            node = getattr(node, "_tokenizer", None)
-            if node is None:
-                break
-        raise ValueError("--sft: the tokenizer has no chat template support (use --tokenizer-type SFTTokenizer "
-                         "with a Hugging Face tokenizer folder)")
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the wrapped tokenizer's
-        return getattr(self._inner, name)
-
-    def _render(self, conversation: list[dict], generation_prompt: bool) -> list[int]:
-        ids = self._hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation_prompt)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def tokenize_conversation(self, conversation: list[dict], return_target: bool, add_generation_prompt: bool):
-        """(tokens, targets) as np arrays: targets are the tokens on assistant turns, IGNORE_INDEX elsewhere."""
-        tokens = np.array(self._render(conversation, add_generation_prompt), dtype=np.int64)
-        if not return_target:
-            return tokens
-        target = np.full_like(tokens, IGNORE_INDEX)
-        for k, turn in enumerate(conversation):
-            if turn["role"] != "assistant":
-                continue
-            start = len(self._render(conversation[:k], True))
-            end = len(self._render(conversation[: k + 1], False))
-            if not 0 <= start <= end <= len(tokens) or self._render(conversation[: k + 1], False) != list(
-                tokens[:end]
-            ):
-                raise ValueError("--sft: the chat template does not render conversation prefixes consistently; "
-                                 "use a template whose turns are appended in order")
-            target[start:end] = tokens[start:end]
-        return tokens, target
+from megatron_jreg.data.chat_targets import ChatTargets
 
 
 def install_chat_targets() -> None:

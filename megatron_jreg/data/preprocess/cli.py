@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_jreg.cli import example
-from megatron_jreg.data.checks import OneLineParser, run_command
 from megatron_jreg.data.manifest import manifest_path
 from megatron_jreg.data.preprocess.config import TRIAL_DOCUMENTS, PreprocessConfig
 from megatron_jreg.data.preprocess.driver import describe_skips, preprocess
 from megatron_jreg.data.preprocess.optimal_workers import describe, find_optimal_num_workers
 from megatron_jreg.data.tokenizers import MEGATRON_TOKENIZER_TYPES
+from megatron_jreg.errors import run_command
+from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg preprocess"
 

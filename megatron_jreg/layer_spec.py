@@ -1,0 +1,86 @@
+"""The layer spec every megatron-jreg model is built with: Megatron-LM's own, norms made sequence-parallel capable.
+
+Where Megatron-LM would use its `WrappedTorchNorm` (no Transformer Engine, no apex: a bare torch norm that
+refuses sequence parallelism and `persist_layer_norm`), `TorchNorm` takes its place — the same RMSNorm /
+LayerNorm math, with its weight marked `sequence_parallel` so megatron all-reduces its gradient over TP as it
+does for TE's norms. Training builds its models with it, and the checkpoint readers rebuild saved models with
+it, so it lives below both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+
+class TorchNorm(torch.nn.Module):
+    """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support.
+
+    `--apply-layernorm-1p` (zero-centered gamma) stores γ − 1 and scales by (1 + weight), as TE's norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__()
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"--normalization {config.normalization}: the local spec's norm is RMSNorm or LayerNorm")
+        dtype = config.params_dtype
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.one_p = bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.one_p else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel  # megatron reduces these grads over TP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x[s, b, h] → normalized x (same shape, dtype)."""
+        weight = self.weight + 1 if self.one_p else self.weight
+        if self.rms:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+
+
+def _swap_norms(spec: object) -> object:
+    """A copy of a ModuleSpec tree with every WrappedTorchNorm replaced by TorchNorm."""
+    if spec is WrappedTorchNorm:
+        return TorchNorm
+    if isinstance(spec, ModuleSpec):
+        sub = spec.submodules
+        if sub is not None and dataclasses.is_dataclass(sub):
+            sub = dataclasses.replace(sub, **{f.name: _swap_norms(getattr(sub, f.name))
+                                              for f in dataclasses.fields(sub)})
+        return dataclasses.replace(spec, module=_swap_norms(spec.module), submodules=sub)
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[_swap_norms(s) for s in spec.layer_specs],
+                                   layer_norm=_swap_norms(spec.layer_norm))
+    return spec
+
+
+def layer_spec(model_config, vp_stage: int | None = None):
+    """Megatron-LM's default spec for this config (training/models/gpt.py), norms made SP-capable."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    spec = default_layer_spec(model_config, vp_stage)
+    if isinstance(spec, ModuleSpec) and not isinstance(spec.submodules, TransformerBlockSubmodules):
+        num = get_num_layers_to_build(model_config.transformer, vp_stage=vp_stage)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * num, layer_norm=LayerNormImpl)
+    return _swap_norms(spec)
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
