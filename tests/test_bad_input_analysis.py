@@ -635,6 +635,25 @@ for _name, (_build, _expect) in {
     CASES[f"convert/{_name}"] = ("convert", lambda i, b=_build: ["hf-to-mcore", "--hf", str(b(i))], _expect)
 
 
+# convert's flags, refused by ConvertConfig before any checkpoint or model is read (the folders are good ones).
+for _name, (_argv, _expect) in {
+    "flag-tp-0": (["--tensor-model-parallel-size", "0"], ("--tensor-model-parallel-size 0", "at least 1")),
+    "flag-pp-negative": (["--pipeline-model-parallel-size", "-2"], ("--pipeline-model-parallel-size -2",)),
+    "flag-seq-length-0": (["--seq-length", "0"], ("--seq-length 0",)),
+    "flag-threshold-nan": (["--verify-threshold", "nan"], ("--verify-threshold nan", "positive finite")),
+    "flag-threshold-without-check": (["--no-verify", "--verify-threshold", "1e-3"], ("drop --no-verify",)),
+}.items():
+    CASES[f"convert/hf-to-mcore-{_name}"] = ("convert", lambda i, a=_argv: ["hf-to-mcore", "--hf", str(i.llama), *a],
+                                             _expect)
+for _name, (_argv, _expect) in {
+    "flag-shard-size": (["--max-shard-size", "5XB"], ("--max-shard-size '5XB'", "5GB")),
+    "flag-iteration-negative": (["--iteration", "-1"], ("--iteration -1",)),
+    "flag-no-tokenizer-and-model": (["--no-tokenizer", "--tokenizer-model", "tok.model"], ("--no-tokenizer",)),
+}.items():
+    CASES[f"convert/mcore-to-hf-{_name}"] = ("convert", lambda i, a=_argv: ["mcore-to-hf", "--load", str(i.root), *a],
+                                             _expect)
+
+
 def run(command: str, argv: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of one command run in this process; argparse's exit counts as a return."""
     err = io.StringIO()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_jreg.convert.config import ConvertConfig
 from megatron_jreg.dtypes import WEIGHT_DTYPES
 from megatron_jreg.usage import example
 
@@ -89,18 +90,29 @@ def _report(verification, notes: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports: --help and usage errors stay instant
-
-    from megatron_jreg import hub
-    from megatron_jreg.convert.verify import VerificationFailed
     from megatron_jreg.errors import JregError, exit_code
 
     try:
-        if args.direction == "mcore-to-hf":
+        cfg = ConvertConfig.from_args(args)
+        return convert(cfg)
+    except (JregError, FileNotFoundError) as e:
+        print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
+        return exit_code(e)
+
+
+def convert(cfg: ConvertConfig) -> int:
+    """Run one conversion and print its report; 1 when the logits differ (VerificationFailed), else 0."""
+    from megatron_jreg import hub
+    from megatron_jreg.convert.verify import VerificationFailed
+
+    try:
+        if cfg.direction == "mcore-to-hf":
             from megatron_jreg.convert.to_hf import mcore_to_hf
 
-            result = mcore_to_hf(args.load, args.output, args.iteration, args.dtype, args.tokenizer_model,
-                                 args.tokenizer_type, args.verify, args.verify_threshold, args.max_shard_size,
-                                 args.no_tokenizer)
+            result = mcore_to_hf(cfg.load, cfg.output, iteration=cfg.iteration, dtype=cfg.dtype,
+                                 tokenizer_model=cfg.tokenizer_model, tokenizer_type=cfg.tokenizer_type,
+                                 verify=cfg.verify, threshold=cfg.verify_threshold,
+                                 max_shard_size=cfg.max_shard_size, no_tokenizer=cfg.no_tokenizer)
             print(f"wrote {result.output} from iteration {result.iteration}: {len(result.files)} files, "
                   f"{str(result.dtype).removeprefix('torch.')}")
             _report(result.verification, [result.note])
@@ -108,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_jreg.convert.from_hf import hf_to_mcore
             from megatron_jreg.model_files import check_model_folder
 
-            folder = hub.resolve(args.hf, "--hf")
+            folder = hub.resolve(cfg.hf, "--hf")
             check_model_folder(folder, "--hf", allow_pickle=True, require_weights=False)  # .bin: weights_only
-            result = hf_to_mcore(folder, args.output, args.tensor_model_parallel_size,
-                                 args.pipeline_model_parallel_size, args.seq_length, args.make_vocab_size_divisible_by,
-                                 args.verify, args.verify_threshold)
+            result = hf_to_mcore(folder, cfg.output, tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                                 seq_length=cfg.seq_length,
+                                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                                 verify=cfg.verify, threshold=cfg.verify_threshold)
             print(f"wrote {result.output} (Megatron-LM release checkpoint: weights and args). Continue training "
                   "with (or the same flags to Megatron-LM's pretrain_gpt.py):\n  megatron-jreg train "
                   + " ".join(result.flags) + " [data, optimizer and --jreg-* flags]")
@@ -120,9 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     except VerificationFailed as e:  # a result, not an error: the numbers that did not pass
         print(f"megatron-jreg convert: {e}", file=sys.stderr)
         return e.exit_code
-    except (JregError, FileNotFoundError) as e:
-        print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
-        return exit_code(e)
     return 0
 
 

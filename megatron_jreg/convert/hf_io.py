@@ -110,16 +110,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     return names + ([SAFETENSORS_INDEX] if (folder / SAFETENSORS_INDEX).is_file() else [])
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000' → bytes (Hugging Face's max_shard_size spelling)."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    upper = text.strip().upper()
-    for unit, factor in units.items():
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
-    return int(upper)
-
-
 def hf_tokenizer_flags(folder: Path) -> tuple[str, str] | None:
     """(--tokenizer-type, --tokenizer-model) for a Hugging Face folder's own tokenizer, if it has one."""
     if (folder / "tokenizer.json").is_file():

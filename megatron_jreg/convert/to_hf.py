@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_jreg.convert import hf_io, llama, tokenizer
+from megatron_jreg.convert.config import parse_size
 from megatron_jreg.convert.verify import (
     Verification,
     compare_logits,
@@ -76,7 +77,7 @@ def mcore_to_hf(
     if tok is not None:
         tokenizer.check_fits_checkpoint(tok, source, args)
     out_dtype = export_dtype(dtype, args)
-    max_bytes = hf_io.parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size)
 
     with staged_output(Path(output)) as tmp:
         vocab_size, vocab_note = _true_vocab_size(tok, args)
