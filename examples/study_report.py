@@ -116,6 +116,47 @@ def export_raw(cfg, runs: list) -> Path:
     return raw
 
 
+REPRODUCED = ("ce", "zeta_L", "zeta_L-1", "zeta_L-2", "psi_L_over_mid")  # final held-out values compared
+
+
+def merge_raw(new: Path, into: Path) -> list[str]:
+    """Add the runs of another invocation's raw folder (`study.py --runs`) to a committed one: runs the committed
+    folder lacks are copied in; a run it already has (a pretrained model re-trained to fine-tune it) is kept as
+    committed, and the re-run's final held-out values beside the committed ones go to study.json's
+    `reproductions`. Its invocations are appended. The settings must be the same. Returns what it did."""
+    old_study, new_study = (json.loads((d / "study.json").read_text()) for d in (into, new))
+    if old_study["config"] != new_study["config"]:
+        diff = sorted(k for k in set(old_study["config"]) | set(new_study["config"])
+                      if old_study["config"].get(k) != new_study["config"].get(k))
+        raise ValueError(f"{new} was made with other settings than {into} ({', '.join(diff)}): nothing merged")
+    done = []
+    reproductions = {r["run"]: r for r in old_study.get("reproductions", [])}
+    for path in sorted(new.glob("*__seed-*.json")):
+        rec = json.loads(path.read_text())
+        target = into / path.name
+        if not target.exists():
+            target.write_text(path.read_text())
+            done.append(f"added {rec['run']}")
+            continue
+        old = json.loads(target.read_text())
+        if old["spec"] != rec["spec"]:
+            raise ValueError(f"{path.name}: the re-run's spec differs from the committed one: nothing merged")
+        final_old = old["measures"]["series"][-1]["heldout"]
+        final_new = rec["measures"]["series"][-1]["heldout"]
+        reproductions[rec["run"]] = {
+            "run": rec["run"], "committed": {k: final_old[k] for k in REPRODUCED},
+            "rerun": {k: final_new[k] for k in REPRODUCED},
+            "committed_commit": old["attempts"][0].get("commit"), "rerun_commit": rec["attempts"][0].get("commit"),
+            "rerun_command": rec["command"], "rerun_attempts": rec["attempts"],
+        }
+        done.append(f"re-run of {rec['run']} compared with the committed one")
+    known = {i["start"] for i in old_study["invocations"]}
+    old_study["invocations"] += [i for i in new_study["invocations"] if i["start"] not in known]
+    old_study["reproductions"] = [reproductions[k] for k in sorted(reproductions)]
+    (into / "study.json").write_text(json.dumps(old_study, indent=1) + "\n")
+    return done
+
+
 def _asdict(cfg) -> dict:
     from dataclasses import asdict
 
@@ -582,9 +623,11 @@ def _provenance(raw: Raw) -> list[str]:
             cpu[a["kind"]] += a.get("cpu_s") or 0.0
     invocations = raw.study.get("invocations", [])
     wall = sum(i.get("wall_s") or 0.0 for i in invocations)
+    unrecorded = sum(i.get("wall_s") is None for i in invocations)
     out = [f"- Cost: {cpu['train'] / 60:.0f} core-minutes of training and {cpu['post'] / 60:.0f} of measurement "
            f"(CPU time of the processes, whatever else the machine ran); {wall / 3600:.1f} h wall over "
-           f"{len(invocations)} invocation(s).",
+           f"{len(invocations) - unrecorded} of {len(invocations)} invocation(s)"
+           + (f" ({unrecorded} stopped before recording their wall time)." if unrecorded else "."),
            "- Code of each attempt (commit → attempts):"]
     for key, what in sorted(commits.items()):
         out.append(f"  - `{key}`: {len(what)} attempt(s) ({', '.join(sorted(set(what))[:6])}"
@@ -592,8 +635,18 @@ def _provenance(raw: Raw) -> list[str]:
     for inv in invocations:
         out.append(f"- invocation `{' '.join(inv['argv'])}` at `{(inv.get('commit') or 'unknown')[:12]}`"
                    f"{' (with local changes)' if inv.get('dirty_files') else ''}: "
-                   f"{_f((inv.get('wall_s') or 0) / 60, '{:.0f}')} min")
+                   + (f"{inv['wall_s'] / 60:.0f} min" if inv.get("wall_s") is not None
+                      else "wall time not recorded (stopped before it ended)"))
     out.append("- Each run's exact command is in its raw file (`command`), with `$OUT` for the output folder.")
+    for rep in raw.study.get("reproductions", []):
+        worst = max(abs(rep["rerun"][k] - rep["committed"][k]) for k in REPRODUCED)
+        shown = ", ".join(f"{k} {_f(rep['committed'][k], '{:.4f}')} → {_f(rep['rerun'][k], '{:.4f}')}"
+                          for k in REPRODUCED)
+        out.append(f"- Re-trained to fine-tune it (a later invocation): `{rep['run']}` at "
+                   f"`{(rep.get('rerun_commit') or 'unknown')[:12]}`, the committed run at "
+                   f"`{(rep.get('committed_commit') or 'unknown')[:12]}`; final held-out values committed → "
+                   f"re-run: {shown} (largest difference {worst:.2g}). The tables use the committed run; its SFT "
+                   "started from the re-run.")
     return out
 
 
@@ -707,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", type=Path, required=True, help="the raw results folder (OUTPUT/raw or docs/study/raw)")
     p.add_argument("--report", type=Path, required=True, help="the markdown report; plots and results.json beside it")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--merge", type=Path, help="first add the runs of this raw folder (from `study.py --runs`) to "
+                   "--raw: new runs copied in, re-runs of committed ones compared with them (study.json)")
     p.add_argument("--sft-doc", type=Path, help=f"also copy the SFT section between {SFT_MARKERS[0]} and "
                    f"{SFT_MARKERS[1]} of this document (docs/sft.md)")
     args = p.parse_args(argv)
@@ -720,6 +775,16 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             print(f"study_report.py: error: --sft-doc {args.sft_doc}: {e}; add the two markers where the section "
                   "goes", file=sys.stderr)
+            return 2
+    if args.merge is not None:
+        if not (args.merge / "study.json").is_file():
+            print(f"study_report.py: error: --merge {args.merge}: no study.json there", file=sys.stderr)
+            return 2
+        try:
+            for line in merge_raw(args.merge, args.raw):
+                print(f"[study] {line}")
+        except ValueError as e:
+            print(f"study_report.py: error: --merge {args.merge}: {e}", file=sys.stderr)
             return 2
     write_report(args.raw, args.report, plots=not args.no_plots)
     print(f"[study] report: {args.report}")

@@ -43,8 +43,10 @@ How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
@@ -55,24 +57,67 @@ from torch import Tensor
 
 from megatron_jreg import jreg
 from megatron_jreg.compat import device as _device
+from megatron_jreg.errors import UsageError
 
 
-@dataclass
+def _flag(name: str, help: str, **kwargs: object) -> dict:
+    return {"flag": name, "help": help, **kwargs}
+
+
+@dataclass(frozen=True)
 class JregConfig:
-    """JREG settings; `lam` = λ (0 disables the penalty), `alpha` = α of w_ℓ = softmax(α·ℓ)."""
+    """JREG's settings, in one place: the `--jreg-*` flags are generated from these fields (`add_flags`), a run's
+    config is built from its args once (`from_args`), validated here, and written whole to each checkpoint's
+    megatron_jreg.json (`record`)."""
 
-    lam: float = 0.0
-    alpha: float = 1.0  # the paper's best
-    distance: str = "angular"
-    layers: list[int] | None = None  # penalized global layers (1-based); None = all
+    lam: float = field(default=0.0, metadata=_flag(
+        "--jreg-lambda", "λ of the JREG penalty λ·Σ w_ℓ Ψ_ℓ (0 = the plain Megatron-LM baseline; paper: 1)",
+        type=float))
+    alpha: float = field(default=1.0, metadata=_flag(
+        "--jreg-alpha", "α of the layer weights w_ℓ = softmax(α·ℓ) (paper's best: 1)", type=float))
+    distance: str = field(default="angular", metadata=_flag(
+        "--jreg-distance", "displacement Ψ: angular = arccos(cos)/π (paper), cosine = 1 − cos (smooth)",
+        choices=jreg.DISTANCES))
+    layers: tuple[int, ...] | None = field(default=None, metadata=_flag(
+        "--jreg-layers", "penalize only these global layers (1-based); default all", type=int, nargs="+"))
 
-    def validate(self, num_layers: int) -> None:
-        if self.lam < 0:
-            raise ValueError(f"--jreg-lambda must be >= 0 (got {self.lam}); 0 trains the plain baseline")
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lam, int | float) and math.isfinite(self.lam) and self.lam >= 0):
+            raise UsageError(f"--jreg-lambda must be >= 0 (got {self.lam}); 0 trains the plain baseline")
+        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha)):
+            raise UsageError(f"--jreg-alpha must be a finite number (got {self.alpha})")
         if self.distance not in jreg.DISTANCES:
-            raise ValueError(f"--jreg-distance must be one of {jreg.DISTANCES} (got {self.distance!r})")
-        if self.layers is not None and not all(1 <= x <= num_layers for x in self.layers):
-            raise ValueError(f"--jreg-layers must lie in 1..{num_layers} (got {self.layers})")
+            raise UsageError(f"--jreg-distance must be one of {', '.join(jreg.DISTANCES)} (got {self.distance!r})")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            if not self.layers or not all(isinstance(x, int) and x >= 1 for x in self.layers):
+                raise UsageError(f"--jreg-layers {list(self.layers)}: layers are numbered from 1")
+
+    def check_layers(self, num_layers: int) -> None:
+        """--jreg-layers within the model's 1..num_layers (known only once the model's flags are)."""
+        bad = [x for x in self.layers or () if x > num_layers]
+        if bad:
+            raise UsageError(f"--jreg-layers {bad}: layers are numbered 1..{num_layers}")
+
+    @staticmethod
+    def add_flags(group: argparse._ArgumentGroup) -> None:
+        """The `--jreg-*` flags, one per field (dest `jreg_<flag>`), with the fields' defaults."""
+        for f in fields(JregConfig):
+            meta = dict(f.metadata)
+            group.add_argument(meta.pop("flag"), default=f.default, **meta)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> JregConfig:
+        """The run's settings from Megatron-LM's args namespace (where the flags' values live)."""
+        cfg = cls(**{f.name: getattr(args, f.metadata["flag"][2:].replace("-", "_")) for f in fields(cls)})
+        if getattr(args, "num_layers", None) is not None:
+            cfg.check_layers(args.num_layers)
+        return cfg
+
+    def record(self) -> dict:
+        """What a checkpoint's megatron_jreg.json keeps of the run's JREG settings (keys as the flags)."""
+        return {f.metadata["flag"].removeprefix("--jreg-"): (list(v) if isinstance(v := getattr(self, f.name), tuple)
+                                                            else v) for f in fields(self)}
 
 
 @dataclass
@@ -174,7 +219,7 @@ class JregPlugin:
         self.chunks = list(model_chunks)
         self.mcfg = _model_config(model_chunks)
         self.num_layers = self.mcfg.num_layers
-        cfg.validate(self.num_layers)
+        cfg.check_layers(self.num_layers)
         self.layers = decoder_layers(model_chunks)  # [(ℓ, layer)]
         bad = [ell for ell, _ in self.layers if not 1 <= ell <= self.num_layers]
         if bad:

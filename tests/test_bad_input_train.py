@@ -166,6 +166,7 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "weight-decay-inf": (TINY + ["--weight-decay", "inf"], "--weight-decay inf"),
         "lambda-negative": (TINY + ["--jreg-lambda", "-1"], "--jreg-lambda must be >= 0"),
         "jreg-layers-out-of-range": (TINY + ["--jreg-layers", "5"], "--jreg-layers [5]"),
+        "jreg-layers-zero": (TINY + ["--jreg-layers", "0", "2"], "--jreg-layers [0, 2]: layers are numbered from 1"),
         "unknown-preset": (TINY + ["--model-preset", "llama-7b"], "--model-preset 'llama-7b' is unknown"),
         "unknown-flag": (TINY + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         "bad-int": (TINY + ["--train-iters", "many"], "--train-iters"),
@@ -359,7 +360,8 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
 
 @pytest.mark.parametrize("name", [
     "lambda-nan", "alpha-nan", "clip-grad-nan", "lr-nan", "weight-decay-inf", "lambda-negative",
-    "jreg-layers-out-of-range", "unknown-preset", "unknown-flag", "bad-int", "load-is-a-file", "save-is-a-file",
+    "jreg-layers-out-of-range", "jreg-layers-zero", "unknown-preset", "unknown-flag", "bad-int", "load-is-a-file",
+    "save-is-a-file",
     "save-without-interval", "split-all-zero", "split-not-numbers", "missing-data", "vocabulary-too-small",
     "truncated-idx", "missing-tokenizer", "global-batch", "pp-bigger-than-world", "fp8-on-cpu",
     "te-default-without-te", "wandb-missing", "sft-without-chat-tokenizer", "sft-with-attention-mask",

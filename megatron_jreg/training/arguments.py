@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_jreg.errors import UsageError
+from megatron_jreg.plugin import JregConfig
 
 PROG = "megatron-jreg train"
 
@@ -95,14 +96,7 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.error = error  # type: ignore[method-assign]
     g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
-    g.add_argument("--jreg-lambda", type=float, default=0.0,
-                   help="λ of the JREG penalty λ·Σ w_ℓ Ψ_ℓ (0 = the plain Megatron-LM baseline; paper: 1)")
-    g.add_argument("--jreg-alpha", type=float, default=1.0,
-                   help="α of the layer weights w_ℓ = softmax(α·ℓ) (paper's best: 1)")
-    g.add_argument("--jreg-distance", choices=["angular", "cosine"], default="angular",
-                   help="displacement Ψ: angular = arccos(cos)/π (paper), cosine = 1 − cos (smooth)")
-    g.add_argument("--jreg-layers", type=int, nargs="+", default=None,
-                   help="penalize only these global layers (1-based); default all")
+    JregConfig.add_flags(g)
     g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="the paper's architectures (Llama-3.2 proportions) as flags; explicit flags override")
     g.add_argument("--metrics-file", default=None,
@@ -146,15 +140,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise UsageError(f"{flag(name)} {v}: give a finite number")
-
-
-def _check_jreg(args: argparse.Namespace) -> None:
-    if args.jreg_lambda < 0:
-        raise UsageError(f"--jreg-lambda must be >= 0 (got {args.jreg_lambda}); 0 trains the plain baseline")
-    if args.jreg_layers is not None and args.num_layers is not None:
-        bad = [x for x in args.jreg_layers if not 1 <= x <= args.num_layers]
-        if bad:
-            raise UsageError(f"--jreg-layers {bad}: layers are numbered 1..{args.num_layers}")
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -426,7 +411,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
         _args_from_checkpoint(args)
     _check_numbers(args)
-    _check_jreg(args)
+    JregConfig.from_args(args)  # --jreg-* before Megatron-LM's own checks
     _check_paths(args)
     _check_sft(args)
     _check_data(args)
@@ -446,7 +431,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         raise UsageError(_assertion_text(e, args)) from None
     _check_model_config(args)
-    _check_jreg(args)  # num_layers may only now be known
+    JregConfig.from_args(args)  # --jreg-layers against num_layers, which may only now be known
     if args.wandb_project:
         try:
             import wandb  # noqa: F401

@@ -48,6 +48,7 @@ from megatron_jreg.checkpoints import (
 )
 from megatron_jreg.checkpoints.files import TRACKER, check_storage_paths
 from megatron_jreg.errors import FAILED, JregError, UsageError
+from megatron_jreg.plugin import JregConfig
 
 SIDECAR = "megatron_jreg.json"
 _originals: dict = {}
@@ -161,8 +162,7 @@ def _save_checkpoint(iteration, model, optimizer, *a, **k):
     if torch.distributed.get_rank() == 0 and persistent:
         tmp = ckpt / (SIDECAR + ".tmp")
         record = {"torch_adam_step": next((s for s in steps if s is not None), None),
-                  "jreg": {"lambda": args.jreg_lambda, "alpha": args.jreg_alpha, "distance": args.jreg_distance,
-                           "layers": args.jreg_layers}}
+                  "jreg": JregConfig.from_args(args).record()}
         try:
             ckpt.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(record, indent=2))

@@ -38,8 +38,7 @@ class JregLoop:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.cfg = JregConfig(lam=args.jreg_lambda, alpha=args.jreg_alpha, distance=args.jreg_distance,
-                              layers=args.jreg_layers)
+        self.cfg = JregConfig.from_args(args)
         self.plugin: JregPlugin | None = None
         self.stats: JregStats | None = None  # Ψ of the last recorded training iteration
         self.evaluations: list[tuple[JregStats, float | None]] = []  # (Ψ, lm loss) of each `evaluate` call
