@@ -50,9 +50,8 @@ EVALUATE_AND_PRINT = "megatron.training.training.evaluate_and_print_results"
 PRINT_RANK_LAST = "megatron.training.training.print_rank_last"
 TIMER_ELAPSED = "megatron.core.timers.Timer.elapsed"
 
-# The tuples Megatron-LM core_v0.19.0 returns (megatron/training/training.py): train_step's `return (loss_reduced,
-# skipped_iter, ...)` and the names train() unpacks it into; evaluate's `return total_loss_dict,
-# collected_non_loss_data, False`.
+# The tuples Megatron-LM returns, megatron/training/training.py at core_v0.19.0 (as in the 0.19.2 wheel): train_step's
+# (lines 2336-2565; the names train() unpacks it into, 3847-3856) and evaluate's (4160-4339).
 TRAIN_STEP_RESULT = ("loss_dict", "skipped_iter", "should_checkpoint", "should_exit", "exit_code", "grad_norm",
                      "num_zeros_in_grad", "max_attention_logit")
 EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")

@@ -126,10 +126,10 @@ def run(argv: list[str]) -> int:
         args = parse_and_validate(argv)
         checkpointing.check_load(args)
         loop = JregLoop(args)
+        # pretrain_gpt.py:520-530 (core_v0.19.0): its config container and pretrain call, with our providers
         config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
         try:
             with training_patches(args, loop):
-                # pretrain_gpt.py:520-530 (core_v0.19.0): its pretrain call, with our providers
                 training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                                   partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
                                   store=_one_process_store())
