@@ -40,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     _single_process_env()
+    from megatron_jreg.patches import PatchError
     from megatron_jreg.training.arguments import UsageError
     from megatron_jreg.training.checkpointing import RankLost, SaveError
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
-    except (UsageError, SaveError, RankLost) as e:
+    except (UsageError, SaveError, RankLost, PatchError) as e:  # PatchError: a Megatron-LM it was not written for
         if debug:
             import traceback
 
