@@ -2,7 +2,9 @@
 
 megatron-core is written for GPUs; a handful of CUDA-only calls stop it on a machine without one. This
 module redirects exactly those calls, and nothing when CUDA is available. `apply_cpu_compat()` is called
-once at process start by every entry point (and by the test workers).
+once at process start by every entry point (and by the test workers). Each redirect is a row of
+`megatron_jreg.patches.PATCHES` (why, the version it was written for, when it can go), applied through it
+for the life of the process.
 
 What is redirected and why:
 - `torch.cuda.current_device()` returns the CPU device (rotary embedding, attention and p2p buffers).
@@ -32,10 +34,14 @@ Megatron-LM's training package (`megatron.training`) needs a few more, applied b
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from megatron_jreg import patches
 
 log = logging.getLogger(__name__)
 
@@ -93,38 +99,72 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _patch_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-        return _device_rng.get_state()
-
-    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-        _device_rng.set_state(new_state)
-
-    def add(self, name: str, seed: int) -> None:
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
-        if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    mrandom.CudaRNGStatesTracker.add = add
+def _get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return _device_rng.get_state()
 
 
-def _patch_causal_mask() -> None:
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils
+def _set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    _device_rng.set_state(new_state)
 
-    def causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
-    utils.get_default_causal_mask = causal_mask
-    fused_softmax.get_default_causal_mask = causal_mask
+def _tracker_add(self, name: str, seed: int) -> None:  # noqa: ANN001 - megatron's CudaRNGStatesTracker
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self.seeds_.add(seed)
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _value(value: Any) -> Callable[[Any], Any]:
+    """A maker (megatron_jreg.patches) that replaces the original by `value`."""
+    return lambda _original: value
+
+
+# What apply_cpu_compat replaces: targets of megatron_jreg.patches.PATCHES (why and until are there).
+_CPU_PATCHES = {
+    "torch.cuda.current_device": _value(lambda: torch.device("cpu")),
+    "torch.cuda.synchronize": _value(lambda *a, **k: None),
+    "torch.cuda.current_stream": _value(lambda *a, **k: _NullStream()),
+    "torch.cuda.default_stream": _value(lambda *a, **k: _NullStream()),
+    "torch.cuda.Stream": _value(_NullStream),
+    "torch.cuda.Event": _value(_NullStream),
+    "torch.cuda.stream": _value(lambda *a, **k: contextlib.nullcontext()),
+    "torch.cuda.manual_seed": _value(lambda seed: _device_rng.manual_seed(int(seed))),
+    "torch.cuda.manual_seed_all": _value(lambda seed: _device_rng.manual_seed(int(seed))),
+    "torch.cuda.get_rng_state": _value(lambda *a, **k: _device_rng.get_state()),
+    "torch.cuda.set_rng_state": _value(lambda state, *a, **k: _device_rng.set_state(state)),
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state": _value(_get_state),
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state": _value(_set_state),
+    "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add": _value(_tracker_add),
+    "megatron.core.transformer.utils.get_default_causal_mask": _value(_causal_mask),
+    "megatron.core.fusions.fused_softmax.get_default_causal_mask": _value(_causal_mask),
+}
+
+
+def _allow_no_cuda(initialize: Callable) -> Callable:
+    """initialize_megatron with allow_no_cuda=True (pretrain() does not pass it)."""
+
+    @functools.wraps(initialize)
+    def initialize_megatron(*a: Any, **k: Any) -> Any:
+        k["allow_no_cuda"] = True
+        return initialize(*a, **k)
+
+    return initialize_megatron
+
+
+# What apply_cpu_training_compat adds.
+_CPU_TRAINING_PATCHES = {
+    "torch.cuda.device_count": _value(lambda: 1),
+    "torch.cuda.set_device": _value(lambda *a, **k: None),
+    "megatron.training.arguments.get_device_arch_version": _value(lambda: 9),
+    "megatron.training.training.initialize_megatron": _allow_no_cuda,
+}
 
 
 def apply_cpu_compat() -> bool:
@@ -134,19 +174,7 @@ def apply_cpu_compat() -> bool:
         return False
     if _applied:
         return True
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()
-    torch.cuda.default_stream = lambda *a, **k: _NullStream()
-    torch.cuda.Stream = _NullStream
-    torch.cuda.Event = _NullStream
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.manual_seed = lambda seed: _device_rng.manual_seed(int(seed))
-    torch.cuda.manual_seed_all = torch.cuda.manual_seed
-    torch.cuda.get_rng_state = lambda *a, **k: _device_rng.get_state()
-    torch.cuda.set_rng_state = lambda state, *a, **k: _device_rng.set_state(state)
-    _patch_rng_tracker()
-    _patch_causal_mask()
+    patches.apply_process(_CPU_PATCHES)
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
     log.info("CUDA not available: megatron-core runs on CPU (gloo) through megatron_jreg.compat")
@@ -160,20 +188,7 @@ def apply_cpu_training_compat(args: Any | None = None) -> bool:
     Returns True when active (no CUDA)."""
     if not apply_cpu_compat():
         return False
-    from megatron.training import arguments, training
-
-    torch.cuda.device_count = lambda: 1
-    torch.cuda.set_device = lambda *a, **k: None
-    arguments.get_device_arch_version = lambda: 9
-    if not getattr(training.initialize_megatron, "_cpu_compat", False):
-        initialize = training.initialize_megatron
-
-        def initialize_megatron(*a: Any, **k: Any) -> Any:
-            k["allow_no_cuda"] = True
-            return initialize(*a, **k)
-
-        initialize_megatron._cpu_compat = True  # type: ignore[attr-defined]
-        training.initialize_megatron = initialize_megatron
+    patches.apply_process(_CPU_TRAINING_PATCHES)
     if args is not None:
         import os
 

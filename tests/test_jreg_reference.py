@@ -129,7 +129,7 @@ class Reference:
         from megatron_jreg.training import loop, step
         from megatron_jreg.training.sharding import gather_full
 
-        attach, loss_func, train_step = loop.JregLoop.attach, step.loss_func, loop.JregLoop.train_step
+        attach, loss_func, step_end = loop.JregLoop.attach, step.loss_func, loop.JregLoop.on_train_step_end
         ref = self
 
         def own_attach(loop_self, chunks):
@@ -145,16 +145,15 @@ class Reference:
                 loss = loss + ref.penalty(loss_mask)
             return loss, num_tokens, report
 
-        def own_train_step(loop_self, *args, **kwargs):
-            result = train_step(loop_self, *args, **kwargs)
+        def own_step_end(loop_self, iteration, model, result):
+            step_end(loop_self, iteration, model, result)
             if ref.grads is None:
-                ref.grads = gather_full(args[2], value=lambda p: p.main_grad)
-            return result
+                ref.grads = gather_full(model, value=lambda p: p.main_grad)
 
-        loop.JregLoop.attach, step.loss_func, loop.JregLoop.train_step = own_attach, own_loss, own_train_step
+        loop.JregLoop.attach, step.loss_func, loop.JregLoop.on_train_step_end = own_attach, own_loss, own_step_end
 
         def undo():
-            loop.JregLoop.attach, step.loss_func, loop.JregLoop.train_step = attach, loss_func, train_step
+            loop.JregLoop.attach, step.loss_func, loop.JregLoop.on_train_step_end = attach, loss_func, step_end
 
         return undo
 
@@ -164,20 +163,19 @@ def _grads_after_first_step(argv: list[str]) -> tuple[int, dict]:
     from megatron_jreg.training import loop
     from megatron_jreg.training.sharding import gather_full
 
-    train_step = loop.JregLoop.train_step
+    step_end = loop.JregLoop.on_train_step_end
     box: dict = {}
 
-    def capture(loop_self, *args, **kwargs):
-        result = train_step(loop_self, *args, **kwargs)
+    def capture(loop_self, iteration, model, result):
+        step_end(loop_self, iteration, model, result)
         if "grads" not in box:
-            box["grads"] = gather_full(args[2], value=lambda p: p.main_grad)
-        return result
+            box["grads"] = gather_full(model, value=lambda p: p.main_grad)
 
-    loop.JregLoop.train_step = capture
+    loop.JregLoop.on_train_step_end = capture
     try:
         rc = train(argv)[0]
     finally:
-        loop.JregLoop.train_step = train_step
+        loop.JregLoop.on_train_step_end = step_end
     return rc, box.get("grads", {})
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg import patches
 from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import NotRegularFile, open_regular, special_kind
 
@@ -213,46 +214,46 @@ def load_metadata(path: str | Path):
                               "truncated or corrupt: resume from another iteration") from None
 
 
-_installed = False
+def _read_metadata(self, *args, **kwargs):  # noqa: ANN001, ANN202 - torch's FileSystemReader.read_metadata
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = Path(self._get_metadata_path(kwargs.get("rank")))
+    metadata = load_metadata(path)
+    check_storage_paths(metadata, path.parent)  # before the reader opens any of them
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = self.load_id
+    return metadata
+
+
+def _load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: ANN001 - torch's DefaultLoadPlanner.load_bytes
+    from torch.distributed.checkpoint import default_planner
+
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint object {read_item.dest_index.fqn!r}: refused to load "
+                              f"({' '.join(str(e).split())[:200]}); this checkpoint could run code") from None
+    if self.flatten_state_dict:
+        default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
+_READER = "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata"
 
 
 def install_safe_checkpoint_reader() -> None:
-    """Make torch's DCP FileSystemReader read `.metadata` through MetadataUnpickler (process-wide)."""
-    global _installed
-    if _installed:
+    """Make torch's DCP FileSystemReader read `.metadata` through MetadataUnpickler, and its load planner
+    unpickle with weights_only=True (process-wide; rows of megatron_jreg.patches.PATCHES)."""
+    if patches.is_applied(_READER):
         return
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    def read_metadata(self, *args, **kwargs):  # noqa: ANN001, ANN202 - torch's signature
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        metadata = load_metadata(path)
-        check_storage_paths(metadata, path.parent)  # before the reader opens any of them
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    filesystem.FileSystemReader.read_metadata = read_metadata
-
     from megatron.core.safe_globals import register_safe_globals
-    from torch.distributed.checkpoint import default_planner
 
     register_safe_globals()
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: ANN001 - torch's signature
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"checkpoint object {read_item.dest_index.fqn!r}: refused to load "
-                                  f"({' '.join(str(e).split())[:200]}); this checkpoint could run code") from None
-        if self.flatten_state_dict:
-            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
-    _installed = True
+    patches.apply_process({_READER: lambda _original: _read_metadata,
+                           "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes":
+                               lambda _original: _load_bytes})
 
 
 def _sha256(path: Path) -> str:

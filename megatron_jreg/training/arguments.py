@@ -419,7 +419,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     if not args.jreg_no_exit_signal_handler:
         args.exit_signal_handler = True
     args.verify_integrity = args.verify_integrity or not args.jreg_no_verify_integrity
-    if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults)
+    if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
         args.tokenizer_type = "GPT2BPETokenizer"
     if not torch.cuda.is_available():
         _check_cpu(args)

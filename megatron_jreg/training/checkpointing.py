@@ -3,7 +3,7 @@
 - Before any work, `--load` is checked (`check_load`): a malformed tracker, a missing or incomplete
   iteration directory, or hostile `.metadata` stop with one line (Megatron-LM exits 0 on a bad tracker,
   and torch unpickles `.metadata` with plain pickle).
-- `install` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
+- `patch_makers` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
   calls): the checkpoint's SHA-256 manifest is verified first when it has one (Megatron-LM's own
   --verify-integrity would refuse checkpoints saved without it, e.g. by Megatron-LM's defaults), and
   the loaded checkpoint is reported.
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
+import inspect
 import json
 import logging
 import os
@@ -51,7 +53,6 @@ from megatron_jreg.errors import FAILED, JregError, UsageError
 from megatron_jreg.plugin import JregConfig
 
 SIDECAR = "megatron_jreg.json"
-_originals: dict = {}
 
 
 class SaveError(JregError, RuntimeError):
@@ -116,38 +117,36 @@ def check_load(args: argparse.Namespace) -> None:
         raise UsageError(f"{option}: {e}") from None
 
 
-def install(args: argparse.Namespace) -> None:
-    from megatron.training import training
-
-    if not _originals:
-        _originals["load_checkpoint"], training.load_checkpoint = training.load_checkpoint, _load_checkpoint
-        _originals["save_checkpoint"], training.save_checkpoint = training.save_checkpoint, _save_checkpoint
-
-
-def uninstall() -> None:
-    from megatron.training import training
-
-    for name, fn in _originals.items():
-        setattr(training, name, fn)
-    _originals.clear()
+def patch_makers() -> dict:
+    """Megatron-LM's load_checkpoint/save_checkpoint → these wrappers (rows of megatron_jreg.patches.PATCHES;
+    applied around pretrain by training.run)."""
+    return {"megatron.training.training.load_checkpoint": lambda orig: functools.partial(_load_checkpoint, orig),
+            "megatron.training.training.save_checkpoint": lambda orig: functools.partial(_save_checkpoint, orig)}
 
 
-def _save_checkpoint(iteration, model, optimizer, *a, **k):
-    """Megatron-LM's save_checkpoint, then megatron_jreg.json (Adam's step count, JREG settings) beside it;
+def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
+    """The call's arguments by name (their order is Megatron-LM's, checked by megatron_jreg.patches)."""
+    return inspect.signature(original).bind(*a, **k).arguments
+
+
+def _save_checkpoint(original, *a, **k):  # noqa: ANN001
+    """Megatron-LM's save_checkpoint (`original`), then megatron_jreg.json (Adam's step count, JREG settings) beside it;
     a failed save becomes one SaveError line (module docstring)."""
     import torch
     from megatron.training import get_args
     from megatron.training.checkpointing import get_checkpoint_name
 
     args = get_args()
-    persistent = not k.get("non_persistent_ckpt", False)
+    call = _bound(original, a, k)
+    iteration, model, optimizer = call["iteration"], call["model"], call["optimizer"]
+    persistent = not call.get("non_persistent_ckpt", False)
     ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
     previous = _tracked(args.save)
     writer = logging.getLogger(_WRITER_LOG)
     writer_errors = _Collect()
     writer.addFilter(writer_errors)
     try:
-        result = _originals["save_checkpoint"](iteration, model, optimizer, *a, **k)
+        result = original(*a, **k)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
         if not persistent:
             raise
@@ -284,8 +283,9 @@ def _saved_adam_step(args: argparse.Namespace) -> int | None:
         return None
 
 
-def _load_checkpoint(*a, **k):
-    """Megatron-LM's load_checkpoint, after verifying the checkpoint's digests (rank 0 reads, all raise)."""
+def _load_checkpoint(original, *a, **k):  # noqa: ANN001
+    """Megatron-LM's load_checkpoint (`original`), after verifying the checkpoint's digests (rank 0 reads, all
+    raise)."""
     import torch
     from megatron.training import get_args, print_rank_0
 
@@ -307,7 +307,7 @@ def _load_checkpoint(*a, **k):
         if isinstance(verified[0], Exception):
             raise UsageError(f"--load: {verified[0]}")
         print_rank_0(f"megatron-jreg: {verified[0]}")
-    optimizer = a[1] if len(a) > 1 else k.get("optimizer")
+    optimizer = _bound(original, a, k).get("optimizer")
     torch_adam = _torch_adam_distributed(optimizer) if resuming else []
     for opt in torch_adam:
         if not opt.optimizer.state:
@@ -315,7 +315,7 @@ def _load_checkpoint(*a, **k):
     saved, args.verify_integrity = args.verify_integrity, False  # verified above (or deliberately not)
     try:
         with torch.no_grad():  # copies into leaf (main) parameters; Megatron-LM relies on apex/TE paths here
-            result = _originals["load_checkpoint"](*a, **k)
+            result = original(*a, **k)
     except UsageError:
         raise
     except AssertionError as e:

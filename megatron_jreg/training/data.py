@@ -183,4 +183,4 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp
     return datasets
 
 
-train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py: every rank calls it
+train_valid_test_datasets_provider.is_distributed = True  # every rank calls it: pretrain_gpt.py:507 (core_v0.19.0)

@@ -1,40 +1,64 @@
-"""JREG inside Megatron-LM's training loop: the one place where megatron-jreg touches `megatron.training`.
+"""JREG inside Megatron-LM's training loop: the events of a run (`JregLoop`) and the adapter that raises them
+from Megatron-LM's functions (`MegatronLoopAdapter`, the only code here that knows their argument order and
+return tuples). The patches themselves are rows of `megatron_jreg.patches.PATCHES` (the one list).
 
 The penalty itself needs no loop change: `JregPlugin` hooks every TransformerLayer (attached to the
 wrapped model by a post-wrap hook of the model builder) and its term enters backward on the stage that
 owns the layer. Two things cannot live inside the pipeline schedule, whose `forward_step` runs per
 microbatch and only on some stages: where a step starts (the plugin's loss scale and microbatch count)
 and the one collective that reduces Ψ over all ranks (inside `forward_step` it would deadlock under PP).
-Megatron-LM has no step-begin/step-end callback, so `install()` wraps four module-level functions of
-`megatron.training.training` that its `train()` looks up at call time:
+Megatron-LM has no step-begin/step-end callback, so the adapter wraps four module-level functions of
+`megatron.training.training` that its `train()` looks up at call time, and raises these events:
 
-- `train_step`: start the plugin's step before it, reduce Ψ after it on logging iterations;
-- `training_log`: append Ψ/ζ/L_cos to Megatron-LM's own iteration line (its `lm loss` field unchanged),
-  add them to its TensorBoard and W&B writers, write `--metrics-file` with the line's own loss window and
-  elapsed time (read from Megatron-LM's accumulators and its `interval-time` timer as the line is made),
-  advance the progress bar, and name the iteration and the last good checkpoint when the rerun machine
-  stops on NaN/Inf;
-- `evaluate` / `evaluate_and_print_results`: record Ψ on the validation batches, and report it likewise,
-  one record per evaluation.
+- `train_step`: `on_train_step_start` (start the plugin's step) and `on_train_step_end` (reduce Ψ on
+  logging iterations; name the iteration and the last good checkpoint when the rerun machine stops on NaN/Inf);
+- `training_log`: `on_log_start` gives the suffix (Ψ/ζ/L_cos) appended to Megatron-LM's own iteration line
+  (its `lm loss` field unchanged) and `on_log` adds them to its TensorBoard and W&B writers, writes
+  `--metrics-file` with the line's own loss window and elapsed time (read from Megatron-LM's accumulators
+  and its `interval-time` timer as the line is made) and advances the progress bar;
+- `evaluate`: `on_eval_start` / `on_eval_end` record Ψ on the validation batches;
+- `evaluate_and_print_results`: `on_eval_report_start` / `on_eval_report_end` report it, one record per
+  evaluation.
 
-Every wrapper calls Megatron-LM's function with the arguments it got; nothing else changes.
+The adapter reads arguments by name (`inspect.signature(original).bind`) and results by the names of
+Megatron-LM core_v0.19.0's return statements; `megatron_jreg.patches` refuses to install it on a function
+whose parameters differ from those it was written for. Every wrapper calls Megatron-LM's function with the
+arguments it got; nothing else changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
 
+from megatron_jreg import patches
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
 from megatron_jreg.training.metrics import MetricsFile, Progress, console_suffix, jreg_fields, write_scalars
 
+TRAIN_STEP = "megatron.training.training.train_step"
+TRAINING_LOG = "megatron.training.training.training_log"
+EVALUATE = "megatron.training.training.evaluate"
+EVALUATE_AND_PRINT = "megatron.training.training.evaluate_and_print_results"
+PRINT_RANK_LAST = "megatron.training.training.print_rank_last"
+TIMER_ELAPSED = "megatron.core.timers.Timer.elapsed"
+
+# The tuples Megatron-LM returns, megatron/training/training.py at core_v0.19.0 (as in the 0.19.2 wheel): train_step's
+# (lines 2336-2565; the names train() unpacks it into, 3847-3856) and evaluate's (4160-4339).
+TRAIN_STEP_RESULT = ("loss_dict", "skipped_iter", "should_checkpoint", "should_exit", "exit_code", "grad_norm",
+                     "num_zeros_in_grad", "max_attention_logit")
+EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")
+
 
 class JregLoop:
-    """The plugin and the JREG telemetry across one `pretrain` call."""
+    """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -46,7 +70,8 @@ class JregLoop:
         is_logging_rank = args.rank == args.world_size - 1  # Megatron-LM prints its log on the last rank
         self.metrics = MetricsFile(args.metrics_file, is_logging_rank)
         self.progress = Progress(args.progress if is_logging_rank else False, args.train_iters, args.log_interval)
-        self._originals: dict = {}
+        self._record = False  # this training step records Ψ
+        self._line: dict = {}  # what on_log_start read for the line training_log is making
 
     # -- model builder hook --------------------------------------------------------------------------
     def attach(self, model_chunks: list) -> list:
@@ -54,20 +79,11 @@ class JregLoop:
         self.plugin = JregPlugin(model_chunks, self.cfg)
         return model_chunks
 
-    # -- wrappers --------------------------------------------------------------------------------------
-    def install(self) -> None:
-        from megatron.training import training
+    def patch_makers(self) -> dict[str, Callable]:
+        """The wrappers of Megatron-LM's loop functions that raise this loop's events (for patches.patched)."""
+        return MegatronLoopAdapter(self).makers()
 
-        for name in ("train_step", "training_log", "evaluate", "evaluate_and_print_results"):
-            self._originals[name] = getattr(training, name)
-            setattr(training, name, getattr(self, name))
-
-    def uninstall(self) -> None:
-        from megatron.training import training
-
-        for name, fn in self._originals.items():
-            setattr(training, name, fn)
-        self._originals.clear()
+    def close(self) -> None:
         self.progress.close()
         self.metrics.close()
         if self.plugin is not None:
@@ -77,20 +93,22 @@ class JregLoop:
         """Megatron-LM prints iteration `iteration + 1` (1-based) when this is true."""
         return self.first_step or (iteration + 1) % self.args.log_interval == 0
 
-    def train_step(self, *args, **kwargs):
+    # -- events ------------------------------------------------------------------------------------------
+    def on_train_step_start(self, iteration: int | None) -> None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        iteration = kwargs.get("iteration")
-        record = self._records(iteration if iteration is not None else 0)
+        self._record = self._records(iteration or 0)
         if self.first_step:
             self.progress.start(iteration or 0)
-        self.plugin.start_step(get_num_microbatches(), record=record)
-        result = self._originals["train_step"](*args, **kwargs)
-        self.stats = self.plugin.finish_step() if record else None
-        should_exit, exit_code = result[3], result[4]
-        if should_exit and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE):
+        self.plugin.start_step(get_num_microbatches(), record=self._record)
+
+    def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
+        """After Megatron-LM's train_step; `result` by TRAIN_STEP_RESULT's names."""
+        self.stats = self.plugin.finish_step() if self._record else None
+        exit_code = result["exit_code"]
+        if result["should_exit"] and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                                   EXIT_CODE_RESUME_TO_DISAMBIGUATE):
             self._report_divergence((iteration or 0) + 1, exit_code)
-        return result
 
     def _report_divergence(self, iteration: int, exit_code: int) -> None:
         """Megatron-LM's rerun machine stops on NaN/Inf: exit 16 after saving a checkpoint when the result
@@ -113,34 +131,30 @@ class JregLoop:
         print_rank_0(f"megatron-jreg train: NaN/Inf loss or gradient at iteration {iteration}; last good checkpoint: "
                      f"{last}; {advice}")
 
-    def training_log(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                     skipped_iter, grad_norm, *args, **kwargs):
-        from megatron.training import get_timers, training
-
-        is_first = kwargs.get("is_first_iteration", False)
-        logging_now = iteration % self.args.log_interval == 0 or is_first
+    def on_log_start(self, log: Mapping[str, Any]) -> str | None:
+        """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line, if
+        it prints one with JREG statistics. Reads the line's loss window before training_log resets it."""
+        iteration, total = log["iteration"], log["total_loss_dict"]
+        logging_now = iteration % self.args.log_interval == 0 or log["is_first_iteration"]
         stats = self.stats if logging_now else None
-        lm_loss = _console_lm_loss(loss_dict, total_loss_dict, skipped_iter) if logging_now else None
-        iterations = total_loss_dict.get(_ADVANCED, 0) + total_loss_dict.get(_SKIPPED, 0) + 1  # in its window
-        original_print = training.print_rank_last
-        if stats is not None:
-            training.print_rank_last = lambda message: original_print(message + console_suffix(stats))
-        timer, elapsed = get_timers()("interval-time"), []
-        if logging_now:  # the seconds Megatron-LM divides by the window's iterations for its console line
-            read = timer.elapsed
-            timer.elapsed = lambda *a, **k: elapsed.append(read(*a, **k)) or elapsed[-1]
-        try:
-            result = self._originals["training_log"](loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                                                     report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
-        finally:
-            training.print_rank_last = original_print
-            vars(timer).pop("elapsed", None)
-        seconds = elapsed[0] / iterations if elapsed else None
+        self._line = {
+            "logging_now": logging_now, "stats": stats,
+            "lm_loss": _console_lm_loss(log["loss_dict"], total, log["skipped_iter"]) if logging_now else None,
+            "iterations": total.get(_ADVANCED, 0) + total.get(_SKIPPED, 0) + 1,  # in its window
+        }
+        return console_suffix(stats) if stats is not None else None
+
+    def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
+        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line (the
+        seconds it divides by the window's iterations), None when it printed none."""
+        line, iteration = self._line, log["iteration"]
+        logging_now = line["logging_now"]
+        seconds = window_seconds / line["iterations"] if window_seconds is not None and logging_now else None
         if logging_now:
-            self._log_record(iteration, learning_rate, grad_norm, stats, lm_loss, seconds, kwargs)
+            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], line["lm_loss"],
+                             seconds, log)
         self.first_step = False
         self.progress.update(iteration, seconds)
-        return result
 
     def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, lm_loss: float | None,
                     seconds: float | None, log_kwargs: dict) -> None:
@@ -167,30 +181,30 @@ class JregLoop:
             write_scalars(stats, iteration, "jreg")
         self.metrics.write(record)
 
-    def evaluate(self, forward_step_func, data_iterator, model, process_non_loss_data_func, config, *args, **kwargs):
+    def on_eval_start(self, eval_iters: int | None) -> None:
+        """Before Megatron-LM's evaluate of `eval_iters` iterations (None: --eval-iters)."""
         a = self.args
-        eval_iters = kwargs.get("eval_iters")
         if eval_iters is None:
-            eval_iters = args[3] if len(args) > 3 else a.eval_iters
+            eval_iters = a.eval_iters
         microbatches = a.eval_global_batch_size // (a.eval_micro_batch_size * a.data_parallel_size
                                                     * a.gtp_weight_remat_size)
         self.plugin.start_step(microbatches * eval_iters, record=True)
-        result = self._originals["evaluate"](forward_step_func, data_iterator, model, process_non_loss_data_func,
-                                             config, *args, **kwargs)
-        stats = self.plugin.finish_step()
-        losses = result[0] or {}
-        self.evaluations.append((stats, float(losses["lm loss"]) if "lm loss" in losses else None))
-        return result
 
-    def evaluate_and_print_results(self, prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs):
+    def on_eval_end(self, result: Mapping[str, Any]) -> None:
+        """After Megatron-LM's evaluate; `result` by EVALUATE_RESULT's names."""
+        stats = self.plugin.finish_step()
+        losses = result["total_loss_dict"] or {}
+        self.evaluations.append((stats, float(losses["lm loss"]) if "lm loss" in losses else None))
+
+    def on_eval_report_start(self, prefix: str, iteration: int) -> None:
+        self.evaluations = []
+
+    def on_eval_report_end(self, prefix: str, iteration: int) -> None:
         """One record per evaluation: Megatron-LM evaluates every --eval-interval (`prefix` "iteration N") and once
         more after training on further batches at the same iteration ("iteration N on validation set" / "on test
         set": `final`), each validation set in turn with --multiple-validation-sets."""
         from megatron.training import print_rank_last
 
-        self.evaluations = []
-        result = self._originals["evaluate_and_print_results"](prefix, forward_step_func, data_iterator, model,
-                                                               iteration, *args, **kwargs)
         split = "test" if "on test set" in str(prefix) else "valid"
         final = "on validation set" in str(prefix) or split == "test"
         several = getattr(self.args, "multiple_validation_sets", False)
@@ -204,7 +218,95 @@ class JregLoop:
             group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
             write_scalars(stats, iteration, f"{group}-{name}" if name else group)
         self.evaluations = []
-        return result
+
+
+class MegatronLoopAdapter:
+    """Megatron-LM's loop functions → `JregLoop`'s events. The only place that knows their argument order
+    (read by name through their signatures, checked by megatron_jreg.patches against PATCHES' `params`
+    before installing) and their return tuples (TRAIN_STEP_RESULT, EVALUATE_RESULT)."""
+
+    def __init__(self, events: JregLoop) -> None:
+        self.events = events
+
+    def makers(self) -> dict[str, Callable]:
+        return {TRAIN_STEP: self.train_step, TRAINING_LOG: self.training_log, EVALUATE: self.evaluate,
+                EVALUATE_AND_PRINT: self.evaluate_and_print_results}
+
+    def train_step(self, original: Callable) -> Callable:
+        signature, events = inspect.signature(original), self.events
+
+        @functools.wraps(original)
+        def train_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            call = _bind(signature, args, kwargs)
+            events.on_train_step_start(call["iteration"])
+            result = original(*args, **kwargs)
+            events.on_train_step_end(call["iteration"], call["model"], _named(TRAIN_STEP, TRAIN_STEP_RESULT, result))
+            return result
+
+        return train_step
+
+    def training_log(self, original: Callable) -> Callable:
+        signature, events = inspect.signature(original), self.events
+
+        @functools.wraps(original)
+        def training_log(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            from megatron.training import get_timers
+
+            log = _bind(signature, args, kwargs)
+            suffix = events.on_log_start(log)
+            elapsed: list[float] = []
+
+            def read_elapsed(read: Callable) -> Callable:  # the seconds training_log divides for its line
+                return lambda *a, **k: elapsed.append(read(*a, **k)) or elapsed[-1]
+
+            makers: dict[str, Callable] = {TIMER_ELAPSED: read_elapsed}
+            if suffix is not None:
+                makers[PRINT_RANK_LAST] = lambda print_: lambda message: print_(message + suffix)
+            with patches.patched(makers, objects={TIMER_ELAPSED: get_timers()("interval-time")}):
+                result = original(*args, **kwargs)
+            events.on_log(log, elapsed[0] if elapsed else None)
+            return result
+
+        return training_log
+
+    def evaluate(self, original: Callable) -> Callable:
+        signature, events = inspect.signature(original), self.events
+
+        @functools.wraps(original)
+        def evaluate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            events.on_eval_start(_bind(signature, args, kwargs)["eval_iters"])
+            result = original(*args, **kwargs)
+            events.on_eval_end(_named(EVALUATE, EVALUATE_RESULT, result))
+            return result
+
+        return evaluate
+
+    def evaluate_and_print_results(self, original: Callable) -> Callable:
+        signature, events = inspect.signature(original), self.events
+
+        @functools.wraps(original)
+        def evaluate_and_print_results(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            call = _bind(signature, args, kwargs)
+            events.on_eval_report_start(call["prefix"], call["iteration"])
+            result = original(*args, **kwargs)
+            events.on_eval_report_end(call["prefix"], call["iteration"])
+            return result
+
+        return evaluate_and_print_results
+
+
+def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by parameter name, defaults filled in."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _named(function: str, names: tuple[str, ...], result: tuple) -> dict[str, Any]:
+    if len(result) != len(names):
+        raise patches.PatchError(f"{function} returned {len(result)} values; megatron-jreg was written for "
+                                 f"{len(names)} ({', '.join(names)}; {patches.WRITTEN_FOR})")
+    return dict(zip(names, result, strict=True))
 
 
 _ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM's training_log counters

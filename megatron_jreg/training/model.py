@@ -102,7 +102,8 @@ def check_transformer_impl(args: argparse.Namespace) -> None:
 
 
 def gpt_model_config(args: argparse.Namespace, post_wrap: Callable[[list], list] | None = None):
-    """Megatron-LM's GPTModelConfig for `args` (gpt_config_from_args) with our spec and hooks."""
+    """Megatron-LM's GPTModelConfig for `args` (gpt_config_from_args, pretrain_gpt.py:517-521 at core_v0.19.0)
+    with our spec and hooks."""
     from megatron.training.argument_utils import gpt_config_from_args
 
     cfg = gpt_config_from_args(args)

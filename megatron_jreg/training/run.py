@@ -10,7 +10,9 @@ the flags (chained to the original, which `--debug` prints).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from functools import partial
 
 
@@ -47,11 +49,13 @@ _OPTIMIZER_FLAGS = {"adam": "--lr, --adam-beta1, --adam-beta2, --adam-eps, --wei
 
 def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup_model_and_optimizer
     """`setup` with its flag-combination errors turned into one UsageError line naming the flags."""
+    import functools
     import traceback
 
     from megatron_jreg.errors import UsageError
     from megatron_jreg.training.arguments import _assertion_text
 
+    @functools.wraps(setup)
     def setup_model_and_optimizer(*a, **k):  # noqa: ANN002, ANN003, ANN202
         from megatron.training import get_args
 
@@ -72,9 +76,34 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
     return setup_model_and_optimizer
 
 
+def _no_compile(_original):  # noqa: ANN001, ANN202
+    """The maker for megatron.core.datasets.utils.compile_helpers: the wheel ships megatron-core's dataset index
+    helpers compiled but not the Makefile that compile_helpers() runs at startup (on GPUs too): the compiled
+    module is used as is."""
+    return lambda: None
+
+
+@contextlib.contextmanager
+def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-LM's args, training.loop.JregLoop
+    """The TRAINING-scope rows of megatron_jreg.patches.PATCHES, applied around `pretrain` and undone after it
+    (also when it raises): the loop's events, checkpointing's wrappers, the flag errors, the dataset helpers and,
+    with --sft's default/identity prompt format, the chat targets."""
+    from megatron_jreg import patches
+    from megatron_jreg.training import checkpointing
+    from megatron_jreg.training.sft import CHAT_TARGETS, chat_targets
+
+    makers = {**loop.patch_makers(), **checkpointing.patch_makers(),
+              "megatron.training.training.setup_model_and_optimizer": _build_errors_as_usage,
+              "megatron.core.datasets.utils.compile_helpers": _no_compile}
+    if args.sft and args.sft_tokenizer_prompt_format in ("default", "identity"):
+        makers[CHAT_TARGETS] = chat_targets  # loss on assistant tokens only (Megatron-LM's SFTTokenizer: on all)
+    with patches.patched(makers):
+        yield
+
+
 def run(argv: list[str]) -> int:
     """Train with Megatron-LM's loop; returns the process exit code. Raises UsageError before any work."""
-    from megatron.core.datasets import utils as dataset_utils
+    from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training import training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -86,11 +115,6 @@ def run(argv: list[str]) -> int:
     from megatron_jreg.training.model import gpt_model_config
     from megatron_jreg.training.step import forward_step
 
-    # The megatron-core wheel ships its dataset index helpers compiled but not the Makefile that
-    # compile_helpers() runs at startup (on GPUs too): the compiled module is used as is.
-    dataset_utils.compile_helpers = lambda: None
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():  # Megatron-LM would silently keep another layout
         parallel_state.destroy_model_parallel()
     import atexit
@@ -101,21 +125,15 @@ def run(argv: list[str]) -> int:
     environ = dict(os.environ)  # validate_args exports NVTE_*_ATTN for --attention-backend: restored after
     try:
         args = parse_and_validate(argv)
-        if args.sft and args.sft_tokenizer_prompt_format in ("default", "identity"):
-            from megatron_jreg.training.sft import install_chat_targets
-
-            install_chat_targets()  # loss on assistant tokens only (Megatron-LM's SFTTokenizer: on all)
         checkpointing.check_load(args)
         loop = JregLoop(args)
+        # pretrain_gpt.py:520-530 (core_v0.19.0): its config container and pretrain call, with our providers
         config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
-        loop.install()
-        checkpointing.install(args)
-        setup = training.setup_model_and_optimizer
-        training.setup_model_and_optimizer = _build_errors_as_usage(setup)
         try:
-            training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                              partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
-                              store=_one_process_store())
+            with training_patches(args, loop):
+                training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                                  partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
+                                  store=_one_process_store())
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except RuntimeError as e:  # a collective whose peer died: one line naming the checkpoint to resume
@@ -123,13 +141,10 @@ def run(argv: list[str]) -> int:
             if lost is None:
                 raise
             raise lost from e
-        finally:
-            training.setup_model_and_optimizer = setup
         return 0
     finally:
         if loop is not None:
-            loop.uninstall()
-        checkpointing.uninstall()
+            loop.close()
         teardown()
         for key in [k for k in os.environ if k.startswith("NVTE_") and k not in environ]:
             del os.environ[key]

@@ -19,13 +19,20 @@ import torch
 
 from megatron_jreg.data.chat_targets import ChatTargets
 
+CHAT_TARGETS = "megatron.training.global_vars._GLOBAL_TOKENIZER"  # a row of megatron_jreg.patches.PATCHES
+
+
+def chat_targets(tokenizer):  # noqa: ANN001, ANN201 - Megatron-LM's tokenizer object
+    """The maker for CHAT_TARGETS: Megatron-LM's global tokenizer (built) → `ChatTargets` around it."""
+    return tokenizer if isinstance(tokenizer, ChatTargets) else ChatTargets(tokenizer)
+
 
 def install_chat_targets() -> None:
-    """Replace Megatron-LM's global tokenizer by `ChatTargets` around it (after it was built)."""
-    from megatron.training import global_vars
+    """Replace Megatron-LM's global tokenizer by `ChatTargets` around it (after it was built), until Megatron-LM's
+    global state is torn down (training.run.teardown); a run applies it through training.run.training_patches."""
+    from megatron_jreg import patches
 
-    if not isinstance(global_vars._GLOBAL_TOKENIZER, ChatTargets):
-        global_vars._GLOBAL_TOKENIZER = ChatTargets(global_vars._GLOBAL_TOKENIZER)
+    patches.apply({CHAT_TARGETS: chat_targets})
 
 
 def real_token_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
