@@ -40,7 +40,7 @@ class MegatronSource:
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
         ids, mask = _right_pad(input_ids, attention_mask.bool(), self.pad_id)
-        sums, counts = self.loaded.layer_sums(ids, mask, kind)
+        sums, counts = _plugin_sums(self.loaded, ids, mask, kind)
         if self.include_final_norm:
             sums[-1] = self._final_norm_sum(ids, mask, kind)
         return sums, counts
@@ -95,3 +95,23 @@ def load_megatron_source(
     except (CheckpointError, FileNotFoundError) as e:
         raise AnalysisError(str(e)) from None
     return MegatronSource(loaded, label, include_final_norm)
+
+
+def _plugin_sums(loaded, tokens: Tensor, mask: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+    """Per-layer Σ displacement over the real tokens and the token count, (sums[L], counts[L]) float64, from
+    `JregPlugin` in recording mode on a loaded checkpoint (`checkpoints.MegatronModel`). tokens[b, t],
+    mask[b, t] (1 = real; right padding: the causal mask keeps real tokens blind to it)."""
+    from megatron_jreg.plugin import JregConfig, JregPlugin
+
+    plugin = JregPlugin([loaded.model], JregConfig(lam=0.0, distance=kind))
+    try:
+        plugin.start_step(1, record=True)
+        if mask is not None:
+            plugin.set_token_mask(mask.to(next(loaded.model.parameters()).device))
+        loaded.logits(tokens)
+        stats = plugin.finish_step()
+    finally:
+        plugin.remove_hooks()
+    count = float(mask.sum()) if mask is not None else float(tokens.numel())
+    psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
+    return psi * count, torch.full_like(psi, count)

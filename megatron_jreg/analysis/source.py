@@ -12,7 +12,6 @@ pass runs, so no more than one layer's input and output are alive at a time for 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
+from megatron_jreg.checkpoints.files import is_checkpoint
 from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import check_model_folder
 
@@ -29,7 +29,6 @@ from megatron_jreg.model_files import check_model_folder
 LAYER_IO = "decoder layer input/output (hooks)"
 FINAL_NORM = "output_hidden_states (final norm applied to the last layer's output)"
 
-_ITER_DIR = re.compile(r"^iter_\d+$")
 
 
 class AnalysisError(JregError, ValueError):
@@ -232,18 +231,6 @@ class ModelSpec:
     step: int | None = None
 
 
-def is_megatron_checkpoint(path: Path) -> bool:
-    """A megatron-jreg checkpoint directory: a run directory (`latest_checkpointed_iteration.txt` or
-    `iter_*/` folders) or one `iter_NNNNNNN/` folder of it."""
-    if not path.is_dir() or (path / "config.json").exists():
-        return False
-    if (path / "latest_checkpointed_iteration.txt").exists():
-        return True
-    if any(p.is_dir() and _ITER_DIR.match(p.name) for p in path.iterdir()):
-        return True
-    return bool(_ITER_DIR.match(path.name))
-
-
 def is_gguf_file(path: Path) -> bool:
     """A GGUF file: by its magic bytes, so a renamed file still counts."""
     if not path.is_file():
@@ -261,7 +248,7 @@ def model_kind(path: Path, flag: str = "--model") -> str:
     if path.is_dir() and (path / "config.json").exists():
         check_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here, before any load
         return "hf"
-    if is_megatron_checkpoint(path):
+    if is_checkpoint(path):
         return "megatron"
     raise AnalysisError(
         f"{flag} {path}: not a Hugging Face model folder (no config.json), a GGUF file, or a megatron-jreg "

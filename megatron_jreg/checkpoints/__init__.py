@@ -4,12 +4,15 @@ from megatron_jreg.checkpoints.files import (
     CheckpointError,
     failure_text,
     install_safe_checkpoint_reader,
+    is_checkpoint,
     load_metadata,
+    read_sidecar,
     read_tracker,
     resolve,
     verify_integrity,
 )
-from megatron_jreg.checkpoints.model import MegatronModel, build_model, load_megatron_model, read_args
+from megatron_jreg.checkpoints.model import Checkpoint, MegatronModel, build_model, load_megatron_model, read_args
 
-__all__ = ["CheckpointError", "MegatronModel", "build_model", "failure_text", "install_safe_checkpoint_reader",
-           "load_megatron_model", "load_metadata", "read_args", "read_tracker", "resolve", "verify_integrity"]
+__all__ = ["Checkpoint", "CheckpointError", "MegatronModel", "build_model", "failure_text",
+           "install_safe_checkpoint_reader", "is_checkpoint", "load_megatron_model", "load_metadata", "read_args",
+           "read_sidecar", "read_tracker", "resolve", "verify_integrity"]

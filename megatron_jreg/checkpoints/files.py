@@ -31,6 +31,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -40,6 +41,8 @@ from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import NotRegularFile, open_regular, special_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
+SIDECAR = "megatron_jreg.json"  # beside each iteration's files: Adam's step count and the run's JREG settings
+_ITER_DIR = re.compile(r"^iter_\d+$")
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
 _CHUNK = 16 << 20
 
@@ -56,6 +59,33 @@ def iteration_dir(root: str | Path, iteration: int | str) -> Path:
 def is_checkpoint_dir(path: Path) -> bool:
     """An iter_*/release directory written completely (torch_dist: .metadata and metadata.json)."""
     return (path / "metadata.json").is_file() or (path / ".metadata").is_file()
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is given as a Megatron-LM checkpoint — a run's --save folder (a tracker, or iter_*
+    folders) or one iter_*/release folder — rather than a Hugging Face folder or a file. Says nothing about
+    whether it is complete: `resolve` answers that, naming what is wrong."""
+    path = Path(path)
+    if not path.is_dir() or (path / "config.json").exists():
+        return False
+    if (path / TRACKER).exists() or _ITER_DIR.match(path.name) or path.name == "release":
+        return True
+    return any(p.is_dir() and _ITER_DIR.match(p.name) for p in path.iterdir())
+
+
+def read_sidecar(ckpt: Path) -> dict | None:
+    """An iteration folder's megatron_jreg.json (None when it has none: saved by Megatron-LM itself)."""
+    path = Path(ckpt) / SIDECAR
+    if not path.is_file():
+        return None
+    try:
+        with open_regular(path) as f:
+            record = json.loads(f.read().decode())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); restore it or remove it") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: not a JSON object; restore it or remove it")
+    return record
 
 
 def read_tracker(root: str | Path) -> int | str | None:

@@ -8,7 +8,7 @@ layout it was saved at. Checkpoints trained with Transformer Engine layers store
 inside TE's fused linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms.
 Every weight of the model must come from the checkpoint (missing or unexpected keys are named).
 
-Ψ goes through `JregPlugin` in recording mode: the code that logs Ψ during training.
+Ψ of a loaded model is analysis's (analysis/megatron_source.py), through the plugin that logs it in training.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from megatron_jreg.checkpoints.files import (
     CheckpointError,
     failure_text,
     install_safe_checkpoint_reader,
+    read_sidecar,
     resolve,
     verify_integrity,
 )
@@ -76,27 +77,6 @@ class MegatronModel:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         out = self.model(tokens, position_ids, None)
         return out[..., : self.vocab_size].float()
-
-    @torch.no_grad()
-    def layer_sums(
-        self, tokens: torch.Tensor, mask: torch.Tensor | None = None, kind: str = "angular"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-layer Σ displacement over real tokens and the token count, (sums[L], counts[L]) float64.
-
-        tokens[b, t], mask[b, t] (1 = real; right padding — the causal mask keeps real tokens blind to it).
-        """
-        from megatron_jreg.plugin import JregConfig, JregPlugin
-
-        plugin = JregPlugin([self.model], JregConfig(lam=0.0, distance=kind))
-        plugin.start_step(1, record=True)
-        if mask is not None:
-            plugin.set_token_mask(mask.to(self._device()))
-        self.logits(tokens)
-        stats = plugin.finish_step()
-        plugin.remove_hooks()
-        count = float(mask.sum()) if mask is not None else float(tokens.numel())
-        psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
-        return psi * count, torch.full_like(psi, count)
 
 
 def read_args(ckpt: Path) -> argparse.Namespace:
@@ -227,6 +207,53 @@ def _request(model: torch.nn.Module, ckpt: Path) -> dict:
     return sharded
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """One Megatron-LM checkpoint, resolved and verified once: its iteration folder, iteration, the run's saved
+    args and megatron_jreg.json, and its model on request (analyze, evaluate, generate and convert share it)."""
+
+    directory: Path  # the iter_*/release folder
+    iteration: int
+    args: argparse.Namespace  # Megatron-LM's args as saved (parallel sizes as trained)
+    sidecar: dict | None  # megatron_jreg.json (Adam's step, JREG settings); None for Megatron-LM's own saves
+
+    @classmethod
+    def open(cls, path: str | Path, iteration: int | None = None, verify: bool = True) -> Checkpoint:
+        """A run's --save folder (its tracker's iteration, or `iteration`) or one iter_* folder; verify: check
+        the SHA-256 manifest first (when it has one). CheckpointError names what is wrong."""
+        ckpt, iteration = resolve(path, iteration)
+        if verify:
+            verify_integrity(ckpt)
+        return cls(ckpt, iteration, read_args(ckpt), read_sidecar(ckpt))
+
+    def load_model(self, dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None,
+                   load_tokenizer: bool = True) -> MegatronModel:
+        """The weights in a one-process TP=1/PP=1 model, whatever layout they were saved at; load_tokenizer=False
+        skips the run's tokenizer (e.g. exporting weights whose tokenizer has moved)."""
+        from megatron.core import dist_checkpointing
+
+        ckpt, args = self.directory, self.args
+        tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
+        model = build_model(args, dtype)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        request = _request(model, ckpt)
+        try:
+            loaded = dist_checkpointing.load({"model": request}, str(ckpt))
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for truncated shards
+            raise CheckpointError(f"{ckpt}: cannot read the weights ({failure_text(e)}); the checkpoint is "
+                                  "truncated or corrupt") from None
+        result = model.load_state_dict(loaded["model"], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected "
+                                  f"{result.unexpected_keys[:5]})")
+        model.eval()
+        return MegatronModel(model, args, self.iteration, ckpt, tokenizer)
+
+
 def load_megatron_model(
     path: str | Path,
     iteration: int | None = None,
@@ -235,36 +262,8 @@ def load_megatron_model(
     load_tokenizer: bool = True,
     verify: bool = True,
 ) -> MegatronModel:
-    """Load a checkpoint (a save dir or an iter_* dir, any layout) into a one-process TP=1/PP=1 model.
-
-    verify: check the checkpoint's SHA-256 manifest first (when it has one). load_tokenizer=False skips
-    the run's tokenizer (e.g. exporting weights whose tokenizer has moved).
-    """
-    from megatron.core import dist_checkpointing
-
-    ckpt, iteration = resolve(path, iteration)
-    if verify:
-        verify_integrity(ckpt)
-    args = read_args(ckpt)
-    tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
-    model = build_model(args, dtype)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    request = _request(model, ckpt)
-    try:
-        loaded = dist_checkpointing.load({"model": request}, str(ckpt))
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for truncated shards
-        raise CheckpointError(f"{ckpt}: cannot read the weights ({failure_text(e)}); the checkpoint is truncated "
-                              "or corrupt") from None
-    result = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected "
-                              f"{result.unexpected_keys[:5]})")
-    model.eval()
-    return MegatronModel(model, args, iteration, ckpt, tokenizer)
+    """`Checkpoint.open(path, iteration, verify).load_model(...)`: a checkpoint's model in one call."""
+    return Checkpoint.open(path, iteration, verify).load_model(dtype, tokenizer_model, load_tokenizer)
 
 
 # -- one-process megatron-core -------------------------------------------------------------------------
@@ -297,4 +296,4 @@ def _init_model_parallel(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-__all__ = ["MegatronModel", "build_model", "load_megatron_model", "read_args", "tokenizer_from_args"]
+__all__ = ["Checkpoint", "MegatronModel", "build_model", "load_megatron_model", "read_args", "tokenizer_from_args"]

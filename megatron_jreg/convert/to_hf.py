@@ -64,13 +64,11 @@ def mcore_to_hf(
     UnsupportedModel (not a Llama architecture), ConversionError (bad input) or VerificationFailed
     before `output` appears.
     """
-    from megatron_jreg.checkpoints import read_args, resolve, verify_integrity
-    from megatron_jreg.checkpoints.model import load_megatron_model
+    from megatron_jreg.checkpoints import Checkpoint
 
     single_process()
-    ckpt_dir, iteration = resolve(load, iteration)
-    verify_integrity(ckpt_dir)
-    args = read_args(ckpt_dir)
+    checkpoint = Checkpoint.open(load, iteration)
+    iteration, args = checkpoint.iteration, checkpoint.args
     llama.check_megatron_args(args)  # refuse before loading anything
     source, note = tokenizer.resolve_source(args, tokenizer_model, tokenizer_type, no_tokenizer)
     tok = source.build() if source is not None else None
@@ -89,7 +87,7 @@ def mcore_to_hf(
             files += tokenizer.write_tokenizer(tok, source, tmp, model_cfg.max_position_embeddings)
             written = tokenizer.check_written(tok, source, tmp, vocab_size)
             ids = {"bos": written.bos_token_id, "eos": written.eos_token_id, "pad": written.pad_token_id}
-        loaded = load_megatron_model(ckpt_dir, iteration, torch.float32, load_tokenizer=False, verify=False)
+        loaded = checkpoint.load_model(torch.float32, load_tokenizer=False)
         tensors = {k: v.to(out_dtype) for k, v in llama.megatron_to_hf(loaded.model.state_dict(), model_cfg).items()}
         files += _write_config(tmp, model_cfg, ids, out_dtype)
         files += hf_io.write_safetensors(tensors, tmp, max_bytes)

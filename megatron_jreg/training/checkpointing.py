@@ -48,11 +48,9 @@ from megatron_jreg.checkpoints import (
     resolve,
     verify_integrity,
 )
-from megatron_jreg.checkpoints.files import TRACKER, check_storage_paths
+from megatron_jreg.checkpoints.files import SIDECAR, TRACKER, check_storage_paths, read_sidecar
 from megatron_jreg.errors import FAILED, JregError, UsageError
 from megatron_jreg.plugin import JregConfig
-
-SIDECAR = "megatron_jreg.json"
 
 
 class SaveError(JregError, RuntimeError):
@@ -278,8 +276,8 @@ def _adam_step(opt) -> int | None:
 def _saved_adam_step(args: argparse.Namespace) -> int | None:
     try:
         ckpt, _ = resolve(_load_dir(args), args.ckpt_step)
-        return json.loads((ckpt / SIDECAR).read_text()).get("torch_adam_step")
-    except (CheckpointError, OSError, ValueError, AttributeError):
+        return (read_sidecar(ckpt) or {}).get("torch_adam_step")
+    except (CheckpointError, AttributeError):
         return None
 
 
