@@ -100,6 +100,9 @@ def export_raw(cfg, runs: list) -> Path:
                                     if valid else None),
             "measures": json.loads((run.dir / "measures.json").read_text()),
         }
+        if run.sft:  # "before SFT" is the model this run started from, measured in this output folder
+            parent = json.loads((run.parent.dir / "measures.json").read_text())
+            rec["parent_final"] = parent["series"][-1]["heldout"]
         (raw / f"{run.arm}__seed-{run.seed}.json").write_text(json.dumps(rec, indent=1) + "\n")
     gate = cfg.output / "gate.json"
     data = json.loads((cfg.output / "data.json").read_text()) if (cfg.output / "data.json").exists() else {}
@@ -345,14 +348,16 @@ def analyse(raw: Raw) -> dict:
 
 
 def sft_summary(raw: Raw) -> dict:
-    """ζ and Ψ before (the pretrained final) and after SFT (λ = 0) on the same held-out windows, per seed."""
+    """ζ and Ψ before (the final of the pretrained model the SFT run started from: `parent_final`, else the
+    committed pretraining run) and after SFT (λ = 0) on the same held-out windows, per seed."""
     out = {}
     for parent in ("baseline-small", raw.jreg):
         arm = f"sft-{parent}"
         seeds = raw.seeds(arm, parent)
         if not seeds:
             continue
-        out[parent] = {s: {"before": _pick(raw.final(parent, s)), "after": _pick(raw.final(arm, s)),
+        out[parent] = {s: {"before": _pick(raw.runs[arm, s].get("parent_final") or raw.final(parent, s)),
+                           "after": _pick(raw.final(arm, s)),
                            "chat_val_loss": (raw.runs[arm, s]["megatron_validation"] or {}).get("val_loss")}
                        for s in seeds}
     if "baseline-small" in out and raw.jreg in out:
@@ -645,8 +650,8 @@ def _provenance(raw: Raw) -> list[str]:
         out.append(f"- Re-trained to fine-tune it (a later invocation): `{rep['run']}` at "
                    f"`{(rep.get('rerun_commit') or 'unknown')[:12]}`, the committed run at "
                    f"`{(rep.get('committed_commit') or 'unknown')[:12]}`; final held-out values committed → "
-                   f"re-run: {shown} (largest difference {worst:.2g}). The tables use the committed run; its SFT "
-                   "started from the re-run.")
+                   f"re-run: {shown} (largest difference {worst:.2g}). The pretraining tables use the committed run; "
+                   "the SFT table's \"before\" is the re-run, the model its SFT started from.")
     return out
 
 
