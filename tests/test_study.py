@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from scipy import stats
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDY = ROOT / "examples" / "study.py"
@@ -185,6 +184,8 @@ def test_arms_share_one_token_budget_and_commands_carry_their_settings(tmp_path)
 
 
 def test_paired_contrast_and_verdicts_against_scipy():
+    from scipy import stats
+
     small, large = [1.9, 1.2, 2.4, 1.6], [0.8, 0.9, 1.1, 0.2]
     diffs = [a - b for a, b in zip(small, large)]
     t = study_report.paired(diffs, +1)
