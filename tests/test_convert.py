@@ -26,6 +26,8 @@ from tests.distributed import run_ranks
 if TYPE_CHECKING:
     import torch
 
+pytestmark = pytest.mark.multirank
+
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
 FP32 = 1e-4  # the float32 threshold

@@ -260,6 +260,7 @@ def megatron_suite(rank: int, world: int, hf: str, tmp: str) -> dict:
     return {"rc": rc, "gone": gone, "given": given}
 
 
+@pytest.mark.multirank
 def test_megatron_checkpoint_answers_as_its_hf_original(hf_model, tmp_path, capsys):
     from tests.distributed import run_ranks
 

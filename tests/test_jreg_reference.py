@@ -27,6 +27,8 @@ from tests.distributed import run_ranks
 if TYPE_CHECKING:
     import torch
 
+pytestmark = pytest.mark.multirank
+
 RTOL = 1e-5
 LAM, ALPHA = 1.0, 1.0
 ITERS = ["--train-iters", "2", "--eval-iters", "1", "--eval-interval", "100", "--lr", "1e-3",

@@ -99,6 +99,7 @@ def test_evaluate_num_fewshot_reaches_lm_eval(model_dir, tasks_dir, tmp_path, mo
     assert ppl2 != pytest.approx(ppl0, rel=1e-9)  # two solved examples before each passage change the score
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_runs_our_model(model_dir, tasks_dir, builtin, tmp_path):
     """lm-eval's own CLI (every flag of it), with the model registered, in a fresh process; `pretrained=`
     names lm-eval's output folder after the model, as for its own `hf` model."""

@@ -5,6 +5,8 @@ import pytest
 from tests._layouts import LAYERS, SINGLE_LAYOUTS, TWO_RANK_LAYOUTS, single_rank_suite, two_rank_suite
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 RTOL = 1e-5
 
 

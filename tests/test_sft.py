@@ -12,6 +12,8 @@ import pytest
 from tests._train_runs import records, train
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
 TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}"

@@ -38,6 +38,7 @@ def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, _study(out)
 
 
+@pytest.mark.slow
 def test_quick_study_writes_every_output(quick):
     out, proc = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -79,6 +80,7 @@ def test_quick_study_writes_every_output(quick):
     assert (out / ".gitignore").read_text() == "*\n"
 
 
+@pytest.mark.slow
 def test_report_is_a_function_of_the_raw_files_alone(quick, tmp_path):
     out, proc = quick
     assert proc.returncode == 0
@@ -95,6 +97,7 @@ def test_committed_report_matches_its_committed_raw_results():
         "--raw docs/study/raw --report docs/study.md"
 
 
+@pytest.mark.slow
 def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(quick):
     out, proc = quick
     assert proc.returncode == 0
@@ -118,6 +121,7 @@ def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(qu
     assert len(json.loads((out / "raw" / "study.json").read_text())["invocations"]) == 2
 
 
+@pytest.mark.slow
 def test_failed_pilot_gate_stops_after_the_pilot_and_says_so(quick, tmp_path):
     out, proc = quick
     assert proc.returncode == 0
@@ -133,6 +137,7 @@ def test_failed_pilot_gate_stops_after_the_pilot_and_says_so(quick, tmp_path):
     assert "against the threshold 100: failed: the study stopped after the pilot" in report
 
 
+@pytest.mark.slow
 def test_other_settings_on_an_existing_output_are_refused(quick):
     out, _ = quick
     proc = _study(out, "--large-steps", "6")
