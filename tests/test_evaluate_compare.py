@@ -102,9 +102,9 @@ def test_paired_test_refuses_what_it_cannot_test(jreg, baseline, message):
 
 
 def test_holm_adjustment():
-    # worked by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max
     from megatron_jreg.evaluate.stats import holm
 
+    # worked by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5, 0.6]) == [1.0, 1.0]
     assert holm([0.02]) == [0.02] and holm([]) == []
