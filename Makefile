@@ -6,7 +6,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/b
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 DEMO_OUT ?= demo_output
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test test-fast lint demo clean
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: setup.py constraints.txt
 
 test: venv
 	$(PY) -m pytest -q -x tests
+
+# The unit tier: no training, no rank processes, no megatron-core subprocesses (markers: pyproject.toml).
+test-fast: venv
+	$(PY) -m pytest -q -x -m "not slow and not multirank" tests
 
 lint: venv
 	$(PY) -m ruff check megatron_jreg tools tests benchmarks examples

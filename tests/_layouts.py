@@ -7,9 +7,10 @@ the Ψ vector and the full (unsharded) gradients must agree across layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 SEQ, VOCAB, BATCH, LAYERS, SEED = 16, 128, 4, 4, 7
 
@@ -34,6 +35,7 @@ class Layout:
 
 def transformer_config(layout: Layout | None = None, **overrides):
     """megatron-core's TransformerConfig of the tiny Llama (RoPE, RMSNorm, SwiGLU, GQA, no biases)."""
+    import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -69,6 +71,8 @@ def build_chunks(config) -> list:
 
 
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -108,6 +112,8 @@ def setup(layout: Layout):
 
 
 def lm_loss_func(labels_mask: torch.Tensor):
+    import torch
+
     def loss_func(output: torch.Tensor):
         total = (output.float() * labels_mask).sum()
         count = labels_mask.sum().to(torch.int)
@@ -117,6 +123,8 @@ def lm_loss_func(labels_mask: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
+    import torch
+
     tokens, labels = next(data_iterator)
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     output = model(tokens, position_ids, None, labels=labels)
@@ -125,6 +133,8 @@ def forward_step(data_iterator, model):
 
 def run_layout(layout: Layout, grads: bool = True) -> dict:
     """One forward-backward on the global batch; returns lm loss, Ψ stats and full gradients."""
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -174,6 +184,7 @@ def run_layouts(rank: int, world: int, layouts: list[Layout]) -> list[dict]:
 def explicit_reference(rank: int, world: int, layout: Layout) -> dict:
     """The same loss written out by hand on one rank: mean over microbatches of CE + λ Σ w_ℓ Ψ_ℓ,
     with Ψ from plain hooks and `jreg.displacement`, differentiated by autograd (no plugin, no DDP)."""
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -214,6 +225,8 @@ def explicit_reference(rank: int, world: int, layout: Layout) -> dict:
 def cp_split_penalty(rank: int, world: int) -> dict:
     """Context parallelism on split hidden states: each CP rank holds megatron's load-balanced pair of
     sequence chunks; the plugin's penalty, Ψ and gradients must equal the unsplit computation."""
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 

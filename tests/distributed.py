@@ -12,8 +12,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,6 +47,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> list[Any]:
     """fn(rank, world, *args) on `world` gloo ranks; returns the results ordered by rank."""
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

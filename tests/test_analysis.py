@@ -11,25 +11,20 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from torch import nn
 
-from megatron_jreg import jreg
-from megatron_jreg.analysis.hf_source import HFSource, find_decoder_layers, load_hf_source
-from megatron_jreg.analysis.measure import measure
-from megatron_jreg.analysis.source import (
-    FINAL_NORM,
-    LAYER_IO,
-    LayerDisplacementHooks,
-    ModelSpec,
-    UnsupportedArchitectureError,
-)
-from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
 from megatron_jreg.data.text import lambada_passages
+from tests._lazy import importorskip_lazy
 
-transformers = pytest.importorskip("transformers")
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from megatron_jreg.analysis.source import ModelSpec
+
+transformers = importorskip_lazy("transformers")
 
 VOCAB = 320
 # Final norm attribute of each family's base model: used by the reference only (the code under test
@@ -74,6 +69,8 @@ def family_config(family: str, layers: int = 3, hidden: int = 32):
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny models run ~30x faster on one thread than on two contended ones (shared CI cores)."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -89,12 +86,16 @@ def texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from megatron_jreg.analysis.toy import train_tokenizer
+
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
     """family → folder of a saved tiny model (built once per module)."""
+    from megatron_jreg.analysis.toy import save_random_model
+
     root = tmp_path_factory.mktemp("hf")
     made: dict[str, Path] = {}
 
@@ -107,11 +108,15 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 def spec_of(path: Path) -> ModelSpec:
+    from megatron_jreg.analysis.source import ModelSpec
+
     return ModelSpec(path, path.name, "hf")
 
 
 @contextlib.contextmanager
 def final_norm_removed(base: nn.Module, attr: str):
+    from torch import nn
+
     norm = getattr(base, attr)
     setattr(base, attr, nn.Identity())
     try:
@@ -120,30 +125,35 @@ def final_norm_removed(base: nn.Module, attr: str):
         setattr(base, attr, norm)
 
 
-@torch.no_grad()
 def reference_psi(folder: Path, family: str, texts: list[str], with_final_norm: bool = False) -> list[float]:
     """Ψ_ℓ (ℓ = 1..L) the plain way: per sample, float64 arccos(cos)/π, token-weighted mean."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    base = model.base_model
-    guard = contextlib.nullcontext() if with_final_norm else final_norm_removed(base, FAMILIES[family][1])
-    sums, count = None, 0
-    with guard:
-        for text in texts:
-            ids = torch.tensor([tok(text)["input_ids"]])
-            hidden = [h[0].double() for h in base(input_ids=ids, output_hidden_states=True).hidden_states]
-            angles = torch.stack(
-                [
-                    torch.arccos(torch.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).sum() / math.pi
-                    for a, b in zip(hidden[:-1], hidden[1:])
-                ]
-            )
-            sums = angles if sums is None else sums + angles
-            count += ids.shape[1]
-    return (sums / count).tolist()
+    import torch
+
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        base = model.base_model
+        guard = contextlib.nullcontext() if with_final_norm else final_norm_removed(base, FAMILIES[family][1])
+        sums, count = None, 0
+        with guard:
+            for text in texts:
+                ids = torch.tensor([tok(text)["input_ids"]])
+                hidden = [h[0].double() for h in base(input_ids=ids, output_hidden_states=True).hidden_states]
+                angles = torch.stack(
+                    [
+                        torch.arccos(torch.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).sum() / math.pi
+                        for a, b in zip(hidden[:-1], hidden[1:])
+                    ]
+                )
+                sums = angles if sums is None else sums + angles
+                count += ids.shape[1]
+        return (sums / count).tolist()
 
 
 def run(folder: Path, texts: list[str], batch_size: int = 4, padding_side: str = "right", **load):
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.measure import measure
+
     source = load_hf_source(folder, label=folder.name, **load)
     result = measure(source, texts, spec_of(folder), batch_size=batch_size, padding_side=padding_side)
     return source, result
@@ -153,6 +163,8 @@ def run(folder: Path, texts: list[str], batch_size: int = 4, padding_side: str =
 def test_family_matches_reference_and_final_norm_convention(family, model_dir, texts):
     """Hooks find the layers of every family and give the reference Ψ; --include-final-norm differs
     from the default exactly by the final norm (layers 1..L-1 equal, Ψ_L = the normed reference)."""
+    from megatron_jreg.analysis.source import FINAL_NORM, LAYER_IO
+
     folder = model_dir(family)
     source, result = run(folder, texts)
     assert source.num_layers == 3 and source.convention == LAYER_IO
@@ -183,6 +195,8 @@ def test_padding_invariance(family, model_dir, texts):
 
 
 def test_bfloat16_close_to_float32(model_dir, texts):
+    import torch
+
     folder = model_dir("llama")
     _, fp32 = run(folder, texts)
     source, bf16 = run(folder, texts, dtype=torch.bfloat16)
@@ -193,6 +207,10 @@ def test_bfloat16_close_to_float32(model_dir, texts):
 
 def test_zeta_from_jreg(model_dir, texts):
     """ζ and the three reported jumps come from jreg's definitions of the measured Ψ."""
+    import torch
+
+    from megatron_jreg import jreg
+
     _, result = run(model_dir("qwen3"), texts)
     psi = torch.tensor(result.psi, dtype=torch.float64)
     assert result.zeta == pytest.approx(jreg.jump_rates(psi).tolist())
@@ -200,15 +218,19 @@ def test_zeta_from_jreg(model_dir, texts):
     assert result.middle_layers == (2, 2) and result.psi_mid_median == result.psi[1]
 
 
-class Sequential(nn.Module):
-    """Layers in an nn.Sequential, not a ModuleList: what `find_decoder_layers` must reject."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-
-
 def test_unknown_architecture_names_the_class():
+    from torch import nn
+
+    from megatron_jreg.analysis.hf_source import find_decoder_layers
+    from megatron_jreg.analysis.source import UnsupportedArchitectureError
+
+    class Sequential(nn.Module):
+        """Layers in an nn.Sequential, not a ModuleList: what `find_decoder_layers` must reject."""
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
     with pytest.raises(UnsupportedArchitectureError, match="cannot find the decoder layers of Sequential"):
         find_decoder_layers(Sequential(), expected=2)
     mixed = nn.Module()
@@ -219,6 +241,10 @@ def test_unknown_architecture_names_the_class():
 
 def test_unknown_architecture_through_loader(tmp_path, tokenizer):
     """A registered transformers model whose blocks are not in a ModuleList fails at load, by class name."""
+    from torch import nn
+
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.source import UnsupportedArchitectureError
 
     class BlockConfig(transformers.PretrainedConfig):
         model_type = "jreg_test_blocks"
@@ -245,45 +271,54 @@ def test_unknown_architecture_through_loader(tmp_path, tokenizer):
         load_hf_source(tmp_path, label="blocks")
 
 
-class AddInPlace(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, hidden_states: torch.Tensor, context: str = "") -> tuple[torch.Tensor, None]:
-        return hidden_states.add_(self.proj(hidden_states)), None  # megatron-style (h, context) output
-
-
-@torch.no_grad()
 def test_hooks_sequence_first_mask_and_in_place_layers():
     """The generic hooks on a megatron-like layout: [s, b, h] states, mask [s, b], tuple outputs.
     An in-place layer is detected; clone_inputs=True then gives the exact per-layer sums."""
-    torch.manual_seed(0)
-    layers = nn.ModuleList([AddInPlace(16) for _ in range(3)])
-    x = torch.randn(5, 2, 16)
-    mask = torch.ones(5, 2, dtype=torch.bool)
-    mask[3:, 1] = False  # second sample is 3 tokens long
+    import torch
+    from torch import nn
 
-    def forward(h: torch.Tensor) -> list[torch.Tensor]:
-        states = [h.clone()]
-        for layer in layers:
-            h, _ = layer(hidden_states=h)
-            states.append(h.clone())
-        return states
+    from megatron_jreg import jreg
+    from megatron_jreg.analysis.source import LayerDisplacementHooks
 
-    with pytest.raises(RuntimeError, match="clone_inputs=True"):
-        with LayerDisplacementHooks(layers, mask, "cosine"):
-            forward(x.clone())
-    with LayerDisplacementHooks(layers, mask, "cosine", clone_inputs=True) as hooks:
-        states = forward(x.clone())
-    for i in range(3):
-        total, count = jreg.displacement_sum(states[i], states[i + 1], mask, "cosine")
-        assert hooks.sums[i].item() == pytest.approx(total.item(), rel=1e-6)
-        assert hooks.counts[i].item() == count.item() == 8
+    class AddInPlace(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, hidden_states: torch.Tensor, context: str = "") -> tuple[torch.Tensor, None]:
+            return hidden_states.add_(self.proj(hidden_states)), None  # megatron-style (h, context) output
+
+    with torch.no_grad():
+        torch.manual_seed(0)
+        layers = nn.ModuleList([AddInPlace(16) for _ in range(3)])
+        x = torch.randn(5, 2, 16)
+        mask = torch.ones(5, 2, dtype=torch.bool)
+        mask[3:, 1] = False  # second sample is 3 tokens long
+
+        def forward(h: torch.Tensor) -> list[torch.Tensor]:
+            states = [h.clone()]
+            for layer in layers:
+                h, _ = layer(hidden_states=h)
+                states.append(h.clone())
+            return states
+
+        with pytest.raises(RuntimeError, match="clone_inputs=True"):
+            with LayerDisplacementHooks(layers, mask, "cosine"):
+                forward(x.clone())
+        with LayerDisplacementHooks(layers, mask, "cosine", clone_inputs=True) as hooks:
+            states = forward(x.clone())
+        for i in range(3):
+            total, count = jreg.displacement_sum(states[i], states[i + 1], mask, "cosine")
+            assert hooks.sums[i].item() == pytest.approx(total.item(), rel=1e-6)
+            assert hooks.counts[i].item() == count.item() == 8
 
 
 def test_source_is_a_hidden_state_source(model_dir):
     """HFSource exposes the protocol the megatron source will implement too."""
+    import torch
+
+    from megatron_jreg.analysis.hf_source import HFSource, load_hf_source
+
     source = load_hf_source(model_dir("gpt2"), label="g")
     assert isinstance(source, HFSource)
     assert source.layer_path == "h" and source.context_length == 256 and source.pad_id == 0

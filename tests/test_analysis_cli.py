@@ -7,13 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from megatron_jreg import jreg
-from megatron_jreg.analysis import megatron_source, source
-from megatron_jreg.analysis.cli import main
-from megatron_jreg.analysis.config import AnalyzeConfig, checkpoint_step, load_texts, resolve_models
-from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
 from megatron_jreg.cli import main as jreg_main
 from megatron_jreg.data.text import lambada_passages
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
@@ -22,6 +16,8 @@ from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """A Llama and a GPT-2 folder, and a 'run' of three Llama checkpoints named out of step order."""
+    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+
     root = tmp_path_factory.mktemp("models")
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
     llama = family_config("llama", layers=4)
@@ -34,6 +30,11 @@ def models(tmp_path_factory) -> Path:
 
 
 def test_multi_model_outputs_and_checkpoint_series(models, tmp_path, capsys):
+    import torch
+
+    from megatron_jreg import jreg
+    from megatron_jreg.analysis.cli import main
+
     out = tmp_path / "out"
     rc = main(
         ["--model", str(models / "llama"), "--model", str(models / "gpt2"),
@@ -75,6 +76,8 @@ def test_multi_model_outputs_and_checkpoint_series(models, tmp_path, capsys):
 
 
 def test_dispatcher_and_errors_name_the_flag(models, tmp_path, capsys):
+    from megatron_jreg.analysis.cli import main
+
     with pytest.raises(SystemExit) as exit_info:
         jreg_main(["analyze", "--help"])
     assert exit_info.value.code == 0 and "--include-final-norm" in capsys.readouterr().out
@@ -93,6 +96,8 @@ def test_dispatcher_and_errors_name_the_flag(models, tmp_path, capsys):
 
 
 def test_data_specs(tmp_path):
+    from megatron_jreg.analysis.config import load_texts
+
     (tmp_path / "d.jsonl").write_text('{"body": "first"}\n{"body": ""}\n{"body": "second"}\n')
     (tmp_path / "w.txt").write_text(" = A = \n alpha \n = B = \n beta \n")
     (tmp_path / "p.txt").write_text("one\n\ntwo\n\nthree\n")
@@ -104,6 +109,11 @@ def test_data_specs(tmp_path):
 
 def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkeypatch):
     """Run directories and iter_* folders go to megatron_source.load_megatron_source (the lead's TODO)."""
+    import torch
+
+    from megatron_jreg.analysis import megatron_source, source
+    from megatron_jreg.analysis.config import checkpoint_step, resolve_models
+
     run = tmp_path / "run"
     (run / "iter_0000200").mkdir(parents=True)
     (run / "iter_0000010").mkdir()
@@ -124,6 +134,9 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
 
 
 def test_config_validation():
+    from megatron_jreg.analysis import source
+    from megatron_jreg.analysis.config import AnalyzeConfig
+
     with pytest.raises(source.AnalysisError, match="--distance"):
         AnalyzeConfig(models=["x"], distance="euclid")
     with pytest.raises(source.AnalysisError, match="--dtype"):

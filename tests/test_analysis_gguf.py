@@ -13,20 +13,20 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import torch
 
-from megatron_jreg.analysis.hf_source import load_hf_source
-from megatron_jreg.analysis.measure import measure
-from megatron_jreg.analysis.source import AnalysisError, ModelSpec, model_kind
-from megatron_jreg.analysis.toy import SPECIAL, save_random_model, train_tokenizer
 from megatron_jreg.data.text import lambada_passages
+from tests._lazy import importorskip_lazy
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
+if TYPE_CHECKING:
+    import torch
+
+gguf = importorskip_lazy("gguf")
+transformers = importorskip_lazy("transformers")
 
 
 def llama_rotary_order(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -55,6 +55,8 @@ def llama3_rope_factors(config) -> np.ndarray:
 
 
 def _vocabulary(writer, tokenizer) -> None:
+    from megatron_jreg.analysis.toy import SPECIAL
+
     backend = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = [t for t, _ in sorted(backend["vocab"].items(), key=lambda kv: kv[1])]
     writer.add_tokenizer_model("gpt2")
@@ -132,6 +134,8 @@ def write_llama_gguf(model, tokenizer, path: Path, quantize: bool = False) -> Pa
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from megatron_jreg.analysis.toy import train_tokenizer
+
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
 
@@ -142,11 +146,19 @@ def texts() -> list[str]:
 
 
 def _psi(path: Path, texts: list[str], **load) -> list[float]:
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.measure import measure
+    from megatron_jreg.analysis.source import ModelSpec, model_kind
+
     source = load_hf_source(path, label=path.name, **load)
     return measure(source, texts, ModelSpec(path, path.name, model_kind(path)), batch_size=2).psi
 
 
 def test_gguf_measures_like_its_hf_folder(tmp_path, tokenizer, texts):
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.source import model_kind
+    from megatron_jreg.analysis.toy import save_random_model
+
     config = family_config("llama", hidden=64)  # Q8_0 blocks are 32 wide
     folder = save_random_model(config, tmp_path / "hf", tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -190,6 +202,11 @@ APPLIED = {
 
 @pytest.mark.parametrize("name", sorted(APPLIED))
 def test_what_the_loader_would_drop_is_applied(name, tmp_path, tokenizer, texts):
+    import torch
+
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.toy import save_random_model
+
     build, load = APPLIED[name]
     folder = save_random_model(build(), tmp_path / "hf", tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -231,6 +248,10 @@ REFUSED = {
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_cannot_be_applied_is_refused_naming_it(name, tmp_path, tokenizer):
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.source import AnalysisError
+    from megatron_jreg.analysis.toy import save_random_model
+
     extra, needle = REFUSED[name]
     folder = save_random_model(_llama(), tmp_path / "hf", tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)

@@ -11,25 +11,18 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from megatron_jreg.analysis import stream_source
-from megatron_jreg.analysis.cli import main
-from megatron_jreg.analysis.hf_source import load_hf_source
-from megatron_jreg.analysis.measure import measure
-from megatron_jreg.analysis.source import AnalysisError, ModelSpec
-from megatron_jreg.analysis.stream_source import StreamingSource, load_stream_source
-from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
-from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
 from megatron_jreg.data.text import lambada_passages
+from tests._lazy import importorskip_lazy
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
-transformers = pytest.importorskip("transformers")
+transformers = importorskip_lazy("transformers")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from megatron_jreg.analysis.toy import train_tokenizer
+
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
 
@@ -60,6 +53,8 @@ def _config(family: str, **extra):
 
 def _save_sharded(config, folder: Path, tokenizer) -> Path:
     """save_random_model, then re-saved in ~8 KB shards (several files per layer) with an index."""
+    from megatron_jreg.analysis.toy import save_random_model
+
     save_random_model(config, folder, tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     for old in folder.glob("*.safetensors"):
@@ -70,6 +65,9 @@ def _save_sharded(config, folder: Path, tokenizer) -> Path:
 
 
 def _psi(source, texts, batch_size=3) -> list[float]:
+    from megatron_jreg.analysis.measure import measure
+    from megatron_jreg.analysis.source import ModelSpec
+
     path = Path(getattr(source, "folder", "m"))
     return measure(source, texts, ModelSpec(path, "m", "hf"), batch_size=batch_size).psi
 
@@ -108,6 +106,10 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_streaming_equals_in_memory(variant, tokenizer, texts, tmp_path):
+    from megatron_jreg.analysis import stream_source
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.stream_source import load_stream_source
+
     family, extra = VARIANTS[variant]
     folder = _save_sharded(_config(family, **extra), tmp_path / variant, tokenizer)
     reference = _psi(load_hf_source(folder, label="m"), texts)
@@ -127,6 +129,13 @@ def test_streaming_equals_in_memory(variant, tokenizer, texts, tmp_path):
 def test_legacy_rotary_buffers_in_the_files_are_ignored_as_transformers_ignores_them(tokenizer, texts, tmp_path):
     """Old Llama checkpoints carry `layers.N.self_attn.rotary_emb.inv_freq`, which transformers skips on load:
     so does streaming (which the automatic choice picks for exactly the big, often old, models)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.stream_source import load_stream_source
+    from megatron_jreg.analysis.toy import save_random_model
+
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     tensors = load_file(folder / "model.safetensors")
     for i in range(4):
@@ -137,6 +146,11 @@ def test_legacy_rotary_buffers_in_the_files_are_ignored_as_transformers_ignores_
 
 
 def test_streaming_final_norm_and_bfloat16(tokenizer, texts, tmp_path):
+    import torch
+
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.stream_source import load_stream_source
+
     folder = _save_sharded(_config("llama"), tmp_path / "m", tokenizer)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
         ref = _psi(load_hf_source(folder, label="m", dtype=dtype, include_final_norm=True), texts)
@@ -149,6 +163,9 @@ def test_streaming_final_norm_and_bfloat16(tokenizer, texts, tmp_path):
 def test_one_layer_in_memory_at_a_time(tokenizer, texts, tmp_path, monkeypatch):
     """Every read is one layer's tensors (or the embedding rows in use), and no two decoder layers ever
     hold real tensors at the same time."""
+    from megatron_jreg.analysis.stream_source import StreamingSource, load_stream_source
+    from megatron_jreg.analysis.weights import SafetensorsFolder
+
     folder = _save_sharded(_config("llama"), tmp_path / "m", tokenizer)
     source = load_stream_source(folder, label="m")
     reads: list[set[str]] = []
@@ -172,6 +189,12 @@ def test_one_layer_in_memory_at_a_time(tokenizer, texts, tmp_path, monkeypatch):
 
 
 def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_jreg.analysis.toy import save_random_model
+    from megatron_jreg.analysis.weights import SafetensorsFolder
+
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     weights = SafetensorsFolder(folder)
     full = load_file(folder / "model.safetensors")["model.embed_tokens.weight"]
@@ -182,6 +205,10 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
 
 
 def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypatch, capsys):
+    from megatron_jreg.analysis import stream_source
+    from megatron_jreg.analysis.cli import main
+    from megatron_jreg.analysis.toy import save_random_model
+
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     argv = ["--model", str(folder), "--num-samples", "3", "--max-length", "40", "--no-progress"]
     assert main([*argv, "--output", str(tmp_path / "mem")]) == 0
@@ -197,6 +224,15 @@ def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypat
 
 
 def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megatron_jreg.analysis import stream_source
+    from megatron_jreg.analysis.source import AnalysisError
+    from megatron_jreg.analysis.stream_source import load_stream_source
+    from megatron_jreg.analysis.toy import save_random_model
+    from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
+
     quantized = save_random_model(_config("llama"), tmp_path / "quantized", tokenizer)
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
@@ -223,6 +259,11 @@ def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch,
 def test_multimodal_folder_measures_its_text_decoder(tokenizer, texts, tmp_path):
     """A Llama-4 image-text folder: its text decoder (2 layers; the vision encoder has 3) is measured, in memory
     and streamed alike, and its vision tower's weights are left unread (said in a note), not refused."""
+    import torch
+
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.stream_source import load_stream_source
+
     text = dict(SIZES, num_hidden_layers=2, intermediate_size_mlp=64, head_dim=8, num_local_experts=2)
     vision = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=56,
                   patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)

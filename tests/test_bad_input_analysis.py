@@ -12,6 +12,7 @@ loads, and the marker never appears.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -25,24 +26,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from megatron_jreg.analysis import cli as analyze_cli
-from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
-from megatron_jreg.convert import cli as convert_cli
 from megatron_jreg.data.text import lambada_passages
-from megatron_jreg.evaluate import cli as evaluate_cli
-from megatron_jreg.evaluate import compare
+from tests._lazy import importorskip_lazy
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_analysis_gguf import write_gguf, write_llama_gguf
 
-transformers = pytest.importorskip("transformers")
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "analyze": analyze_cli.main,
-    "evaluate": evaluate_cli.main,
-    "compare": compare.main,
-    "convert": convert_cli.main,
+transformers = importorskip_lazy("transformers")
+# Each command's module (its `main(argv)`), imported when a case runs: collecting this file imports no torch.
+COMMANDS: dict[str, str] = {
+    "analyze": "megatron_jreg.analysis.cli",
+    "evaluate": "megatron_jreg.evaluate.cli",
+    "compare": "megatron_jreg.evaluate.compare",
+    "convert": "megatron_jreg.convert.cli",
 }
 
 
@@ -76,6 +72,8 @@ class Inputs:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Inputs:
+    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+
     root = tmp_path_factory.mktemp("good")
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
     llama = save_random_model(family_config("llama", hidden=64), root / "llama", tokenizer)
@@ -96,6 +94,10 @@ def truncated_gguf(size: int):
 
 
 def mixtral_without_experts(i: Inputs) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    from megatron_jreg.analysis.toy import save_random_model
+
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
@@ -109,6 +111,8 @@ def mixtral_without_experts(i: Inputs) -> Path:
 
 def edited_weights(edit: Callable[[dict], None]):
     def build(i: Inputs) -> Path:
+        from safetensors.torch import load_file, save_file
+
         folder = i.copy("edited")
         tensors = load_file(folder / "model.safetensors")
         edit(tensors)
@@ -168,6 +172,8 @@ def gguf_with(**extra):
 
 def opt_350m_style(i: Inputs) -> Path:
     """OPT-350m's layout: post-norm layers (no final norm) and a projection to a narrower width after them."""
+    from megatron_jreg.analysis.toy import save_random_model
+
     config = transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=256, do_layer_norm_before=False, bos_token_id=0,
@@ -185,6 +191,9 @@ def quantized_config(i: Inputs) -> Path:
 
 def bin_weights(i: Inputs) -> Path:
     """The Llama folder with its weights as a pickled pytorch_model.bin instead of safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
     folder = i.copy("bin")
     torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
     (folder / "model.safetensors").unlink()
@@ -259,8 +268,9 @@ def _overlap(header: dict) -> None:
 
 def index_naming(target: str):
     """A sharded-looking folder whose model.safetensors.index.json maps every tensor to `target`."""
-
     def build(i: Inputs) -> Path:
+        from safetensors.torch import load_file
+
         folder = i.copy("index")
         names = load_file(folder / "model.safetensors")
         (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
@@ -276,6 +286,8 @@ def pickled(content: Callable[[Inputs], object] | None = None, raw: bytes | None
     `raw` bytes (a bare pickle)."""
 
     def build(i: Inputs) -> Path:
+        import torch
+
         folder = i.copy("pickled")
         (folder / "model.safetensors").unlink()
         if raw is not None:
@@ -408,7 +420,15 @@ def raw_arms(baseline_text: str):
 
 
 NAN_WEIGHT = edited_weights(lambda t: t["model.layers.1.mlp.down_proj.weight"].fill_(math.nan))
-EXTRA_TENSOR = edited_weights(lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(3)))
+
+
+def _add_extra_tensor(tensors: dict) -> None:
+    import torch
+
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+
+
+EXTRA_TENSOR = edited_weights(_add_extra_tensor)
 GOOD = [(1, 0.5), (2, 0.6)]
 
 CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
@@ -659,7 +679,7 @@ def run(command: str, argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            rc = COMMANDS[command](argv)
+            rc = importlib.import_module(COMMANDS[command]).main(argv)
         except SystemExit as e:
             rc = int(e.code or 0)
     return rc, err.getvalue()
@@ -680,6 +700,8 @@ def case_inputs(inputs, tmp_path, monkeypatch) -> Inputs:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_is_one_clear_line(name, case_inputs, tmp_path):
+    import torch
+
     command, build, expect = CASES[name]
     if "--device" in name and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")

@@ -32,6 +32,7 @@ def results():
     return run_ranks(suite, 1)[0]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused_in_one_line(results, name):
     rc, out, err = results[name]

@@ -28,6 +28,8 @@ import pytest
 from tests._train_runs import TINY, train
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 SAVE = ["--save-interval", "2", "--train-iters", "2", "--eval-interval", "100"]
 
 

@@ -38,6 +38,7 @@ def test_every_command_help_ends_with_an_example(command, capsys):
     _ends_with_example(out, command.split()[0] if command.startswith("convert") else command)
 
 
+@pytest.mark.slow
 def test_train_help_is_megatron_lms_with_ours_and_exits_0():
     """megatron-core 0.19.2's help for --moe-paged-stash-buffer-size-factor-cuda holds a bare `%` that makes
     argparse raise (Megatron-LM's pretrain_gpt.py --help too); ours prints, with Megatron-LM's flags."""

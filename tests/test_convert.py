@@ -17,16 +17,20 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from tests.distributed import run_ranks
+
+if TYPE_CHECKING:
+    import torch
+
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
 FP32 = 1e-4  # the issue's float32 threshold
-TOKENS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
 
 # Both runs: mock data, a 2-layer Llama of 64, validation once.
 DATA = "--mock-data --train-iters 3 --eval-interval 3 --eval-iters 1 --micro-batch-size 1 --global-batch-size 2".split()
@@ -45,6 +49,13 @@ PP2 = ["--num-query-groups", "4", "--tokenizer-type", "SentencePieceTokenizer", 
 
 
 # ---------------------------------------------------------------------------------------------- in ranks
+def input_tokens() -> torch.Tensor:
+    """The token ids (2 × 24) that every logits check runs: seeded, the same tensor on every call and rank."""
+    import torch
+
+    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
 def _capture(fn, *args) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -82,6 +93,7 @@ def _hf_models(tmp: Path, tokenizer: str) -> None:
     and untied GQA in bf16 as a pickled pytorch_model.bin (old format, loaded with weights_only)."""
     import shutil
 
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from megatron_jreg.analysis.toy import perturb_vectors
@@ -113,6 +125,7 @@ def _hf_models(tmp: Path, tokenizer: str) -> None:
 def _refusal_folders(tmp: Path) -> dict[str, Path]:
     """config.json-only folders of architectures the converter must refuse, a Llama with an extra tensor,
     a .bin whose unpickling would run code, and a megatron checkpoint of a non-Llama model."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     base = json.loads((tmp / "native_tied" / "config.json").read_text())
@@ -164,6 +177,7 @@ def _refusal_folders(tmp: Path) -> dict[str, Path]:
 
 
 def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: str) -> dict:
+    import torch
     from transformers import LlamaForCausalLM
 
     t = Path(tmp)
@@ -202,10 +216,11 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
     out["pickle_ran"] = (t / "pickle-ran").exists()
     # transformers' float32 logits of the Hugging Face folders, the reference for the layout checks
     reference = {}
+    tokens = input_tokens()
     for name in ("hf_tp2", "hf_pp2", "native_tied", "native_bin", "native_scaled"):
         model = LlamaForCausalLM.from_pretrained(f"{tmp}/{name}", dtype=torch.float32, local_files_only=True)
         with torch.no_grad():
-            reference[name] = model(input_ids=TOKENS).logits
+            reference[name] = model(input_ids=tokens).logits
     torch.save(reference, t / "reference_logits.pt")
     out["sp_logits"] = _sp_logits(t)
     return out
@@ -214,6 +229,7 @@ def conversion_runs(rank: int, world: int, tmp: str, tokenizer: str, sp_model: s
 def _sp_logits(tmp: Path) -> dict:
     """The SentencePiece export, read as a user would: AutoTokenizer + AutoModelForCausalLM on a sentence,
     against the checkpoint's own model on the ids of the run's tokenizer."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_jreg.checkpoints.model import load_megatron_model
@@ -231,9 +247,10 @@ def _sp_logits(tmp: Path) -> dict:
 
 def layout_logits(ckpt: str, tp: int, pp: int) -> torch.Tensor | None:
     """Load `ckpt` at TP=tp/PP=pp in float32 (megatron-core, the model from the checkpoint's saved args) and
-    run TOKENS; logits[b, t, V] on the last stage's first TP rank, None elsewhere."""
+    run input_tokens(); logits[b, t, V] on the last stage's first TP rank, None elsewhere."""
     import copy
 
+    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -260,17 +277,18 @@ def layout_logits(ckpt: str, tp: int, pp: int) -> torch.Tensor | None:
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
     model.load_state_dict(state["model"], strict=False)
     model.eval()
-    positions = torch.arange(TOKENS.shape[1]).unsqueeze(0).expand_as(TOKENS)
+    tokens = input_tokens()
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         if pp == 2:
-            hidden = torch.empty(TOKENS.shape[1], TOKENS.shape[0], args.hidden_size)
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], args.hidden_size)
             if parallel_state.is_pipeline_first_stage():
-                dist.send(model(TOKENS, positions, None).contiguous(), dst=1)
+                dist.send(model(tokens, positions, None).contiguous(), dst=1)
                 parallel_state.destroy_model_parallel()
                 return None
             dist.recv(hidden, src=0)
             model.set_input_tensor(hidden)
-        logits = model(TOKENS, positions, None)
+        logits = model(tokens, positions, None)
         logits = gather_from_tensor_model_parallel_region(logits)
     rank = parallel_state.get_tensor_model_parallel_rank()
     parallel_state.destroy_model_parallel()
@@ -323,6 +341,7 @@ def _diff(rc_out_err: tuple[int, str, str]) -> float:
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    import torch
     from safetensors.torch import load_file
 
     if (folder / "pytorch_model.bin").is_file():
@@ -402,6 +421,8 @@ def test_sentencepiece_run_exports_and_loads_in_transformers_with_equal_logits(r
     ("mc_native_scaled", "native_scaled"),
 ])
 def test_round_trip_hf_megatron_hf_is_bit_exact(runs, name, source):
+    import torch
+
     conv = runs["converted"]
     assert _diff(conv["import"][name]) < FP32
     assert _diff(conv["roundtrip"][name]) < FP32
@@ -452,6 +473,8 @@ def test_export_config_carries_rope_for_every_reader(runs):
     ("mc_native_bin", "native_bin", 1),
 ])
 def test_import_loads_at_requested_layout_with_same_logits(runs, name, source, tp):
+    import torch
+
     reference = torch.load(runs["tmp"] / "reference_logits.pt", weights_only=True)[source]
     got = [r["logits"][name] for r in runs["layouts"] if r["logits"][name] is not None]
     assert len(got) == 1

@@ -10,21 +10,15 @@ import argparse
 import base64
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from megatron_jreg.convert.hf_io import ConversionError
-from megatron_jreg.convert.tokenizer import (
-    TokenizerSource,
-    check_fits_checkpoint,
-    check_texts,
-    check_written,
-    infer_type,
-    resolve_source,
-    write_tokenizer,
-)
 from megatron_jreg.data.tokenizers import _byte_to_unicode
 from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+if TYPE_CHECKING:
+    from megatron_jreg.convert.tokenizer import TokenizerSource
 
 WIKI = Path(__file__).resolve().parent.parent / "examples" / "data" / "wikitext-2" / "valid.txt"
 
@@ -52,6 +46,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def _sources(f: dict) -> dict[str, TokenizerSource]:
+    from megatron_jreg.convert.tokenizer import TokenizerSource
+
     return {
         "hf": TokenizerSource("HuggingFaceTokenizer", str(f["hf"])),
         "hf_extra_specials": TokenizerSource("HuggingFaceTokenizer", str(f["hf"]),
@@ -69,6 +65,8 @@ def _sources(f: dict) -> dict[str, TokenizerSource]:
 @pytest.mark.parametrize("name", ["hf", "hf_extra_specials", "sentencepiece", "llama2_sentencepiece", "gpt2_bpe",
                                   "tiktoken_megatron_json", "tiktoken_file"])
 def test_every_tokenizer_type_exports_with_the_runs_ids(files, name, tmp_path):
+    from megatron_jreg.convert.tokenizer import check_texts, check_written, write_tokenizer
+
     source = _sources(files)[name]
     source.where = name
     tok = source.build()
@@ -92,6 +90,9 @@ def test_every_tokenizer_type_exports_with_the_runs_ids(files, name, tmp_path):
     ({"special_tokens": ["<extra_0>"], "sentencepiece_legacy": True}, "other ids"),
 ])
 def test_options_transformers_cannot_reproduce_are_refused(files, tmp_path, options, needle):
+    from megatron_jreg.convert.hf_io import ConversionError
+    from megatron_jreg.convert.tokenizer import TokenizerSource, check_written, write_tokenizer
+
     source = TokenizerSource("SentencePieceTokenizer", str(files["sp"]), options=options, where="--tokenizer-model X")
     tok = source.build()
     write_tokenizer(tok, source, tmp_path, 64)
@@ -110,6 +111,9 @@ def _args(**kw) -> argparse.Namespace:
 def test_a_tokenizer_of_another_run_is_refused_with_the_numbers(files):
     """The run trained with the SentencePiece model (400 pieces, eod 2); an HF tokenizer (400 tokens, eod 0)
     given instead is refused, naming both ids; a vocabulary that pads to other rows names both sizes."""
+    from megatron_jreg.convert.hf_io import ConversionError
+    from megatron_jreg.convert.tokenizer import check_fits_checkpoint, resolve_source
+
     args = _args(tokenizer_model=str(files["sp"]))
     source, _ = resolve_source(args, str(files["hf"]), None, False)
     assert source.type == "HuggingFaceTokenizer"
@@ -126,6 +130,9 @@ def test_a_tokenizer_of_another_run_is_refused_with_the_numbers(files):
 
 
 def test_resolve_source_names_the_fix(files, tmp_path):
+    from megatron_jreg.convert.hf_io import ConversionError
+    from megatron_jreg.convert.tokenizer import infer_type, resolve_source
+
     assert [infer_type(files[k]) for k in ("hf", "sp", "gpt2", "tiktoken_json", "tiktoken_file")] == [
         "HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "TikTokenizer"]
     assert resolve_source(_args(), None, None, True) == (None, "no tokenizer written (--no-tokenizer)")

@@ -18,7 +18,6 @@ from megatron_jreg.data import preprocess as pp
 from megatron_jreg.data.indexed import dataset_exists, read_documents, read_index
 from megatron_jreg.data.manifest import read_manifest
 from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess, worker
-from megatron_jreg.data.sentences import SentenceSplitter, load_punkt_tab
 from megatron_jreg.data.text import wikitext_articles
 from megatron_jreg.data.tokenizers import build_tokenizer
 from megatron_jreg.data.train_tokenizer import train_tokenizer
@@ -315,6 +314,8 @@ def test_output_shards_resume_and_merge(bpe, articles, tmp_path):
 
 
 def test_split_sentences_trains_punkt_when_no_model_is_given(bpe, tok, articles, tmp_path, monkeypatch):
+    from megatron_jreg.data.sentences import SentenceSplitter, load_punkt_tab
+
     monkeypatch.setenv("NLTK_DATA", str(tmp_path / "no_nltk_data"))
     import nltk.data
 

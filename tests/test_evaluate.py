@@ -15,14 +15,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_jreg.data.text import lambada_passages
-from megatron_jreg.evaluate import cli
-from megatron_jreg.evaluate.lambada import evaluate_lambada, score_lambada, split_passage
-from megatron_jreg.evaluate.models import load_hf_lm
-from megatron_jreg.evaluate.results import EvalResults
-from megatron_jreg.evaluate.scoring import encode_pair, rolling_windows
 
 REPO = Path(__file__).resolve().parent.parent
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
@@ -33,6 +27,8 @@ N_PASSAGES = 24
 def _one_thread():
     """The model's matmuls are tiny: with several threads on shared cores, thread spinning costs 10x
     the arithmetic."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -71,6 +67,8 @@ def _train_tokenizer(out: Path) -> None:
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after ids, one full forward per token (the slow, obvious way)."""
+    import torch
+
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
@@ -98,6 +96,7 @@ def _own_continuation(model, tokenizer, context: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -124,6 +123,8 @@ def passages_file(model_dir, tmp_path_factory) -> Path:
     """Short real LAMBADA passages; every other one ends in the model's own greedy word instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_jreg.evaluate.lambada import split_passage
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     passages = []
@@ -143,6 +144,7 @@ def passages_file(model_dir, tmp_path_factory) -> Path:
 
 def _direct(model_dir: Path, passages: list[str]) -> list[tuple[float, bool, int]]:
     """LAMBADA per passage straight from the HF model: (target log-prob, greedy reproduces it, n tokens)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -163,6 +165,9 @@ def _direct(model_dir: Path, passages: list[str]) -> list[tuple[float, bool, int
 
 
 def test_lambada_accuracy_equals_direct_computation(model_dir, passages_file):
+    from megatron_jreg.evaluate.lambada import evaluate_lambada, score_lambada
+    from megatron_jreg.evaluate.models import load_hf_lm
+
     passages = lambada_passages(passages_file)
     direct = _direct(model_dir, passages)
     hits = [g for _, g, _ in direct]
@@ -212,6 +217,8 @@ def test_encode_pair_follows_lm_eval():
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import TemplateLM
 
+    from megatron_jreg.evaluate.scoring import encode_pair
+
     lm = _MergingTokenizerLM()
 
     class Reference(TemplateLM):
@@ -250,6 +257,8 @@ def test_encode_pair_follows_lm_eval():
 def test_rolling_windows_are_lm_eval_windows():
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+    from megatron_jreg.evaluate.scoring import rolling_windows
+
     for n in range(0, 30):
         tokens = list(range(100, 100 + n))
         expected = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, 8, 1)]
@@ -264,6 +273,7 @@ def test_adapter_matches_lm_eval_hf_model(model_dir):
     from lm_eval.models.huggingface import HFLM
 
     from megatron_jreg.evaluate.harness import HarnessLM
+    from megatron_jreg.evaluate.models import load_hf_lm
 
     text = WIKITEXT.read_text(encoding="utf-8")[2000:2600]
 
@@ -376,6 +386,9 @@ def test_evaluate_end_to_end_offline(
 ):
     """One run: built-in LAMBADA, the same LAMBADA as an lm-eval task over the JSONL, SciQ from the datasets
     cache, ARC-Easy from a local repository copy, all through lm-eval's simple_evaluate with our adapter."""
+    from megatron_jreg.evaluate import cli
+    from megatron_jreg.evaluate.results import EvalResults
+
     tasks_dir = tmp_path / "tasks"
     tasks_dir.mkdir()
     (tasks_dir / "lambada_local.yaml").write_text(
@@ -429,7 +442,7 @@ def test_evaluate_end_to_end_offline(
 def test_missing_datasets_stop_before_the_model_loads(
     model_dir, tmp_path, empty_datasets_cache, monkeypatch, capsys
 ):
-    from megatron_jreg.evaluate import runner
+    from megatron_jreg.evaluate import cli, runner
 
     def no_model(cfg):
         raise AssertionError("the model must not load when data is missing")
@@ -472,11 +485,15 @@ def test_missing_datasets_stop_before_the_model_loads(
     ],
 )
 def test_flag_errors_name_the_flag(model_dir, argv, message, capsys):
+    from megatron_jreg.evaluate import cli
+
     assert cli.main([a.format(model=model_dir) for a in argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_results_table_and_round_trip(tmp_path):
+    from megatron_jreg.evaluate.results import EvalResults
+
     results = EvalResults(model={"kind": "hf", "path": "/m"}, seed=1)
     results.add("lambada", {"acc": 0.5, "acc_stderr": 0.1, "perplexity": 12.0, "perplexity_stderr": None}, 10)
     results.write(tmp_path / "r.json")

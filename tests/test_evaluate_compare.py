@@ -7,11 +7,6 @@ import json
 import math
 
 import pytest
-from scipy import stats
-
-from megatron_jreg.evaluate import compare
-from megatron_jreg.evaluate.results import EvalResults
-from megatron_jreg.evaluate.stats import holm, paired_one_sided
 
 BASELINE = [0.301, 0.312, 0.296, 0.305, 0.309]
 JREG = [0.318, 0.315, 0.311, 0.304, 0.322]
@@ -19,6 +14,10 @@ JREG = [0.318, 0.315, 0.311, 0.304, 0.322]
 
 @pytest.mark.parametrize("higher_is_better", [True, False])
 def test_paired_test_reproduces_scipy_on_every_tail(higher_is_better):
+    from scipy import stats
+
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
     test = paired_one_sided(JREG, BASELINE, higher_is_better=higher_is_better)
     better, worse = ("greater", "less") if higher_is_better else ("less", "greater")
     diffs = [j - b for j, b in zip(JREG, BASELINE)]
@@ -39,6 +38,10 @@ def test_paired_test_reproduces_scipy_on_every_tail(higher_is_better):
 
 
 def test_paired_test_at_another_confidence():
+    from scipy import stats
+
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
     test = paired_one_sided(BASELINE, JREG, confidence=0.9)
     reference = stats.ttest_rel(BASELINE, JREG, alternative="greater")
     assert test.p_value == pytest.approx(reference.pvalue, rel=1e-10)
@@ -57,6 +60,8 @@ def test_paired_test_at_another_confidence():
     ],
 )
 def test_no_spread_is_undefined_not_significant(jreg, baseline):
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
     test = paired_one_sided(jreg, baseline)
     assert not test.defined and not test.significant and not test.worse
     assert all(math.isnan(v) for v in (test.t, test.p_value, test.p_worse, test.p_two_sided, test.bound))
@@ -66,6 +71,10 @@ def test_no_spread_is_undefined_not_significant(jreg, baseline):
 @pytest.mark.filterwarnings("ignore:Precision loss occurred:RuntimeWarning")
 def test_float_tie_that_scipy_calls_significant():
     """The case the tolerance is for: scipy's t on rounding noise is ~4e15 and p ~2e-16."""
+    from scipy import stats
+
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
     reference = stats.ttest_rel([0.4, 0.3], [0.3, 0.2], alternative="greater")
     assert reference.pvalue < 1e-10
     assert not paired_one_sided([0.4, 0.3], [0.3, 0.2]).defined
@@ -84,6 +93,8 @@ def test_float_tie_that_scipy_calls_significant():
     ],
 )
 def test_paired_test_refuses_what_it_cannot_test(jreg, baseline, message):
+    from megatron_jreg.evaluate.stats import paired_one_sided
+
     with pytest.raises(ValueError, match=message):
         paired_one_sided(jreg, baseline)
     with pytest.raises(ValueError, match="confidence"):
@@ -91,6 +102,8 @@ def test_paired_test_refuses_what_it_cannot_test(jreg, baseline, message):
 
 
 def test_holm_adjustment():
+    from megatron_jreg.evaluate.stats import holm
+
     # worked by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5, 0.6]) == [1.0, 1.0]
@@ -106,6 +119,8 @@ def test_holm_adjustment():
 
 
 def _write(path, seed, lambada, boolq, extra=None, samples=100, ppl=20.0):
+    from megatron_jreg.evaluate.results import EvalResults
+
     results = EvalResults(model={"kind": "hf", "path": str(path)}, seed=seed)
     results.add("lambada", {"acc": lambada, "acc_stderr": 0.01, "perplexity": ppl}, samples)
     results.add("boolq", {"acc": boolq, "acc_stderr": 0.01}, 100)
@@ -149,12 +164,18 @@ def _lm_eval_file(path, seed, scores: dict[str, dict[str, float]], n=12, group=N
 
 
 def _run(argv, capsys):
+    from megatron_jreg.evaluate import compare
+
     rc = compare.main(argv)
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
 
 def test_compare_cli_pairs_by_seed_and_averages(tmp_path, capsys):
+    from scipy import stats
+
+    from megatron_jreg.evaluate.stats import holm
+
     boolq_b, boolq_j = [0.61, 0.60, 0.63], [0.60, 0.62, 0.64]
     lam_b, lam_j = BASELINE[:3], JREG[:3]
     base = [_write(tmp_path / f"b{s}.json", s, lam_b[s], boolq_b[s], extra=0.5) for s in range(3)]
@@ -192,6 +213,8 @@ def test_compare_cli_pairs_by_seed_and_averages(tmp_path, capsys):
 
 def test_compare_perplexity_lower_is_better(tmp_path, capsys):
     """The issue's case: perplexity 60 against 5e8 is JREG better, not worse."""
+    from scipy import stats
+
     base = [_write(tmp_path / f"b{s}.json", s, 0.3, 0.6, ppl=p) for s, p in enumerate([5e8, 4e8, 6.5e8])]
     jreg = [_write(tmp_path / f"j{s}.json", s, 0.3, 0.6, ppl=p) for s, p in enumerate([60.0, 58.0, 71.0])]
     out = tmp_path / "cmp.json"
@@ -209,6 +232,8 @@ def test_compare_perplexity_lower_is_better(tmp_path, capsys):
 
 
 def test_compare_says_when_jreg_is_significantly_worse(tmp_path, capsys):
+    from scipy import stats
+
     base = [_write(tmp_path / f"b{s}.json", s, JREG[s], 0.6) for s in range(5)]
     jreg = [_write(tmp_path / f"j{s}.json", s, BASELINE[s], 0.6) for s in range(5)]
     out = tmp_path / "cmp.json"
@@ -244,6 +269,11 @@ def test_compare_two_seeds_same_difference_is_undefined_and_warned(tmp_path, cap
 def test_compare_reads_lm_eval_results_files(tmp_path, capsys):
     """lm-eval's own files, without --metric acc,none: acc is compared, perplexity is lower-is-better as the
     files' higher_is_better says, the group row is compared but left out of the average."""
+    from scipy import stats
+
+    from megatron_jreg.evaluate import compare
+    from megatron_jreg.evaluate.results import EvalResults
+
     accs_b, accs_j = [[0.30, 0.50], [0.32, 0.49], [0.29, 0.52]], [[0.35, 0.52], [0.36, 0.50], [0.33, 0.55]]
 
     def scores(t1: float, t2: float) -> dict:
@@ -274,6 +304,7 @@ def test_compare_reads_lm_eval_results_files(tmp_path, capsys):
 def test_compare_direction_from_the_file_and_mixed_directions(tmp_path, capsys):
     """word_perplexity's direction comes from the file; a metric nobody names is assumed higher (said so),
     and tasks of opposite directions get no average row."""
+    from megatron_jreg.evaluate.results import EvalResults
 
     def scores(ppl: float, acc: float) -> dict:
         return {"wikitext": {"word_perplexity": ppl}, "t2": {"acc": acc}}
@@ -313,6 +344,8 @@ def test_compare_pairs_files_without_seed_only_when_told(tmp_path, capsys):
 
 
 def test_compare_refuses_unpaired_inputs(tmp_path, capsys):
+    from megatron_jreg.evaluate import compare
+
     a = [_write(tmp_path / f"a{s}.json", s, 0.3, 0.6) for s in range(3)]
     b = [_write(tmp_path / f"b{s}.json", s, 0.3, 0.6) for s in range(2)]
     assert compare.main(["--baseline", *a, "--jreg", *b]) == 2

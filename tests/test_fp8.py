@@ -7,34 +7,32 @@ Transformer Engine's presence, version and own FP8 verdict are set per test (mon
 TransformerConfig and its version comparison run for real.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from megatron.core import utils as mcore_utils
-from megatron.core.models.gpt import gpt_layer_specs
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from packaging.version import Version
 
-from megatron_jreg import jreg, plugin
-from megatron_jreg import layer_spec as spec_module
-from megatron_jreg.training import model
-from megatron_jreg.training.arguments import UsageError, parse_args
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 TINY = ["--model-preset", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
         "--train-iters", "1"]
 NO_FUSION = ["--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion"]
 RECIPES = ["delayed", "tensorwise", "mxfp8", "blockwise"]
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
 
 
 @pytest.fixture
 def machine(monkeypatch):
     """machine(cuda=..., cc=..., te=<version or None>, te_verdict=(ok, reason)): fake this process's GPU/TE."""
+    import torch
+    from megatron.core import utils as mcore_utils
+
+    from megatron_jreg.training import model
 
     def set_up(cuda: bool = True, cc: tuple[int, int] = (9, 0), name: str = "NVIDIA H100 80GB HBM3",
                te: str | None = "2.8.0", te_verdict: tuple[bool, str] = (True, "")) -> list[str]:
@@ -73,10 +71,15 @@ def machine(monkeypatch):
 
 
 def args_of(*flags: str):
+    from megatron_jreg.training.arguments import parse_args
+
     return parse_args(TINY + list(flags))
 
 
 def error_of(*flags: str) -> str:
+    from megatron_jreg.training import model
+    from megatron_jreg.training.arguments import UsageError
+
     with pytest.raises(UsageError) as e:
         model.check_transformer_impl(args_of(*flags))
     return str(e.value)
@@ -84,6 +87,7 @@ def error_of(*flags: str) -> str:
 
 def transformer_config(*flags: str) -> TransformerConfig:
     """Megatron-LM's own flags → TransformerConfig mapping, on megatron-jreg's parser."""
+    import torch
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     args = args_of("--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion", *flags)
@@ -116,6 +120,8 @@ def test_no_fp8_by_default():
 def test_default_implementation_is_megatron_lms(machine, te):
     """Megatron-LM's default --transformer-impl is transformer_engine: it runs where TE imports; elsewhere
     the run stops before any work and names the flag that gives the local spec."""
+    from megatron_jreg.training import model
+
     machine(te=te)
     assert args_of().transformer_impl == "transformer_engine"
     if te is None:
@@ -133,6 +139,8 @@ def test_default_implementation_is_megatron_lms(machine, te):
 @pytest.mark.parametrize("recipe,cc,name", [("delayed", (9, 0), "NVIDIA H100"), ("tensorwise", (8, 9), "NVIDIA L40S"),
                                             ("blockwise", (9, 0), "NVIDIA H200"), ("mxfp8", (10, 0), "NVIDIA B200")])
 def test_fp8_recipe_runs_where_it_can(machine, recipe, cc, name):
+    from megatron_jreg.training import model
+
     calls = machine(cc=cc, name=name, te="2.8.0")
     model.check_transformer_impl(args_of("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe))
     assert calls == [{"mxfp8": "mxfp8", "blockwise": "blockwise"}.get(recipe, "fp8")]  # TE's check for the recipe
@@ -235,12 +243,18 @@ def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch, one_rank):
     """With TE, megatron-jreg keeps Megatron-LM's TE spec as it is: megatron's TransformerLayer (the class
     JregPlugin hooks) with each pre-norm fused into the TE linear after it, so the layer's input and output
     are the residual stream, as in the local spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_jreg import layer_spec as model
+    from megatron_jreg import plugin
 
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _FakeTESpecProvider)
     monkeypatch.setattr(transformer_block, "LayerNormImpl", type("TENorm", (), {}))
-    monkeypatch.setattr(spec_module, "LayerNormImpl", transformer_block.LayerNormImpl)
-    block = spec_module.layer_spec(_model_config("--transformer-impl", "transformer_engine"))
+    monkeypatch.setattr(model, "LayerNormImpl", transformer_block.LayerNormImpl)
+    block = model.layer_spec(_model_config("--transformer-impl", "transformer_engine"))
     spec = block.layer_specs[0]
     assert spec.module is TransformerLayer and plugin.TransformerLayer is TransformerLayer
     assert spec.submodules.input_layernorm is IdentityOp and spec.submodules.pre_mlp_layernorm is IdentityOp
@@ -251,23 +265,32 @@ def test_transformer_engine_spec_is_the_layer_jreg_hooks(monkeypatch, one_rank):
 def test_local_spec_is_megatron_lms_with_sequence_parallel_norms(one_rank):
     """Without TE or apex, Megatron-LM's local spec uses a bare torch norm that refuses sequence parallelism;
     megatron-jreg's spec is the same layer with TorchNorm (same math) in the three norm places."""
-    block = spec_module.layer_spec(_model_config("--transformer-impl", "local"))
-    assert len(block.layer_specs) == 4 and block.layer_norm is spec_module.TorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_jreg import layer_spec as model
+
+    block = model.layer_spec(_model_config("--transformer-impl", "local"))
+    assert len(block.layer_specs) == 4 and block.layer_norm is model.TorchNorm
     layer = block.layer_specs[0]
     assert layer.module is TransformerLayer
-    norm = spec_module.TorchNorm
+    norm = model.TorchNorm
     assert layer.submodules.input_layernorm is norm and layer.submodules.pre_mlp_layernorm is norm
 
 
 def test_torch_norm_equals_torch_rmsnorm_and_supports_zero_centered_gamma():
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_jreg import layer_spec as model
+
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
     x = torch.randn(3, 2, 8)
-    ours = spec_module.TorchNorm(config, 8, eps=1e-5)
+    ours = model.TorchNorm(config, 8, eps=1e-5)
     ours.weight.data = torch.linspace(0.5, 1.5, 8)
     ref = torch.nn.RMSNorm(8, eps=1e-5)
     ref.weight.data = ours.weight.data.clone()
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
-    one_p = spec_module.TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), 8, eps=1e-5)
+    one_p = model.TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), 8, eps=1e-5)
     assert torch.equal(one_p.weight, torch.zeros(8))  # γ − 1 is stored, as Transformer Engine's norms do
     one_p.weight.data = ours.weight.data - 1
     torch.testing.assert_close(one_p(x), ref(x))
@@ -275,6 +298,10 @@ def test_torch_norm_equals_torch_rmsnorm_and_supports_zero_centered_gamma():
 
 def test_jreg_displacement_is_fp32_from_bf16_activations():
     """What the hook gets on the TE path is the layers' bf16 output; Ψ is computed from it in fp32."""
+    import torch
+
+    from megatron_jreg import jreg
+
     g = torch.Generator().manual_seed(0)
     h_in = torch.randn(64, 2, 96, generator=g).to(torch.bfloat16)
     h_out = (h_in.float() + 0.3 * torch.randn(64, 2, 96, generator=g)).to(torch.bfloat16)

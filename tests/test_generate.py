@@ -8,10 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_jreg.data.chat import SIMPLE_STOP_TEXTS, SIMPLE_TEMPLATE
-from megatron_jreg.generate.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
@@ -43,6 +41,8 @@ def turns_of(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> Path:
     """A random 2-layer Llama (untied, so answers vary) with a 300-token BPE and no chat template."""
+    import torch
+
     from megatron_jreg.analysis.toy import save_random_llama
 
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other on a shared machine
@@ -53,6 +53,7 @@ def hf_model(tmp_path_factory) -> Path:
 
 def reference_answers(folder: Path, questions: list[dict], max_new: int) -> dict:
     """One question at a time, one token at a time: argmax of the full forward pass at the last position."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -80,6 +81,8 @@ def reference_answers(folder: Path, questions: list[dict], max_new: int) -> dict
 
 
 def run(*argv: str) -> int:
+    from megatron_jreg.generate.cli import main
+
     return main([str(a) for a in argv])
 
 
@@ -142,6 +145,8 @@ def turns_of_greedy(hf_model: Path, prompts: Path, tmp_path: Path) -> dict:
 
 
 def test_top_p_keeps_the_smallest_nucleus():
+    import torch
+
     from megatron_jreg.generate.decoding import Sampling, next_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
@@ -236,7 +241,10 @@ def megatron_suite(rank: int, world: int, hf: str, tmp: str) -> dict:
     checkpoint, then answer with it; also a checkpoint whose tokenizer folder has moved."""
     import shutil
 
+    import torch
+
     from megatron_jreg.convert.from_hf import hf_to_mcore
+    from megatron_jreg.generate.cli import main
 
     torch.set_num_threads(1)
     ckpt = Path(tmp) / "mcore"
@@ -252,6 +260,7 @@ def megatron_suite(rank: int, world: int, hf: str, tmp: str) -> dict:
     return {"rc": rc, "gone": gone, "given": given}
 
 
+@pytest.mark.multirank
 def test_megatron_checkpoint_answers_as_its_hf_original(hf_model, tmp_path, capsys):
     from tests.distributed import run_ranks
 
@@ -269,6 +278,7 @@ def test_megatron_checkpoint_answers_as_its_hf_original(hf_model, tmp_path, caps
 def test_answers_end_at_a_stop_token_a_turn_marker_or_the_window(hf_model):
     """Scripted next tokens: the EOS ends an answer, so does a `simple` turn marker the model starts to write
     (the answer is the text before it), and a full context window."""
+    import torch
     from transformers import AutoTokenizer
 
     from megatron_jreg.generate.decoding import complete

@@ -70,6 +70,7 @@ def dry_run(tmp_path_factory):
     return tmp, result
 
 
+@pytest.mark.slow
 def test_dry_run_prints_every_figure(dry_run):
     tmp, result = dry_run
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -88,6 +89,7 @@ def test_dry_run_prints_every_figure(dry_run):
     assert values["micro_batch"] >= 2 and values["seq_length"] == 128 and figures["mode"] == "dry-run", figures
 
 
+@pytest.mark.slow
 def test_dry_run_installs_only_what_is_missing(dry_run):
     tmp, result = dry_run
     out = result.stdout
@@ -104,6 +106,7 @@ def test_dry_run_installs_only_what_is_missing(dry_run):
     assert probe.stdout.split() == ["42", "1.0"]
 
 
+@pytest.mark.slow
 def test_dry_run_writes_console_json_and_logs_under_out(dry_run):
     tmp, result = dry_run
     out = tmp / "out"

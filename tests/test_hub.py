@@ -17,10 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_jreg import hub
-from megatron_jreg.analysis.cli import main as analyze
-from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
 from megatron_jreg.data.text import lambada_passages
-from megatron_jreg.evaluate import cli as evaluate_cli
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
@@ -44,6 +41,8 @@ def cache_repo(cache: Path, repo_id: str, files: Path, commit: str, ref: str | N
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
+    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
     return save_random_model(family_config("llama"), tmp_path_factory.mktemp("m") / "tiny", tokenizer)
 
@@ -124,6 +123,9 @@ def test_resolve_errors_name_the_cache(model_folder, cache):
 
 
 def test_analyze_and_evaluate_take_hub_ids(model_folder, cache, tmp_path, capsys):
+    from megatron_jreg.analysis.cli import main as analyze
+    from megatron_jreg.evaluate import cli as evaluate_cli
+
     cache_repo(cache, "org/tiny", model_folder, COMMIT_A)
     common = ["--num-samples", "3", "--max-length", "40", "--no-progress"]
     assert analyze(["--model", "org/tiny", "--output", str(tmp_path / "hub"), *common]) == 0

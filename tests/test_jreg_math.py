@@ -1,22 +1,40 @@
 """The JREG math against plain formulas written directly from the definitions."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from megatron_jreg import jreg
+if TYPE_CHECKING:
+    import torch
+
+# jreg.DISTANCES, written out so that collecting this file does not import torch (test_distances_are_all_tested).
+DISTANCES = ("angular", "cosine")
+
+
+def test_distances_are_all_tested():
+    from megatron_jreg import jreg
+
+    assert jreg.DISTANCES == DISTANCES
 
 
 def reference_displacement(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token Ψ in float64 straight from the definition."""
+    import torch
+
     a, b = a.double(), b.double()
     cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
     return torch.arccos(cos.clamp(-1, 1)) / math.pi if kind == "angular" else 1 - cos
 
 
-@pytest.mark.parametrize("kind", jreg.DISTANCES)
+@pytest.mark.parametrize("kind", DISTANCES)
 def test_displacement_values_and_gradients_match_reference(kind):
+    import torch
+
+    from megatron_jreg import jreg
+
     torch.manual_seed(0)
     a = torch.randn(7, 3, 32, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, 3, 32, dtype=torch.float64, requires_grad=True)
@@ -33,8 +51,12 @@ def test_displacement_values_and_gradients_match_reference(kind):
     torch.testing.assert_close(gb, b.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", jreg.DISTANCES)
+@pytest.mark.parametrize("kind", DISTANCES)
 def test_identical_and_parallel_vectors_give_zero_and_finite_gradient(kind):
+    import torch
+
+    from megatron_jreg import jreg
+
     a = torch.randn(5, 16, requires_grad=True)
     for b in (a.detach().clone(), 3.0 * a.detach()):
         b.requires_grad_(True)
@@ -48,6 +70,10 @@ def test_identical_and_parallel_vectors_give_zero_and_finite_gradient(kind):
 
 
 def test_antiparallel_vectors_angular_is_one_with_finite_gradient():
+    import torch
+
+    from megatron_jreg import jreg
+
     a = torch.randn(4, 8, requires_grad=True)
     b = (-2.0 * a.detach()).requires_grad_(True)
     d = jreg.token_displacement(a, b, "angular")
@@ -59,6 +85,10 @@ def test_antiparallel_vectors_angular_is_one_with_finite_gradient():
 
 @pytest.mark.parametrize("kind,value", [("angular", 0.5), ("cosine", 1.0)])
 def test_zero_vectors_are_orthogonal_with_zero_gradient(kind, value):
+    import torch
+
+    from megatron_jreg import jreg
+
     z = torch.zeros(3, 8, requires_grad=True)
     b = torch.randn(3, 8, requires_grad=True)
     d = jreg.token_displacement(z, b, kind)
@@ -68,6 +98,10 @@ def test_zero_vectors_are_orthogonal_with_zero_gradient(kind, value):
 
 
 def test_bf16_inputs_computed_in_fp32_with_bf16_gradients():
+    import torch
+
+    from megatron_jreg import jreg
+
     torch.manual_seed(1)
     a32, b32 = torch.randn(16, 2, 64), torch.randn(16, 2, 64)
     a = a32.bfloat16().requires_grad_(True)
@@ -81,6 +115,10 @@ def test_bf16_inputs_computed_in_fp32_with_bf16_gradients():
 
 
 def test_mask_averages_over_real_tokens_only():
+    import torch
+
+    from megatron_jreg import jreg
+
     torch.manual_seed(2)
     a, b = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
     mask = torch.ones(6, 2, dtype=torch.bool)
@@ -97,6 +135,10 @@ def test_mask_averages_over_real_tokens_only():
 
 
 def test_layer_weights_are_softmax_of_alpha_times_layer():
+    import torch
+
+    from megatron_jreg import jreg
+
     w = jreg.layer_weights(5, 1.0)
     expected = torch.softmax(torch.arange(1, 6, dtype=torch.float64), 0)
     torch.testing.assert_close(w.double(), expected)
@@ -109,6 +151,10 @@ def test_layer_weights_are_softmax_of_alpha_times_layer():
 
 
 def test_jump_rates_follow_the_definition():
+    import torch
+
+    from megatron_jreg import jreg
+
     psi = torch.tensor([0.10, 0.30, 0.20, 0.25, 0.60])
     zeta = jreg.jump_rates(psi)
     L = len(psi)
@@ -122,6 +168,10 @@ def test_jump_rates_follow_the_definition():
 
 
 def test_jreg_loss_is_weighted_sum():
+    import torch
+
+    from megatron_jreg import jreg
+
     psi = torch.tensor([0.1, 0.2, 0.4])
     w = jreg.layer_weights(3, 1.0)
     assert jreg.jreg_loss(psi, w).item() == pytest.approx(float((w * psi).sum()))

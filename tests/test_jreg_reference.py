@@ -17,12 +17,17 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from tests._train_runs import TINY, records, train
 from tests.distributed import run_ranks
+
+if TYPE_CHECKING:
+    import torch
+
+pytestmark = pytest.mark.multirank
 
 RTOL = 1e-5
 LAM, ALPHA = 1.0, 1.0
@@ -88,6 +93,8 @@ class Reference:
     """Own hooks and loss term (see the module docstring), installed around one in-process run."""
 
     def __init__(self, num_layers: int, distance: str = "angular") -> None:
+        import torch
+
         self.weights = torch.softmax(ALPHA * torch.arange(1, num_layers + 1, dtype=torch.float64), 0)
         self.num_layers = num_layers
         self.pairs: dict[int, tuple] = {}
@@ -97,6 +104,7 @@ class Reference:
         self.grads: dict | None = None
 
     def _tokens(self, module, args, kwargs) -> None:
+        import torch
         from megatron.training import get_args, get_tokenizer
 
         tokens = kwargs.get("input_ids", args[0] if args else None)
@@ -109,10 +117,14 @@ class Reference:
         self.real = (torch.arange(rows.shape[1])[None] <= last_real[:, None]).reshape(tokens.shape)
 
     def _layer(self, ell, module, args, kwargs, output) -> None:
+        import torch
+
         if module.training and torch.is_grad_enabled():
             self.pairs[ell] = (kwargs["hidden_states"], output[0])
 
     def penalty(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        import torch
+
         psi = []
         for ell in range(1, self.num_layers + 1):
             h_in, h_out = (h.double() for h in self.pairs.pop(ell))
@@ -244,11 +256,15 @@ def _max_rel_diff(grads: dict, ref: dict) -> float:
 
 
 def _mean(rows: list[list[float]]) -> list[float]:
+    import torch
+
     return torch.tensor(rows, dtype=torch.float64).mean(0).tolist()
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_jreg_equals_the_reference(runs, row):
+    import torch
+
     ref = runs["refs"][row.reference]
     got = runs["rows"][row.name]
     assert ref["rc"] == 0 and got["rc"] == 0

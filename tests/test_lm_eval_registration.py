@@ -15,13 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lm_eval.utils import sanitize_model_name
 
-from megatron_jreg.evaluate import cli, lm_eval_model
-from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
-from megatron_jreg.evaluate.lm_eval_model import MegatronJregLM, ModelArgsError
-from megatron_jreg.evaluate.models import load_hf_lm
-from megatron_jreg.evaluate.results import EvalResults
 from tests import test_evaluate
 from tests.test_evaluate import LAMBADA_TASK_YAML
 
@@ -45,12 +39,17 @@ def tasks_dir(passages_file, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def builtin(model_dir, passages_file) -> dict:
     """The built-in LAMBADA on the first LIMIT passages: what every lm-eval route must reproduce."""
+    from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
+    from megatron_jreg.evaluate.models import load_hf_lm
+
     passages, _ = read_lambada(passages_file)
     return evaluate_lambada(load_hf_lm(model_dir, "cpu", "float32"), passages[:LIMIT], batch_size=4)
 
 
 def test_registered_under_its_name():
     from lm_eval.api.registry import get_model
+
+    from megatron_jreg.evaluate.lm_eval_model import MegatronJregLM
 
     assert get_model("megatron-jreg") is MegatronJregLM
 
@@ -86,6 +85,9 @@ def test_simple_evaluate_by_name_scores_like_the_builtin(model_dir, tasks_dir, b
 
 
 def test_evaluate_num_fewshot_reaches_lm_eval(model_dir, tasks_dir, tmp_path, monkeypatch):
+    from megatron_jreg.evaluate import cli
+    from megatron_jreg.evaluate.results import EvalResults
+
     monkeypatch.setenv("DISABLE_MULTIPROC", "1")
     common = ["--hf", str(model_dir), "--tasks", "lambada_local", "--include-path", str(tasks_dir),
               "--limit", str(LIMIT), "--bootstrap-iters", "0"]  # fmt: skip
@@ -97,9 +99,14 @@ def test_evaluate_num_fewshot_reaches_lm_eval(model_dir, tasks_dir, tmp_path, mo
     assert ppl2 != pytest.approx(ppl0, rel=1e-9)  # two solved examples before each passage change the score
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_runs_our_model(model_dir, tasks_dir, builtin, tmp_path):
     """lm-eval's own CLI (every flag of it), with the model registered, in a fresh process; `pretrained=`
     names lm-eval's output folder after the model, as for its own `hf` model."""
+    from lm_eval.utils import sanitize_model_name
+
+    from megatron_jreg.evaluate.results import EvalResults
+
     out = tmp_path / "lm-eval-out"
     env = {**os.environ, "DISABLE_MULTIPROC": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
@@ -122,6 +129,10 @@ def test_lm_eval_command_line_runs_our_model(model_dir, tasks_dir, builtin, tmp_
 def test_load_reaches_the_megatron_loader(model_dir, tmp_path, monkeypatch):
     """`load=CKPT[,iteration=N]` goes to `models.load_megatron_lm` (tested with real checkpoints where the
     loader is); a stand-in returns the HF model so that the adapter around it runs for real."""
+    from megatron_jreg.evaluate import lm_eval_model
+    from megatron_jreg.evaluate.lm_eval_model import MegatronJregLM
+    from megatron_jreg.evaluate.models import load_hf_lm
+
     calls = []
 
     def fake_loader(path, iteration=None):
@@ -156,6 +167,8 @@ def test_load_reaches_the_megatron_loader(model_dir, tmp_path, monkeypatch):
     ],
 )
 def test_bad_model_args_name_the_argument(args, extra, message, model_dir, tmp_path):
+    from megatron_jreg.evaluate.lm_eval_model import MegatronJregLM, ModelArgsError
+
     arg_string = args.format(model=model_dir, ckpt=tmp_path)
     with pytest.raises(ModelArgsError) as info:
         MegatronJregLM.create_from_arg_string(arg_string, extra)

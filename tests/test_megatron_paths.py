@@ -19,6 +19,8 @@ import pytest
 
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2"
 LAMBADA = REPO / "megatron_jreg" / "resources" / "lambada_test.jsonl"

@@ -1,10 +1,11 @@
 """JREG on megatron-core: the penalty, Ψ and gradients agree across parallel layouts (real gloo ranks)."""
 
 import pytest
-import torch
 
 from tests._layouts import LAYERS, SINGLE_LAYOUTS, TWO_RANK_LAYOUTS, single_rank_suite, two_rank_suite
 from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 RTOL = 1e-5
 
@@ -74,6 +75,8 @@ def test_two_rank_layouts_match_single_rank(single, two, name):
 
 
 def test_context_parallel_split_equals_unsplit(two):
+    import torch
+
     for r in (rank_result["cp"] for rank_result in two):
         assert r["psi"] == pytest.approx(r["psi_ref"], rel=RTOL)
         torch.testing.assert_close(r["w_grad"], r["w_grad_ref"], rtol=RTOL, atol=1e-9)

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests._train_runs import records, train
 from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
@@ -101,6 +102,7 @@ def _targets(tok: str) -> dict:
 def _pack_invariance(tok: str) -> dict:
     """Ψ sums of conversations packed into one sequence (block-diagonal mask, positions restarting, end
     padding masked) equal the sums of each conversation run alone."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -147,6 +149,7 @@ def _pack_invariance(tok: str) -> dict:
 def _loss_ignores_user_targets(argv: list[str]) -> dict:
     """A real SFT batch (Megatron-LM's SFTDataset through the datasets provider): the loss mask is 1 on
     assistant tokens only, so changing a user/system/padding token's target changes nothing."""
+    import torch
     from megatron.core import parallel_state
     from megatron.training.training import get_train_valid_test_num_samples
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from scipy import stats
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDY = ROOT / "examples" / "study.py"
@@ -39,6 +38,7 @@ def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, _study(out)
 
 
+@pytest.mark.slow
 def test_quick_study_writes_every_output(quick):
     out, proc = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,6 +80,7 @@ def test_quick_study_writes_every_output(quick):
     assert (out / ".gitignore").read_text() == "*\n"
 
 
+@pytest.mark.slow
 def test_report_is_a_function_of_the_raw_files_alone(quick, tmp_path):
     out, proc = quick
     assert proc.returncode == 0
@@ -96,6 +97,7 @@ def test_committed_report_matches_its_committed_raw_results():
         "--raw docs/study/raw --report docs/study.md"
 
 
+@pytest.mark.slow
 def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(quick):
     out, proc = quick
     assert proc.returncode == 0
@@ -119,6 +121,7 @@ def test_second_invocation_skips_finished_runs_and_resumes_an_interrupted_one(qu
     assert len(json.loads((out / "raw" / "study.json").read_text())["invocations"]) == 2
 
 
+@pytest.mark.slow
 def test_failed_pilot_gate_stops_after_the_pilot_and_says_so(quick, tmp_path):
     out, proc = quick
     assert proc.returncode == 0
@@ -134,6 +137,7 @@ def test_failed_pilot_gate_stops_after_the_pilot_and_says_so(quick, tmp_path):
     assert "against the threshold 100: failed: the study stopped after the pilot" in report
 
 
+@pytest.mark.slow
 def test_other_settings_on_an_existing_output_are_refused(quick):
     out, _ = quick
     proc = _study(out, "--large-steps", "6")
@@ -185,6 +189,8 @@ def test_arms_share_one_token_budget_and_commands_carry_their_settings(tmp_path)
 
 
 def test_paired_contrast_and_verdicts_against_scipy():
+    from scipy import stats
+
     small, large = [1.9, 1.2, 2.4, 1.6], [0.8, 0.9, 1.1, 0.2]
     diffs = [a - b for a, b in zip(small, large)]
     t = study_report.paired(diffs, +1)

@@ -11,6 +11,8 @@ import pytest
 from tests._train_runs import MEGATRON_LM_LOSSES, MEGATRON_LM_MTP_LOSSES, TINY, records, single_rank_runs, two_rank_runs
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 RTOL = 1e-5
 
 

@@ -16,6 +16,8 @@ import pytest
 from tests._train_runs import TINY, records
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 LINE = re.compile(r"iteration +(\d+)/ *\d+ \|.*? elapsed time per iteration \(ms\): ([0-9.]+) \|.*? lm loss: "
                   r"([0-9.E+-]+) \|")
 
