@@ -163,8 +163,8 @@ class Progress:
     def update(self, iteration: int, seconds_per_iteration: float | None = None) -> None:
         if self._bar is None:
             return
-        if seconds_per_iteration:
-            self._bar.seconds_per_iteration = seconds_per_iteration
+        if seconds_per_iteration:  # rounded as the console prints it ("(ms): 76.9"), so both show one rate
+            self._bar.seconds_per_iteration = round(seconds_per_iteration * 1000, 1) / 1000 or seconds_per_iteration
         self._bar.update(iteration - self._bar.n)
         if iteration >= self.train_iters:
             self.close()
