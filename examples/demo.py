@@ -6,8 +6,10 @@
    seed, weights and data: the study's 12-layer × 128 Llama at its small batch (4 × 128 tokens), baseline
    (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty). They are the study's seed-1 runs
    (examples/study.py: 2,000-step schedule) stopped by Megatron-LM's --exit-interval at step 1,000, which is
-   what fits in 15 minutes; at this scale whether a baseline jumps depends on the seed (docs/study.md), and
-   seed 1 is one that does.
+   what fits in 15 minutes. At this scale whether the baseline's very last layer jumps depends on the seed
+   (docs/study.md) and even on the machine's float rounding (README, "What `make demo` shows": ζ_L 1.55 on
+   one machine, 0.11 on another, same code and seed); the top layers' excess over the middle (ζ_L−1,
+   Ψ_L / mid Ψ) and JREG removing it hold on both.
 3. Both final models measured on every held-out window (examples/study_measure.py): cross-entropy, Ψ_ℓ, ζ.
 4. The table (printed, and written to summary.md / summary.json) and a plot of Ψ_ℓ per layer (psi.png).
 
