@@ -26,6 +26,8 @@ Design (fixed here, before any run; docs/study.md reports whatever comes out):
     python examples/study.py                     # the default study (docs/study.md): ~2 h on 2 cores
     python examples/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
     python examples/study.py --report-only       # report from what is there
+    python examples/study.py --runs sft-jreg-a1/seed-3   # only these runs (and their parents), then:
+    python examples/study_report.py --raw docs/study/raw --merge study_output/raw --report docs/study.md
     python examples/study_report.py --raw study_output/raw --report docs/study.md   # from committed raw files
 
 Resumable: finished runs are skipped (train.done / post.done); an interrupted training continues from its

@@ -214,3 +214,40 @@ def test_sft_doc_shows_the_committed_reports_sft_section():
     assert study_report.sft_section(report), "docs/study.md has no SFT analogue section"
     assert study_report.sft_block(doc) == study_report.sft_section(report), "regenerate: python " \
         "examples/study_report.py --raw docs/study/raw --report docs/study.md --sft-doc docs/sft.md"
+
+
+def test_runs_selects_the_named_runs_and_their_parents_and_refuses_unknown_names(tmp_path):
+    cfg = study.config_from(study.build_parser().parse_args(["--output", str(tmp_path)]))
+    pretrain = study.pretrain_runs(cfg)
+    sft = study.sft_runs(cfg, pretrain)
+    chosen_pretrain, chosen_sft = study.select_runs(pretrain, sft, ["sft-jreg-a1/seed-3"])
+    assert [r.name for r in chosen_pretrain] == ["jreg-a1/seed-3"]
+    assert [r.name for r in chosen_sft] == ["sft-jreg-a1/seed-3"]
+    with pytest.raises(SystemExit, match=r"--runs sft-jreg-a1/seed-9: no such run"):
+        study.select_runs(pretrain, sft, ["sft-jreg-a1/seed-9"])
+
+
+def test_merge_adds_new_runs_and_compares_reruns_of_committed_ones(tmp_path):
+    committed = tmp_path / "committed"
+    shutil.copytree(ROOT / "docs" / "study" / "raw", committed)
+    new = tmp_path / "new"
+    new.mkdir()
+    study_json = json.loads((committed / "study.json").read_text())
+    rerun = json.loads((committed / "baseline-small__seed-3.json").read_text())
+    rerun["measures"]["series"][-1]["heldout"]["zeta_L-1"] += 0.5
+    (new / "baseline-small__seed-3.json").write_text(json.dumps(rerun))
+    sft = json.loads((committed / "sft-jreg-a1__seed-3.json").read_text())
+    (committed / "sft-jreg-a1__seed-3.json").unlink()
+    (new / "sft-jreg-a1__seed-3.json").write_text(json.dumps(sft))
+    (new / "study.json").write_text(json.dumps({**study_json, "invocations": [{"argv": ["x"], "start": 1.0}]}))
+    done = study_report.merge_raw(new, committed)
+    assert done == ["re-run of baseline-small/seed-3 compared with the committed one", "added sft-jreg-a1/seed-3"]
+    merged = json.loads((committed / "study.json").read_text())
+    rep = {r["run"]: r for r in merged["reproductions"]}["baseline-small/seed-3"]
+    assert rep["rerun"]["zeta_L-1"] - rep["committed"]["zeta_L-1"] == pytest.approx(0.5)
+    assert json.loads((committed / "baseline-small__seed-3.json").read_text())["measures"] != rerun["measures"]
+    assert merged["invocations"][-1]["start"] == 1.0
+    other = {**study_json, "config": {**study_json["config"], "seeds": 9}}
+    (new / "study.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="other settings"):
+        study_report.merge_raw(new, committed)
