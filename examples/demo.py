@@ -3,13 +3,11 @@
 1. WikiText-2 (vendored in examples/data) split by article: 101 training articles, 21 held out
    (examples/laptop_scale.py); a byte-level BPE tokenizer (vocabulary 4,096) and indexed datasets.
 2. Two `megatron-jreg train` runs side by side (one CPU core each; Megatron-LM's own training loop), same
-   seed, weights and data: the study's 12-layer × 128 Llama at its small batch (4 × 128 tokens), baseline
-   (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty). They are the study's seed-1 runs
-   (examples/study.py: 2,000-step schedule) stopped by Megatron-LM's --exit-interval at step 1,000, which is
-   what fits in 15 minutes. At this scale whether the baseline's very last layer jumps depends on the seed
-   (docs/study.md) and even on the machine's float rounding (README, "What `make demo` shows": ζ_L 1.55 on
-   one machine, 0.11 on another, same code and seed); the top layers' excess over the middle (ζ_L−1,
-   Ψ_L / mid Ψ) and JREG removing it hold on both.
+   seed, weights and data: a 12-layer × 64 Llama at batch 4 × 128 tokens for a 3,000-step schedule, baseline
+   (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty). The model is narrower than the study's
+   12 × 128 so that it takes 3× the steps in the same wall time: examples/demo_regimes.py compares the regimes
+   tried (docs/results/demo_regimes.txt). Whether the jump lands on the very last layer or the one below it
+   still depends on the seed at this scale; the top layers' jump (ζ_L−1) does not.
 3. Both final models measured on every held-out window (examples/study_measure.py): cross-entropy, Ψ_ℓ, ζ.
 4. The table (printed, and written to summary.md / summary.json) and a plot of Ψ_ℓ per layer (psi.png).
 
@@ -30,9 +28,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from laptop_scale import SEQ_LENGTH, Model, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
+from demo_regimes import REGIMES  # noqa: E402
+from laptop_scale import SEQ_LENGTH, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
 
-MODEL = Model(layers=12, hidden=128, heads=4, ffn=352)  # the study's model (examples/study.py)
+REGIME = REGIMES["12x64"]  # chosen by examples/demo_regimes.py (docs/results/demo_regimes.txt)
+MODEL = REGIME.model
 RUNS = {
     "baseline": ["--jreg-lambda", "0"],
     "jreg": ["--jreg-lambda", "1", "--jreg-alpha", "1", "--jreg-distance", "angular"],
@@ -146,11 +146,15 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="demo_output", help="where everything is written")
-    p.add_argument("--train-iters", type=int, default=2000, help="the schedule's length (Megatron-LM's flag)")
-    p.add_argument("--stop-at", type=int, default=1000, help="where training stops (Megatron-LM's --exit-interval)")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--train-iters", type=int, default=REGIME.train_iters,
+                   help="the schedule's length (Megatron-LM's flag)")
+    p.add_argument("--stop-at", type=int, help="where training stops (Megatron-LM's --exit-interval; default: "
+                   "the end of the schedule)")
+    p.add_argument("--batch-size", type=int, default=REGIME.batch)
     p.add_argument("--log-interval", type=int, default=50)
     args = p.parse_args(argv)
+    if args.stop_at is None:
+        args.stop_at = args.train_iters
     if min(args.train_iters, args.stop_at, args.batch_size, args.log_interval) < 1:
         p.error("--train-iters, --stop-at, --batch-size and --log-interval must be at least 1")
     if args.stop_at > args.train_iters:

@@ -5,7 +5,8 @@ its 12 × 128 model ends with a final-layer jump in one seed of four; the study'
 Each regime × seed is one baseline (λ = 0) `megatron-jreg train` run on the demo's data
 (examples/laptop_scale.py: same split, tokenizer, recipe), checkpoints every `save` steps, each measured on
 every held-out window (examples/study_measure.py: CE, Ψ_ℓ, ζ). The table gives ζ_L at every checkpoint, the
-final ζ_L−1 and CE, and per regime how many seeds end with ζ_L ≥ 1.
+final ζ_L−1, the layer with the upper half's largest Ψ and the CE, and per regime how many seeds end with
+ζ_L ≥ 1.
 
     python examples/demo_regimes.py --output regimes_output --runs 12x64:1 12x64:2 12x128:1   # train, measure
     python examples/demo_regimes.py --raw docs/demo_regimes          # the table from the committed raw results
@@ -75,7 +76,13 @@ def recorded(cmd: list[str], out: Path) -> str:
 
 def measure(run_dir: Path, regime: Regime, heldout) -> list[dict]:
     """Every checkpoint of the run on every held-out window."""
+    import logging
+    import warnings
+
     from study_measure import Measurer
+
+    warnings.filterwarnings("ignore")  # megatron-core's CPU notes at every load; the run's train.log keeps them
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
     from megatron_jreg.checkpoints import load_megatron_model
 
@@ -116,6 +123,13 @@ def run(out: Path, name: str, seed: int) -> Path:
     return raw
 
 
+def top_layer(psi: list[float]) -> str:
+    """Where the upper half's largest Ψ is, as L, L-1, ...: the layer that carries the top jump."""
+    n = len(psi)
+    top = max(range(n // 2, n), key=lambda i: psi[i])
+    return "L" if top == n - 1 else f"L-{n - 1 - top}"
+
+
 def table(records: list[dict]) -> str:
     """Per run: ζ_L at every checkpoint, final ζ_L−1 and CE; per regime: seeds ending with ζ_L ≥ 1."""
     lines = []
@@ -128,11 +142,12 @@ def table(records: list[dict]) -> str:
                      f"{regime.train_iters} scheduled steps, lr {regime.lr:g}, weight decay {regime.weight_decay:g}"
                      + (", tied embeddings" if regime.tied else "") + f" ({regime.why})")
         lines.append("  seed  ζ_L at steps " + " ".join(f"{s['iteration']:>5}" for s in runs[0]["series"])
-                     + "   final ζ_L-1   held-out CE   train s")
+                     + "   final ζ_L-1   top Ψ at   held-out CE   train s")
         for r in runs:
             final = r["series"][-1]
             lines.append(f"  {r['seed']:>4}  {'':13}" + " ".join(f"{s['zeta_L']:5.2f}" for s in r["series"])
-                         + f"   {final['zeta_L-1']:11.2f}   {final['ce']:11.3f}   {r['train_wall_s']:7.0f}")
+                         + f"   {final['zeta_L-1']:11.2f}   {top_layer(final['psi']):>8}   {final['ce']:11.3f}"
+                         f"   {r['train_wall_s']:7.0f}")
         finals = [r["series"][-1]["zeta_L"] for r in runs]
         lines.append(f"  final ζ_L ≥ 1 in {sum(z >= 1 for z in finals)} of {len(finals)} seeds; "
                      f"mean {sum(finals) / len(finals):.2f}, min {min(finals):.2f}")

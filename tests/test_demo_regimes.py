@@ -1,0 +1,71 @@
+"""examples/demo_regimes.py: the committed table (docs/results/demo_regimes.txt) is what its raw results give,
+every raw result's command is the one the script builds, and bad --runs/--raw are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "examples")]
+
+import demo_regimes  # noqa: E402
+from laptop_scale import Data  # noqa: E402
+
+RAW = ROOT / "docs" / "demo_regimes"
+RESULTS = ROOT / "docs" / "results" / "demo_regimes.txt"
+
+
+def _records() -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(RAW.glob("*.json"))]
+
+
+def test_committed_table_is_the_raw_results():
+    printed = [line for line in RESULTS.read_text(encoding="utf-8").splitlines() if not line.startswith("# ")]
+    assert demo_regimes.table(_records()).splitlines() == printed, \
+        "regenerate: python benchmarks/record.py docs/results/demo_regimes.txt -- " \
+        "python examples/demo_regimes.py --raw docs/demo_regimes"
+
+
+def test_raw_commands_are_the_scripts():
+    out = Path("/out")
+    data = Data(out / "data", str(out / "data" / "tokenizer"), out / "data" / "train_text_document",
+                out / "data" / "heldout_text_document")
+    records = _records()
+    assert {r["regime"] for r in records} <= set(demo_regimes.REGIMES)
+    for r in records:
+        regime = demo_regimes.REGIMES[r["regime"]]
+        cmd = demo_regimes.train_command(regime, r["seed"], data, out / "runs" / f"{r['regime']}__seed-{r['seed']}")
+        assert demo_regimes.recorded(cmd, out) == r["command"], r["regime"]
+        assert [s["iteration"] for s in r["series"]] == list(range(regime.save, regime.stop_at + 1, regime.save))
+
+
+def test_the_demo_trains_the_chosen_regime():
+    import demo
+
+    assert demo.MODEL == demo_regimes.REGIMES["12x64"].model
+    assert any(r["regime"] == "12x64" for r in _records())
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--runs", "12x96:1"], "--runs 12x96:1"),
+    (["--runs", "12x64"], "--runs 12x64"),
+    ([], "--runs"),
+    (["--raw", "docs/demo_regimes", "--runs", "12x64:1"], "--raw"),
+])
+def test_bad_arguments_are_one_line(argv, names, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        demo_regimes.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert names in err, err
+
+
+def test_empty_raw_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo_regimes.main(["--raw", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"--raw {tmp_path}: no raw results" in capsys.readouterr().err
