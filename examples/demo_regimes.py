@@ -83,16 +83,8 @@ def measure(run_dir: Path, regime: Regime, heldout) -> list[dict]:
 
     warnings.filterwarnings("ignore")  # megatron-core's CPU notes at every load; the run's train.log keeps them
     logging.getLogger("megatron").setLevel(logging.ERROR)
-
-    from megatron_jreg.checkpoints import load_megatron_model
-
-    series = []
-    for it in range(regime.save, regime.stop_at + 1, regime.save):
-        m = Measurer.__new__(Measurer)
-        m.batch_size = 32
-        m.loaded = load_megatron_model(run_dir / "ckpt", iteration=it, load_tokenizer=False)
-        series.append({"iteration": it, **m.measure(heldout)})
-    return series
+    return [{"iteration": it, **Measurer(run_dir / "ckpt", iteration=it).measure(heldout)}
+            for it in range(regime.save, regime.stop_at + 1, regime.save)]
 
 
 def run(out: Path, name: str, seed: int) -> Path:

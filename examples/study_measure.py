@@ -49,10 +49,10 @@ def summarize(ce_sum: float, tokens: int, psi: list[float]) -> dict:
 class Measurer:
     """One loaded checkpoint; `measure(windows)` → per-window CE sums and Ψ sums in one forward pass each."""
 
-    def __init__(self, path: Path, batch_size: int = 32) -> None:
+    def __init__(self, path: Path, batch_size: int = 32, iteration: int | None = None) -> None:
         from megatron_jreg.checkpoints import load_megatron_model
 
-        self.loaded = load_megatron_model(path, load_tokenizer=False)
+        self.loaded = load_megatron_model(path, iteration=iteration, load_tokenizer=False)
         self.batch_size = batch_size
 
     @torch.no_grad()

@@ -69,3 +69,21 @@ def test_empty_raw_folder_is_refused(tmp_path, capsys):
         demo_regimes.main(["--raw", str(tmp_path)])
     assert e.value.code == 2
     assert f"--raw {tmp_path}: no raw results" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_trains_measures_every_checkpoint_and_resumes(tmp_path, monkeypatch):
+    """A tiny regime through the real path: Megatron-LM training, every checkpoint measured, raw result written
+    with its command; a second call finds the raw result and trains nothing."""
+    tiny = demo_regimes.Regime(demo_regimes.Model(2, 32, 2, 64), batch=2, train_iters=4, stop_at=4, save=2)
+    monkeypatch.setitem(demo_regimes.REGIMES, "tiny", tiny)
+    raw = demo_regimes.run(tmp_path, "tiny", 3)
+    rec = json.loads(raw.read_text())
+    assert (rec["regime"], rec["seed"]) == ("tiny", 3)
+    assert [s["iteration"] for s in rec["series"]] == [2, 4]
+    assert all(len(s["psi"]) == 2 and s["ce"] > 0 for s in rec["series"])
+    assert rec["command"].startswith("python -m megatron_jreg.train --num-layers 2 ") and "$OUT/runs/tiny__seed-3" in \
+        rec["command"] and "--seed 3" in rec["command"]
+    stamp = raw.stat().st_mtime_ns
+    assert demo_regimes.run(tmp_path, "tiny", 3) == raw and raw.stat().st_mtime_ns == stamp
+    assert "tiny: 2 × 32" in demo_regimes.table([rec])
