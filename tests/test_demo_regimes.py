@@ -75,9 +75,15 @@ def test_empty_raw_folder_is_refused(tmp_path, capsys):
 def test_a_run_trains_measures_every_checkpoint_and_resumes(tmp_path, monkeypatch):
     """A tiny regime through the real path: Megatron-LM training, every checkpoint measured, raw result written
     with its command; a second call finds the raw result and trains nothing."""
+    from megatron.core import parallel_state
+
     tiny = demo_regimes.Regime(demo_regimes.Model(2, 32, 2, 64), batch=2, train_iters=4, stop_at=4, save=2)
     monkeypatch.setitem(demo_regimes.REGIMES, "tiny", tiny)
-    raw = demo_regimes.run(tmp_path, "tiny", 3)
+    try:
+        raw = demo_regimes.run(tmp_path, "tiny", 3)
+    finally:  # the in-process checkpoint loads leave megatron-core's parallel state for the next test
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
     rec = json.loads(raw.read_text())
     assert (rec["regime"], rec["seed"]) == ("tiny", 3)
     assert [s["iteration"] for s in rec["series"]] == [2, 4]

@@ -225,6 +225,8 @@ def one_rank():
     from megatron_jreg.checkpoints.model import init_process_group
 
     init_process_group()
+    if parallel_state.model_parallel_is_initialized():  # left by an earlier test's in-process checkpoint load
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()
