@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from demo_regimes import REGIMES  # noqa: E402
-from laptop_scale import SEQ_LENGTH, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
+from laptop_scale import SEQ_LENGTH, child_env, data_flags, prepare_data  # noqa: E402
 
 REGIME = REGIMES["12x64"]  # chosen by examples/demo_regimes.py (docs/results/demo_regimes.txt)
 MODEL = REGIME.model
@@ -44,8 +44,8 @@ COLUMNS = (("train loss", "lm_loss", "{:.3f}"), ("held-out CE", "ce", "{:.3f}"),
 
 def train_command(args: argparse.Namespace, data, run_dir: Path, extra: list[str]) -> list[str]:
     ckpt = str(run_dir / "checkpoints")
-    return [sys.executable, "-m", "megatron_jreg.train", *MODEL.flags(),
-            *recipe_flags(args.batch_size, args.train_iters), *data_flags(data),
+    return [sys.executable, "-m", "megatron_jreg.train", *REGIME.model_flags(),
+            *REGIME.recipe_flags(args.batch_size, args.train_iters), *data_flags(data),
             "--seed", "1", "--init-mode", "layout-independent", "--log-interval", str(args.log_interval),
             "--eval-interval", str(args.train_iters + 1), "--eval-iters", "10", "--exit-interval", str(args.stop_at),
             "--save", ckpt, "--save-interval", str(args.stop_at),

@@ -43,6 +43,16 @@ class Regime:
     tied: bool = False  # one embedding matrix for input and output (Megatron-LM's default)
     why: str = ""
 
+    def model_flags(self) -> list[str]:
+        untie = "--untie-embeddings-and-output-weights"
+        return [f for f in self.model.flags() if not (self.tied and f == untie)]
+
+    def recipe_flags(self, batch: int | None = None, train_iters: int | None = None) -> list[str]:
+        """The recipe's optimizer/schedule flags with this regime's learning rate and weight decay."""
+        flags = recipe_flags(batch or self.batch, train_iters or self.train_iters, self.lr, self.lr / 10)
+        flags[flags.index("--weight-decay") + 1] = f"{self.weight_decay:g}"
+        return flags
+
 
 WIDE, NARROW = Model(12, 128, 4, 352), Model(12, 64, 2, 176)
 REGIMES = {
@@ -58,10 +68,8 @@ REGIMES = {
 
 
 def train_command(regime: Regime, seed: int, data, run_dir: Path) -> list[str]:
-    recipe = recipe_flags(regime.batch, regime.train_iters, regime.lr, regime.lr / 10)
-    recipe[recipe.index("--weight-decay") + 1] = f"{regime.weight_decay:g}"
-    model = [f for f in regime.model.flags() if not (regime.tied and f == "--untie-embeddings-and-output-weights")]
-    return [sys.executable, "-m", "megatron_jreg.train", *model, *recipe, *data_flags(data),
+    return [sys.executable, "-m", "megatron_jreg.train", *regime.model_flags(), *regime.recipe_flags(),
+            *data_flags(data),
             "--seed", str(seed), "--init-mode", "layout-independent", "--log-interval", "50",
             "--eval-interval", str(regime.train_iters + 1), "--eval-iters", "1",
             "--exit-interval", str(regime.stop_at), "--save", str(run_dir / "ckpt"),
