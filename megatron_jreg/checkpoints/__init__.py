@@ -9,10 +9,12 @@ from megatron_jreg.checkpoints.files import (
     read_sidecar,
     read_tracker,
     resolve,
+    saved_iterations,
     verify_integrity,
+    write_integrity,
 )
 from megatron_jreg.checkpoints.model import Checkpoint, MegatronModel, build_model, load_megatron_model, read_args
 
 __all__ = ["Checkpoint", "CheckpointError", "MegatronModel", "build_model", "failure_text",
            "install_safe_checkpoint_reader", "is_checkpoint", "load_megatron_model", "load_metadata", "read_args",
-           "read_sidecar", "read_tracker", "resolve", "verify_integrity"]
+           "read_sidecar", "read_tracker", "resolve", "saved_iterations", "verify_integrity", "write_integrity"]

@@ -18,8 +18,11 @@ Four protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
   `MetadataUnpickler`, which builds only the classes a DCP metadata file holds (torch.distributed.
   checkpoint's dataclasses and enums, torch.Size, dtypes) and names any other class, and the planner use
   `torch.load(weights_only=True)` with megatron-core's own allow-list of the types it stores.
-- `verify_integrity` checks the SHA-256 manifest Megatron-LM writes with --verify-integrity (on by default
-  in megatron-jreg) and names the first corrupt file; checkpoints without a manifest load unverified.
+- `verify_integrity` checks the SHA-256 manifest (`integrity.json`, Megatron-LM's --verify-integrity layout;
+  on by default in megatron-jreg) and names the first corrupt file; checkpoints without a manifest load
+  unverified. Training digests and verifies it spread over its ranks (`share`: each rank the shards it wrote,
+  in threads), not on rank 0 alone as Megatron-LM does; `write_integrity(ckpt)` digests a whole folder from one
+  process (tools that write a checkpoint without ranks).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import os
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,6 +49,7 @@ SIDECAR = "megatron_jreg.json"  # beside each iteration's files: Adam's step cou
 _ITER_DIR = re.compile(r"^iter_\d+$")
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
 _CHUNK = 16 << 20
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")  # a torch_dist shard: __RANK_INDEX.distcp, written by RANK
 
 
 class CheckpointError(JregError, ValueError):
@@ -130,13 +135,32 @@ def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
                               "directory of a run, or one of its iter_* directories)")
     ckpt = iteration_dir(path, found)
     if not ckpt.is_dir():
+        if iteration is not None:  # asked for by the caller (--iteration, --ckpt-step): the tracker is not at fault
+            raise CheckpointError(f"{path}: no iteration {iteration} ({ckpt.name} does not exist); "
+                                  f"{_iterations_text(path)}")
         raise CheckpointError(f"{path / TRACKER} names iteration {found} but {ckpt} does not exist: fix the "
-                              "tracker or restore the directory")
+                              f"tracker or restore the directory ({_iterations_text(path)})")
     if not is_checkpoint_dir(ckpt):
         raise CheckpointError(f"{ckpt}: incomplete checkpoint (no metadata.json/.metadata; a save was "
                               "interrupted?): resume from an earlier iteration")
     check_files(ckpt)
     return ckpt, (0 if found == "release" else int(found))
+
+
+def saved_iterations(root: str | Path) -> list[int]:
+    """The iterations of the complete iter_* folders under a run's --save folder, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir() if _ITER_DIR.match(p.name) and is_checkpoint_dir(p))
+
+
+def _iterations_text(root: Path) -> str:
+    found = saved_iterations(root)
+    if not found:
+        return "no complete iter_* folder there"
+    shown = ", ".join(map(str, found[-12:]))
+    return f"complete iterations there: {'..., ' if len(found) > 12 else ''}{shown}"
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -294,13 +318,56 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_integrity(ckpt: str | Path) -> int | None:
-    """Check every file against the SHA-256 manifest; number of files verified, None without a manifest.
-
-    Raises CheckpointError naming the first missing or corrupt file.
-    """
+def checkpoint_files(ckpt: str | Path) -> list[str]:
+    """Every file below an iteration folder, as sorted relative POSIX paths (subfolders too: the legacy `torch`
+    format writes mp_rank_*/), without the manifest itself."""
     ckpt = Path(ckpt)
-    manifest_path = ckpt / INTEGRITY
+    names = (p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    return sorted(n for n in names if not n.startswith(INTEGRITY))
+
+
+def share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files rank `rank` of `world` digests: the torch_dist shards it wrote itself (`__RANK_*.distcp`, still in
+    its page cache after a save), plus a round-robin share of the rest (the small common files, and the shards
+    of ranks beyond `world` when a checkpoint is loaded at a smaller layout). Every name falls to one rank."""
+    mine, rest = [], []
+    for name in names:
+        writer = _DISTCP.match(name)
+        if writer is not None and int(writer[1]) < world:
+            if int(writer[1]) == rank:
+                mine.append(name)
+        else:
+            rest.append(name)
+    return mine + rest[rank::world]
+
+
+def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None) -> dict[str, str]:
+    """SHA-256 of each named file under `ckpt`, several at once (hashlib releases the GIL while it hashes, so
+    threads read and hash in parallel); `threads` defaults to this process's CPUs, at most one per file."""
+    ckpt = Path(ckpt)
+    threads = min(len(names), threads or len(os.sched_getaffinity(0)))
+    if threads <= 1:
+        return {name: _sha256(ckpt / name) for name in names}
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(zip(names, pool.map(lambda name: _sha256(ckpt / name), names), strict=True))
+
+
+def write_integrity(ckpt: str | Path, digests: dict[str, str] | None = None) -> int:
+    """Write `ckpt`/integrity.json in Megatron-LM's layout ({"algorithm": "sha256", "files": {name: hex}}) and
+    return its number of files. `digests`: gathered from the ranks that computed them (training's saves), or
+    None to digest the whole folder here, from one process (what a tool that writes a checkpoint calls)."""
+    ckpt = Path(ckpt)
+    if digests is None:
+        digests = digest_files(ckpt, checkpoint_files(ckpt))
+    tmp = ckpt / (INTEGRITY + ".tmp")
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(digests.items()))}, indent=2))
+    os.replace(tmp, ckpt / INTEGRITY)
+    return len(digests)
+
+
+def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
+    """The manifest's {file: SHA-256}, None when the checkpoint has none (saved without --verify-integrity)."""
+    manifest_path = Path(ckpt) / INTEGRITY
     if not manifest_path.is_file():
         return None
     try:
@@ -312,12 +379,31 @@ def verify_integrity(ckpt: str | Path) -> int | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path}: unreadable integrity manifest ({e}); delete it to load the "
                               "checkpoint unverified") from None
-    for name, digest in files.items():
-        path = ckpt / name
-        if os.sep in name or not path.is_file():
-            raise CheckpointError(f"{path}: listed in {INTEGRITY} but missing: the checkpoint is incomplete; resume "
-                                  "from another iteration")
-        if _sha256(path) != digest:
-            raise CheckpointError(f"{path}: contents differ from the digest recorded at save (corrupted on disk "
-                                  "or in transfer): restore the file or resume from another iteration")
-    return len(files)
+    for name in files:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{manifest_path}: entry {str(name)[:80]!r} is not a file name inside the "
+                                  "checkpoint; the manifest is damaged or crafted: restore it or resume from another "
+                                  "iteration")
+    return files
+
+
+def verify_integrity(ckpt: str | Path, rank: int = 0, world: int = 1, threads: int | None = None) -> int | None:
+    """Check the files against the SHA-256 manifest: all of them, or with `rank`/`world` this rank's `share`, so
+    that the ranks of a run verify one checkpoint together. Number of files checked here; None without a manifest.
+
+    Raises CheckpointError naming the first missing or corrupt file.
+    """
+    ckpt = Path(ckpt)
+    files = read_integrity(ckpt)
+    if files is None:
+        return None
+    names = share(sorted(files), rank, world)
+    for name in names:
+        if not (ckpt / name).is_file():
+            raise CheckpointError(f"{ckpt / name}: listed in {INTEGRITY} but missing: the checkpoint is incomplete; "
+                                  "resume from another iteration")
+    for name, digest in digest_files(ckpt, names, threads).items():
+        if digest != files[name]:
+            raise CheckpointError(f"{ckpt / name}: contents differ from the digest recorded at save (corrupted on "
+                                  "disk or in transfer): restore the file or resume from another iteration")
+    return len(names)
