@@ -147,13 +147,29 @@ class HFSource:
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         self.context_length = declared_context(config)
-        self.pad_id = padding_id(tokenizer)
+        self.vocab_size = _declared(config, ("vocab_size",))
+        self.pad_id = padding_id(tokenizer) if tokenizer is not None else 0
+        self.head_missing: str | None = None
+        """Why the LM head's weights were not loaded (files without it: the analysis of Ψ never runs it)."""
         # Left padding needs explicit positions for absolute-position models (GPT-2); harmless for RoPE.
         self._pass_positions = _accepts(self.base, "position_ids")
         self.device = next(self.base.parameters()).device
 
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """logits[b, t, V] of the causal LM (its head, soft-capping and scaling included) for layer removal."""
+        if self.head_missing:
+            raise AnalysisError(f"{self.label}: layer removal needs the LM head, but {self.head_missing}")
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        if _accepts(self.model, "position_ids"):
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        return self.model(**kwargs).logits
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
+        if self.tokenizer is None:
+            raise AnalysisError(f"{self.label}: loaded without a tokenizer; pass token ids, or load it with one")
         return encode_texts(self.tokenizer, texts)
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, output_hidden_states: bool) -> Any:
@@ -251,11 +267,13 @@ def load_hf_source(
     device: torch.device | str = "cpu",
     include_final_norm: bool = False,
     tokenizer: str | None = None,
+    with_tokenizer: bool = True,
 ) -> HFSource:
     """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source.
 
     Refuses a model whose files lack weights of its architecture, or hold ones it does not use
-    (`hub.load_causal_lm`); the LM head is exempt, since the analysis never runs it.
+    (`hub.load_causal_lm`); the LM head is exempt, since Ψ never runs it (`HFSource.head_missing` says
+    when it was absent: layer removal needs it). with_tokenizer=False: token ids come from the caller.
     """
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
@@ -282,12 +300,32 @@ def load_hf_source(
 
         apply_rope_freqs(model, plan.rope_freqs, f"--model {path}")
     model.to(device)
-    source = HFSource(model, load_tokenizer(folder, gguf_file, tokenizer), label, include_final_norm)
+    tok = load_tokenizer(folder, gguf_file, tokenizer) if with_tokenizer else None
+    source = HFSource(model, tok, label, include_final_norm)
+    source.head_missing = head_missing(model, path, gguf_file)
     source.notes = plan.notes if plan else []
     if towers:
         parts = ", ".join(t.rstrip(".") for t in towers if not t.startswith("model."))
         source.notes.append(f"multimodal model: measured its text decoder; {parts} (not the text model) not loaded")
     return source
+
+
+def head_missing(model: nn.Module, path: Path, gguf_file: str | None) -> str | None:
+    """Why the causal LM's head was not loaded from the files (None when it was, or is tied to the
+    embeddings): `load_hf_source` lets an `lm_head.*` tensor be absent, since Ψ never runs the head."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is model.get_input_embeddings().weight:
+        return None
+    if gguf_file:
+        from gguf import GGUFReader
+
+        names = {t.name for t in GGUFReader(str(path)).tensors}
+        return None if "output.weight" in names else f"{path} holds no output.weight (the LM head)"
+    from megatron_jreg.analysis.weights import SafetensorsFolder
+
+    if any(f".{HEAD}" in f".{name}" for name in SafetensorsFolder(path).tensors):
+        return None
+    return f"{path} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
 
 
 def _config(folder: Path) -> Any:

@@ -125,15 +125,15 @@ class _NoProgress:
         pass
 
 
-def _progress_bar(total: int, label: str, enabled: bool):
-    """A tqdm bar over tokens on stderr, or a stand-in when disabled or tqdm is missing."""
+def progress_bar(total: int, label: str, enabled: bool, unit: str = "tok"):
+    """A tqdm bar on stderr (with its rate and time left), or a stand-in when disabled or tqdm is missing."""
     if not enabled:
         return _NoProgress()
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoProgress()
-    return tqdm(total=total, desc=label, unit="tok", unit_scale=True, leave=True, dynamic_ncols=True)
+    return tqdm(total=total, desc=label, unit=unit, unit_scale=True, leave=True, dynamic_ncols=True)
 
 
 def measure(
@@ -157,11 +157,11 @@ def measure(
     bar = _NoProgress()
     try:
         if isinstance(source, LayerStreamingSource):  # every batch through one layer at a time
-            bar = _progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
+            bar = progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
             batches = list(padded_batches(samples, batch_size, source.pad_id, "right"))
             sums, counts = source.stream_sums(batches, kind, bar.update)
         else:
-            bar = _progress_bar(tokens, spec.label, progress)
+            bar = progress_bar(tokens, spec.label, progress)
             for ids, mask in padded_batches(samples, batch_size, source.pad_id, padding_side):
                 batch_sums, batch_counts = source.layer_sums(ids, mask, kind)
                 sums += batch_sums

@@ -29,6 +29,19 @@ class MegatronSource:
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         tok = loaded.tokenizer
         self.pad_id = int(getattr(tok, "eod", 0) or 0) if tok is not None else 0
+        self.vocab_size = loaded.vocab_size
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        """The decoder's TransformerLayers, in order."""
+        return list(self.loaded.model.decoder.layers)
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """logits[b, t, V] fp32 over the true vocabulary; rows right-padded (megatron's causal mask then keeps
+        real tokens blind to the padding)."""
+        if bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any()):
+            raise ValueError("MegatronSource.logits needs right-padded batches")
+        return self.loaded.logits(input_ids)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         tok = self.loaded.tokenizer
@@ -86,12 +99,14 @@ def load_megatron_source(
     device: torch.device | str,
     include_final_norm: bool = False,
     tokenizer: str | None = None,
+    with_tokenizer: bool = True,
 ) -> MegatronSource:
-    """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source."""
+    """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source;
+    with_tokenizer=False: token ids come from the caller (the run's tokenizer is not needed)."""
     from megatron_jreg.checkpoints import CheckpointError, load_megatron_model
 
     try:
-        loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer)
+        loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer, load_tokenizer=with_tokenizer)
     except (CheckpointError, FileNotFoundError) as e:
         raise AnalysisError(str(e)) from None
     return MegatronSource(loaded, label, include_final_norm)

@@ -251,7 +251,8 @@ class StreamingSource:
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         self.context_length = declared_context(config)
-        self.pad_id = padding_id(tokenizer)
+        self.vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+        self.pad_id = padding_id(tokenizer) if tokenizer is not None else 0
         self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
         self.num_layers = len(self.layers)
         self._mapping = get_model_conversion_mapping(self.model)
@@ -300,7 +301,8 @@ class StreamingSource:
                 continue
             covered.update(targets)
             if not targets[0].startswith(base):
-                continue  # the LM head and other task heads: never run here
+                groups.setdefault("head", []).append(name)  # the LM head: read for layer removal only
+                continue
             if targets == [embedding_key]:
                 embedding_file = name
                 if tuple(info.shape) != tuple(meta[embedding_key].shape):
@@ -353,6 +355,8 @@ class StreamingSource:
             raise AnalysisError(str(e)) from None
 
     def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise AnalysisError(f"{self.label}: loaded without a tokenizer; pass token ids, or load it with one")
         return encode_texts(self.tokenizer, texts)
 
     def _embed_rows(self, batches: Sequence[tuple[Tensor, Tensor]]) -> torch.utils.hooks.RemovableHandle:
@@ -384,8 +388,10 @@ class StreamingSource:
             kwargs["output_hidden_states"] = True
         return self.base(**kwargs)
 
-    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> Tensor:
-        """Batch through layer i (the layers before it answer with their recorded output): [Σ d, count]."""
+    def _advance(self, i: int, batch: _Batch, output_hidden_states: bool = False) -> tuple[Tensor | None, Any]:
+        """Batch through layer i, the layers before it answering with `batch.output` (their recorded output);
+        batch.output becomes layer i's output. Returns (layer i's input, the model's output when
+        output_hidden_states ran the forward to its end, else None)."""
         layer = self.layers[i]
         captured: dict[str, Tensor] = {}
 
@@ -394,7 +400,7 @@ class StreamingSource:
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             batch.output = output
-            if not last_with_norm:
+            if not output_hidden_states:
                 raise _LayerDone(output)
 
         handles = [layer.register_forward_pre_hook(pre, with_kwargs=True),
@@ -402,17 +408,18 @@ class StreamingSource:
         try:
             with _replaced_forwards(self.layers[:i], batch.output):
                 try:
-                    out = self._forward(batch, output_hidden_states=last_with_norm)
+                    out = self._forward(batch, output_hidden_states=output_hidden_states)
                 except _LayerDone:
                     out = None
         finally:
             for handle in handles:
                 handle.remove()
-        h_in = captured.get("h_in")
-        if last_with_norm:
-            measured = out.hidden_states[-1]
-        else:
-            measured = first_tensor(batch.output)
+        return captured.get("h_in"), out
+
+    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> Tensor:
+        """Batch through layer i (the layers before it answer with their recorded output): [Σ d, count]."""
+        h_in, out = self._advance(i, batch, output_hidden_states=last_with_norm)
+        measured = out.hidden_states[-1] if last_with_norm else first_tensor(batch.output)
         if h_in is None or measured is None or measured.shape != h_in.shape:
             raise UnsupportedArchitectureError(
                 f"{type(self.model).__name__}: decoder layer {i + 1} does not map hidden states of shape "
@@ -464,6 +471,96 @@ class StreamingSource:
             hook.remove()
         return sums, counts
 
+    def _load_head(self) -> None:
+        """Read the LM head (the embedding table, whole, when the two are tied), for layer removal."""
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise AnalysisError(f"--model {self.folder}: {type(self.model).__name__} has no LM head; layer removal "
+                                "needs one")
+        if all(p.device.type != "meta" for p in head.parameters()):
+            return
+        self._load(self._groups.get("head", []), "the LM head")
+        if head.weight.device.type == "meta":
+            file_key, _ = self._embedding
+            text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+            if not getattr(text_config, "tie_word_embeddings", False) or file_key is None:
+                raise AnalysisError(f"--model {self.folder}: its files hold no LM head (lm_head.*) and its embeddings "
+                                    "are not tied; layer removal needs the head")
+            table = self.weights.load([file_key])[file_key]
+            head.weight = nn.Parameter(table.to(device=self.device, dtype=self.dtype), requires_grad=False)
+        unloaded = [n for n, p in head.named_parameters() if p.device.type == "meta"]
+        if unloaded:
+            raise AnalysisError(f"--model {self.folder}: the LM head got no tensor for {', '.join(unloaded)}")
+
+    def _logits(self, batch: _Batch, output: Any) -> Tensor:
+        """logits[b, t, V] of the causal LM when the last decoder layer's output is `output` (every layer
+        answers with it): the final norm, the head and whatever the family does after the layers."""
+        kwargs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.mask, "use_cache": False}
+        if self._pass_positions:
+            kwargs["position_ids"] = (batch.mask.long().cumsum(-1) - 1).clamp_min(0)
+        with _replaced_forwards(self.layers, output):
+            return self.model(**kwargs).logits
+
+    @torch.no_grad()
+    def stream_removal(
+        self,
+        batches: Sequence[tuple[Tensor, Tensor, Tensor]],
+        top_k: Sequence[int],
+        on_pass: Callable[[int], None] | None = None,
+    ) -> tuple[Tensor, int]:
+        """Layer removal (`removal.py`) one layer in memory at a time: (Σ CE [1 + L + len(top_k)] float64 of
+        [model, without layer 1..L, without the top k], predicted tokens).
+
+        batches: right-padded (ids[b, t], mask[b, t], targets[b, t]). Layer-major like `stream_sums`: the
+        variant without layer ℓ forks from the model's state before layer ℓ and then passes the layers above
+        it; the variant without the top k layers is the model's state after layer L − k. Memory: up to L + 1
+        states of all samples' hidden states at the top of the stack. on_pass(layers) per batch and pass.
+        """
+        from megatron_jreg.analysis.removal import IGNORE, ce_sum, with_hidden
+
+        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
+            raise ValueError("stream_removal needs right-padded batches")
+        self._load_head()
+        hook = self._embed_rows([(ids, mask) for ids, mask, _ in batches])
+        base = [_Batch(ids.to(self.device), mask.to(self.device), None, int(mask.sum())) for ids, mask, _ in batches]
+        targets = [t.to(self.device) for _, _, t in batches]
+        skips: dict[int, list[_Batch]] = {}
+        finals: dict[int, list[Any]] = {}  # k → the model's output after layer L − k, per batch
+        tick = on_pass or (lambda n: None)
+        try:
+            for i, layer in enumerate(self.layers):
+                self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
+                for states in skips.values():
+                    for batch in states:
+                        self._advance(i, batch)
+                        tick(1)
+                if i > 0:
+                    skips[i] = [_Batch(b.ids, b.mask, None, b.tokens, b.output) for b in base]
+                for batch in base:
+                    h_in, _ = self._advance(i, batch)
+                    if i == 0:
+                        skips.setdefault(0, []).append(_Batch(batch.ids, batch.mask, None, batch.tokens,
+                                                              with_hidden(batch.output, h_in)))
+                    tick(1)
+                for k in top_k:
+                    if self.num_layers - k == i + 1:
+                        finals[k] = [b.output for b in base]
+                    elif k == self.num_layers and i == 0:
+                        finals[k] = [b.output for b in skips[0]]
+                layer.to("meta")
+            sums = [sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(base, targets))]
+            for j in range(self.num_layers):
+                sums.append(sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(skips.pop(j), targets)))
+                tick(len(base))
+            for k in top_k:
+                sums.append(sum(ce_sum(self._logits(b, out), t) for b, out, t in zip(base, finals[k], targets)))
+                tick(len(base))
+            tick(len(base))
+        finally:
+            hook.remove()
+        tokens = sum(int((t != IGNORE).sum()) for t in targets)
+        return torch.stack([torch.as_tensor(s, dtype=torch.float64).cpu() for s in sums]), tokens
+
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """One batch through all layers (reads every layer once per call: use `stream_sums` for many)."""
         return self.stream_sums([(input_ids, attention_mask)], kind)
@@ -480,13 +577,15 @@ def load_stream_source(
     device: torch.device | str = "cpu",
     include_final_norm: bool = False,
     tokenizer: str | None = None,
+    with_tokenizer: bool = True,
 ) -> StreamingSource:
-    """A local Hugging Face folder (never downloads) as a layer-streaming source."""
+    """A local Hugging Face folder (never downloads) as a layer-streaming source; with_tokenizer=False: token
+    ids come from the caller."""
     from megatron_jreg.analysis.hf_source import load_tokenizer
 
     return StreamingSource(
         Path(path),
-        load_tokenizer(Path(path), None, tokenizer),
+        load_tokenizer(Path(path), None, tokenizer) if with_tokenizer else None,
         label,
         dtype=dtype,
         device=device,

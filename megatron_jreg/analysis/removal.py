@@ -1,0 +1,352 @@
+"""Layer removal: how much the next-token cross-entropy rises when decoder layers are skipped.
+
+For a model with decoder layers ℓ = 1..L, "skipping" layer ℓ makes its output equal to its input
+(h_ℓ := h_{ℓ−1}); everything else runs as usual (embeddings, the other layers, final norm, LM head).
+
+    ΔCE_ℓ     = CE(model without layer ℓ) − CE(model)                    ℓ = 1..L
+    ΔCE_top k = CE(model without layers L−k+1..L) − CE(model)            k in top_k
+
+CE is the mean next-token cross-entropy in nats per predicted token over the same tokens for every
+variant (summed exactly over batches, then divided). Layer removal is the measure of ShortGPT (Men et
+al. 2024, "ShortGPT: Layers in Large Language Models are More Redundant Than You Expect") and Gromov et
+al. 2024 ("The Unreasonable Ineffectiveness of the Deeper Layers"), who prune layers and read the loss.
+
+Cost: the variant without layer ℓ reuses the unchanged layers 1..ℓ−1 of the full model's forward pass
+(their recorded outputs answer in their place) and computes layers ℓ+1..L, so one batch costs
+L + L(L−1)/2 layer passes and L + 1 + len(top_k) LM-head passes — about L/2 forward passes of the whole
+model. Memory: the outputs of all L layers for one batch (streamed models: for all samples, `stream_source`).
+
+`layer_removal` is the library entry (pre-tokenized windows, any model); `removal_totals` is what
+`analyze --remove-layers` runs on its padded text batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megatron_jreg.analysis.source import AnalysisError, first_tensor
+
+TOP_K = (1, 2, 3)
+IGNORE = -100  # target id of a position that predicts nothing (padding, a sample's last token)
+DEFINITION = (
+    "delta_ce[l-1] = CE with decoder layer l skipped (its output := its input) minus the model's CE; "
+    "delta_ce_top[i] = CE with the top top_k[i] layers (L-k+1..L) skipped minus the model's CE; "
+    "CE in nats per predicted token"
+)
+
+
+@dataclass
+class RemovalTotals:
+    """Σ CE over the predicted tokens of the model and of each variant (float64 on the CPU)."""
+
+    num_layers: int
+    top_k: tuple[int, ...]
+    base: float = 0.0
+    skip: list[float] = field(default_factory=list)
+    """Σ CE with layer ℓ skipped, index ℓ−1."""
+    top: list[float] = field(default_factory=list)
+    """Σ CE with the top k layers skipped, aligned with `top_k`."""
+    tokens: int = 0
+    """Predicted tokens (the same for every variant)."""
+
+    def __post_init__(self) -> None:
+        self.skip = self.skip or [0.0] * self.num_layers
+        self.top = self.top or [0.0] * len(self.top_k)
+
+    def add(self, sums: Tensor, tokens: int) -> None:
+        """sums[1 + L + len(top_k)] float64 = [base, skip_1..skip_L, top_k...] of one batch."""
+        values = sums.tolist()
+        self.base += values[0]
+        self.skip = [a + b for a, b in zip(self.skip, values[1 : 1 + self.num_layers])]
+        self.top = [a + b for a, b in zip(self.top, values[1 + self.num_layers :])]
+        self.tokens += tokens
+
+    def as_dict(self) -> dict:
+        """The figures: CE and ΔCE in nats per predicted token (see `DEFINITION`)."""
+        n = self.tokens or math.nan
+        base = self.base / n
+        skip = [s / n for s in self.skip]
+        top = [s / n for s in self.top]
+        return {
+            "definition": DEFINITION,
+            "num_layers": self.num_layers,
+            "predicted_tokens": self.tokens,
+            "base_ce": base,
+            "ce_skip": skip,
+            "delta_ce": [s - base for s in skip],
+            "top_k": list(self.top_k),
+            "ce_skip_top": top,
+            "delta_ce_top": [s - base for s in top],
+        }
+
+
+def check_top_k(top_k: Sequence[int], num_layers: int, flag: str = "top_k") -> tuple[int, ...]:
+    """Distinct k in 1..L, in increasing order; an AnalysisError names `flag` otherwise."""
+    ks = tuple(sorted(set(int(k) for k in top_k)))
+    bad = [k for k in ks if not 1 <= k <= num_layers]
+    if bad:
+        raise AnalysisError(f"{flag} {','.join(map(str, bad))}: k must be between 1 and the model's {num_layers} "
+                            "layers; pass smaller values")
+    return ks
+
+
+def ce_sum(logits: Tensor, targets: Tensor) -> Tensor:
+    """Σ next-token CE (fp32 softmax, float64 sum) of logits[b, t, V] against targets[b, t] (IGNORE: none)."""
+    flat = targets.reshape(-1).to(logits.device)
+    rows = (flat != IGNORE).nonzero().squeeze(1)
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
+    return torch.nn.functional.cross_entropy(picked, flat.index_select(0, rows), reduction="sum").double()
+
+
+def next_token_targets(ids: Tensor, mask: Tensor, positions: str = "all") -> Tensor:
+    """targets[b, t] for text batches: the next real token at each real position, IGNORE elsewhere.
+
+    positions="last": only the prediction of each sample's last token (made at its second-to-last
+    position), as LAMBADA scores a passage.
+    """
+    mask = mask.bool()
+    targets = torch.full_like(ids, IGNORE)
+    predicts = mask[:, :-1] & mask[:, 1:]
+    if positions == "last":
+        last_target = mask.long().cumsum(1).eq(mask.long().sum(1, keepdim=True)) & mask  # the last real token
+        predicts = predicts & last_target[:, 1:]
+    targets[:, :-1] = torch.where(predicts, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
+    return targets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Skipping layers of a model in memory.
+
+
+def hidden_input(args: tuple, kwargs: dict) -> Tensor:
+    """A decoder layer's input hidden states: its first positional argument or `hidden_states=`."""
+    h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+    if not isinstance(h, Tensor):
+        raise AnalysisError("a decoder layer was called without its hidden states as first argument or "
+                            "`hidden_states=`; layer removal cannot skip it")
+    return h
+
+
+def with_hidden(output: Any, hidden: Tensor) -> Any:
+    """`output` (a layer's return value: the hidden states, or a tuple starting with them, e.g. megatron's
+    (hidden_states, context)) with its hidden states replaced by `hidden`."""
+    if isinstance(output, Tensor):
+        return hidden
+    return type(output)((hidden, *output[1:]))
+
+
+class _Recorder:
+    """Forward hooks that keep each layer's output of one forward pass (and detect in-place changes)."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers = layers
+        self.outputs: list[Any] = [None] * len(layers)
+        self._versions: list[int] = [0] * len(layers)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Recorder:
+        for i, layer in enumerate(self.layers):
+            def keep(module: nn.Module, args: tuple, output: Any, i: int = i) -> None:
+                self.outputs[i] = output
+                self._versions[i] = first_tensor(output)._version
+            self._handles.append(layer.register_forward_hook(keep))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def check_unchanged(self) -> None:
+        """A recorded output changed in place (by the next layer) cannot answer for its layer."""
+        changed = [i + 1 for i, out in enumerate(self.outputs) if first_tensor(out)._version != self._versions[i]]
+        if changed:
+            raise AnalysisError(f"decoder layer(s) {changed} modify their input in place; layer removal cannot reuse "
+                                "their outputs for this model")
+
+
+@contextlib.contextmanager
+def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, skipped: Sequence[int]) -> Iterator[None]:
+    """Within the block: layers[:answering] return `answer` without computing (the recorded output of
+    layer `answering`, so the next layer receives it), layers[i] for i in `skipped` return their input in the
+    structure of `answer`, the rest compute. Instance `forward`s are set and removed; hooks stay."""
+    touched = []
+    try:
+        for i in range(answering):
+            layers[i].forward = lambda *args, **kwargs: answer
+            touched.append(layers[i])
+        for i in skipped:
+            layers[i].forward = lambda *args, **kwargs: with_hidden(answer, hidden_input(args, kwargs))
+            touched.append(layers[i])
+        yield
+    finally:
+        for layer in touched:
+            if "forward" in vars(layer):
+                del layer.forward
+
+
+@torch.no_grad()
+def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k: tuple[int, ...],
+                  on_pass: Callable[[int], None] | None = None) -> Tensor:
+    """Σ CE of one batch for the model and every variant: [1 + L + len(top_k)] float64 on the CPU.
+
+    source: anything with `layers` (the decoder layers, in order) and `logits(ids, mask)` → logits[b, t, V]
+    (`HFSource`, `MegatronSource`). ids/mask[b, t] right-padded; targets[b, t] (IGNORE where none).
+    on_pass(layers computed) after each forward pass, for progress.
+    """
+    layers = source.layers
+    num = len(layers)
+    with _Recorder(layers) as recorder:
+        sums = [ce_sum(source.logits(ids, mask), targets)]
+    outputs = recorder.outputs
+    if on_pass:
+        on_pass(num)
+    h0: dict[str, Tensor] = {}
+    for skip in range(num):
+        if skip == 0:
+            # layer 1 skipped: its output is the embedding output, captured as it enters layer 1
+            handle = layers[0].register_forward_pre_hook(
+                lambda m, a, k: h0.__setitem__("h", hidden_input(a, k)), with_kwargs=True)
+            try:
+                with planned_layers(layers, outputs[0], 0, [0]):
+                    sums.append(ce_sum(source.logits(ids, mask), targets))
+            finally:
+                handle.remove()
+        else:
+            with planned_layers(layers, outputs[skip - 1], skip, [skip]):
+                sums.append(ce_sum(source.logits(ids, mask), targets))
+        if on_pass:
+            on_pass(num - skip - 1)
+    for k in top_k:
+        kept = num - k
+        answer = outputs[kept - 1] if kept else with_hidden(outputs[0], h0["h"])
+        with planned_layers(layers, answer, kept, range(kept, num)):
+            sums.append(ce_sum(source.logits(ids, mask), targets))
+        if on_pass:
+            on_pass(0)
+    recorder.check_unchanged()
+    return torch.stack([s.to("cpu") for s in sums])
+
+
+def removal_passes(num_layers: int, top_k: Sequence[int]) -> int:
+    """Layer passes per batch (the progress bar's unit): L for the model, L − ℓ for the variant without ℓ,
+    plus one per forward pass for the embeddings and LM head."""
+    return num_layers + num_layers * (num_layers - 1) // 2 + (1 + num_layers + len(top_k))
+
+
+def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
+                   on_pass: Callable[[int], None] | None = None) -> RemovalTotals:
+    """Σ CE of the model and every variant over right-padded batches (ids[b, t], mask[b, t], targets[b, t]).
+
+    on_pass(n): n layer passes done (one more for each forward's embedding + head), for a progress bar."""
+    ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
+    totals = RemovalTotals(source.num_layers, ks)
+    if hasattr(source, "stream_removal"):
+        sums, tokens = source.stream_removal(list(batches), ks, on_pass)
+        totals.add(sums, tokens)
+        return totals
+    tick = (lambda n: on_pass(n + 1)) if on_pass else None
+    for ids, mask, targets in batches:
+        totals.add(batch_removal(source, ids, mask, targets, ks, tick), int((targets != IGNORE).sum()))
+    return totals
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The library entry.
+
+
+def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None, stream: bool) -> tuple[Any, bool]:
+    """(source, owned) for a path, a loaded checkpoint (`checkpoints.MegatronModel`), a transformers causal LM
+    or a source (`HFSource`, `MegatronSource`, `StreamingSource`); owned: loaded here, closed after."""
+    if isinstance(model, (str, Path)):
+        from megatron_jreg.analysis.source import model_kind
+
+        path = Path(model)
+        kind = model_kind(path, "model")
+        label = path.name
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if kind == "megatron":
+            from megatron_jreg.analysis.megatron_source import load_megatron_source
+
+            return load_megatron_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
+        if stream:
+            from megatron_jreg.analysis.stream_source import load_stream_source
+
+            return load_stream_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
+        from megatron_jreg.analysis.hf_source import load_hf_source
+
+        return load_hf_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
+    if hasattr(model, "layers") and (hasattr(model, "logits") or hasattr(model, "stream_removal")):
+        return model, False
+    from megatron_jreg.checkpoints.model import MegatronModel
+
+    if isinstance(model, MegatronModel):
+        from megatron_jreg.analysis.megatron_source import MegatronSource
+
+        return MegatronSource(model, model.path.name), False
+    if isinstance(model, nn.Module) and hasattr(model, "config"):
+        from megatron_jreg.analysis.hf_source import HFSource
+
+        return HFSource(model, None, type(model).__name__), False
+    raise AnalysisError(f"layer_removal: cannot use a {type(model).__name__} as a model; pass a path, a "
+                        "checkpoints.MegatronModel, a transformers causal LM or an analysis source")
+
+
+def check_windows(windows: Any, vocab_size: int | None) -> Tensor:
+    """windows[N, S] of token ids, S ≥ 2, ids in [0, vocab_size): an AnalysisError names what is wrong."""
+    if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.dtype.is_floating_point \
+            or windows.dtype == torch.bool:
+        what = f"a {windows.dim()}-D {windows.dtype} tensor" if isinstance(windows, Tensor) else type(windows).__name__
+        raise AnalysisError(f"windows: expected token ids as an integer tensor [N, S], got {what}")
+    if windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise AnalysisError(f"windows: shape {tuple(windows.shape)} holds no prediction; pass [N ≥ 1, S ≥ 2]")
+    low, high = int(windows.min()), int(windows.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        raise AnalysisError(f"windows: token ids span {low}..{high}, outside the model's vocabulary of {vocab_size}; "
+                            "tokenize with the model's tokenizer")
+    return windows.long()
+
+
+def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, batch_size: int = 8,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                  stream: bool = False, progress: bool = False) -> dict:
+    """ΔCE per skipped decoder layer and for the top k layers skipped, on pre-tokenized windows.
+
+    model: a Hugging Face folder, GGUF file or megatron-jreg checkpoint (run folder or iter_* folder; any
+    saved TP/PP layout), or an already loaded model (see `_as_source`). windows[N, S] int64: each row is S
+    consecutive tokens; the model reads tokens 0..S−2 and predicts tokens 1..S−1 (N·(S−1) predicted
+    tokens; pass seq_length + 1 tokens per window, as Megatron-LM's GPTDataset makes them). stream: read a
+    Hugging Face folder one layer at a time. Returns `RemovalTotals.as_dict()`: base_ce, ce_skip[L],
+    delta_ce[L] (index ℓ−1), top_k, ce_skip_top and delta_ce_top (aligned with top_k), predicted_tokens,
+    num_layers, definition; CE in nats per predicted token.
+    """
+    if batch_size < 1:
+        raise AnalysisError(f"batch_size must be >= 1, got {batch_size}")
+    source, owned = _as_source(model, dtype, device, stream)
+    try:
+        windows = check_windows(windows, getattr(source, "vocab_size", None))
+        ks = check_top_k(top_k, source.num_layers)
+        batches = [(w[:, :-1].contiguous(), torch.ones_like(w[:, :-1]), w[:, 1:].contiguous())
+                   for w in windows.split(batch_size)]
+        bar = _bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", progress)
+        try:
+            totals = removal_totals(source, batches, ks, bar.update)
+        finally:
+            bar.close()
+        return totals.as_dict()
+    finally:
+        if owned:
+            source.close()
+
+
+def _bar(total: int, label: str, enabled: bool) -> Any:
+    from megatron_jreg.analysis.measure import progress_bar
+
+    return progress_bar(total, label, enabled, unit="layer")
