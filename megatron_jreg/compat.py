@@ -29,14 +29,25 @@ Megatron-LM's training package (`megatron.training`) needs a few more, applied b
   asks for with TP/CP), and the fused kernels Megatron-LM turns on by
   default (gradient-accumulation fusion, masked softmax, bias-activation, bias-dropout-add, RoPE fusion,
   persistent layer norm) are off: they exist only as CUDA/apex/TE kernels.
+
+Training on the CPU is automatic only on a machine with no sign of a GPU (`gpu_signs`: no NVIDIA device
+node, no GPU in the Slurm or container environment, CUDA_VISIBLE_DEVICES unset, ranks on one node), so
+Megatron-LM's launch commands still run unchanged on a laptop, in tests and in CI. Anywhere else a run
+without usable CUDA is refused before any work (`cpu_training_refusal`), in one line naming why torch sees
+no GPU (`cuda_diagnosis`: driver vs torch CUDA version where the driver library loads) and the train
+entry's `--allow-cpu` flag, which chooses the CPU on purpose.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
-from collections.abc import Callable
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,3 +224,96 @@ def device() -> torch.device:
 
 def dist_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# -- never train on the CPU by accident --------------------------------------------------------------------
+_SLURM_GPU = re.compile(r"SLURM_(?:JOB_|STEP_)?GPUS(?:_[A-Z_]+)?")  # SLURM_JOB_GPUS, SLURM_GPUS_ON_NODE, ...
+_SLURM_TRES = ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES", "SLURM_STEP_GRES")  # "cpu=8,gres/gpu=1", "gpu:8"
+_NOT_A_GPU = ("", "0", "none", "void", "NoDevFiles")  # values that allocate no GPU
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ.get(key, ""))
+    except ValueError:
+        return 0
+
+
+def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
+    """What says this run expects a GPU: NVIDIA device nodes, CUDA_VISIBLE_DEVICES set (even empty), a
+    container runtime's NVIDIA_VISIBLE_DEVICES, a Slurm GPU allocation, or ranks spread over several nodes
+    (torchrun's GROUP_WORLD_SIZE, WORLD_SIZE > LOCAL_WORLD_SIZE, NNODES, Slurm's node count). Empty: a
+    machine with no sign of a GPU, where CPU training is what the user has."""
+    env = os.environ if environ is None else environ
+    signs = []
+    nodes = sorted(p.name for p in dev.glob("nvidia*")) if dev.is_dir() else []
+    if nodes:
+        shown = ", ".join(str(dev / n) for n in nodes[:2]) + (", ..." if nodes[2:] else "")
+        signs.append(f"NVIDIA device nodes ({shown})")
+    if "CUDA_VISIBLE_DEVICES" in env:
+        signs.append(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}")
+    if env.get("NVIDIA_VISIBLE_DEVICES", "") not in _NOT_A_GPU:
+        signs.append(f"NVIDIA_VISIBLE_DEVICES={env['NVIDIA_VISIBLE_DEVICES']} (a GPU container)")
+    # SLURM_JOB_GPUS / SLURM_STEP_GPUS list GPU indices ("0" is GPU 0); the others count ("0", "h100:0": none)
+    slurm = [k for k in sorted(env) if _SLURM_GPU.fullmatch(k) and env[k] and (
+        k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS") or not re.fullmatch(r"(?:\w+:)?0", env[k]))]
+    slurm += [k for k in _SLURM_TRES if "gpu" in env.get(k, "")]
+    if slurm:
+        signs.append("a Slurm GPU allocation (" + ", ".join(f"{k}={env[k]}" for k in slurm[:2]) + ")")
+    world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
+    spread = [(k, env[k]) for k in ("GROUP_WORLD_SIZE", "NNODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+              if _int(env, k) > 1]
+    if local and world > local:
+        spread.append(("WORLD_SIZE/LOCAL_WORLD_SIZE", f"{world}/{local}"))
+    if spread:
+        signs.append("ranks on several nodes (" + ", ".join(f"{k}={v}" for k, v in spread[:2]) + ")")
+    return signs
+
+
+# cuInit's answers worth naming (CUDA driver API, cuda.h)
+_CU_ERRORS = {100: "the driver sees no CUDA device (CUDA_ERROR_NO_DEVICE)",
+              35: "the driver is older than the CUDA runtime (CUDA_ERROR_INSUFFICIENT_DRIVER)",
+              803: "the driver and its user-space library differ (CUDA_ERROR_SYSTEM_DRIVER_MISMATCH)",
+              804: "forward compatibility is not supported on this GPU (CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE)",
+              999: "unknown CUDA error (often a driver that needs a reboot after an update, or no /dev/nvidia-uvm)"}
+
+
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def driver_report(lib: Any, built: str) -> str:
+    """What the CUDA driver library `lib` (libcuda.so.1) says, against the CUDA version torch is built for."""
+    version = ctypes.c_int(0)
+    driver = _cuda_version(version.value) if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value \
+        else None
+    if driver is not None and int(driver.split(".")[0]) < int(built.split(".")[0]):
+        return (f"the NVIDIA driver supports CUDA {driver} but torch is built for CUDA {built}: update the driver, or "
+                f"install a torch built for CUDA {driver.split('.')[0]}.x")
+    rc = lib.cuInit(0)
+    why = "cuInit succeeded, yet torch found no device" if rc == 0 else _CU_ERRORS.get(rc, f"cuInit error {rc}")
+    return f"{why}; driver supports CUDA {driver or 'unknown'}, torch is built for CUDA {built}"
+
+
+def cuda_diagnosis() -> str:
+    """Why torch sees no usable GPU, as far as can be told without CUDA: a CPU-only torch, no driver library,
+    or the driver's CUDA version against torch's."""
+    built = torch.version.cuda
+    if built is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return (f"no NVIDIA driver library (libcuda.so.1) loads: no driver here, or a container started without GPU "
+                f"access (docker --gpus, enroot/pyxis); torch {torch.__version__} is built for CUDA {built}")
+    return driver_report(lib, built)
+
+
+def cpu_training_refusal(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> str | None:
+    """The one line that stops a CPU run where a GPU is expected (see the module docstring), or None where
+    CPU training is what this machine offers. Call only when torch.cuda.is_available() is False."""
+    signs = gpu_signs(environ, dev)
+    if not signs:
+        return None
+    return (f"this run expects a GPU ({'; '.join(signs)}) but CUDA is not usable: {cuda_diagnosis()}; stopping "
+            "rather than training on the CPU (add --allow-cpu to train on the CPU on purpose)")

@@ -110,6 +110,10 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-exit-signal-handler", dest="jreg_no_exit_signal_handler", action="store_true",
                    help="SIGTERM kills the run (default here: save a checkpoint and exit 0, Megatron-LM's "
                         "--exit-signal-handler, for Slurm preemption)")
+    g.add_argument("--allow-cpu", action="store_true",
+                   help="train on the CPU (gloo) when CUDA is not usable, also where a GPU is expected (NVIDIA "
+                        "devices, CUDA_VISIBLE_DEVICES, a Slurm GPU allocation, several nodes), which is refused "
+                        "otherwise; a machine with no sign of a GPU trains on the CPU without it")
     g.add_argument("--no-verify-integrity", dest="jreg_no_verify_integrity", action="store_true",
                    help="do not record SHA-256 digests at save (default here: Megatron-LM's --verify-integrity) "
                         "nor verify them at load")
@@ -336,6 +340,35 @@ def _check_model_config(args: argparse.Namespace) -> None:
         raise UsageError(_assertion_text(e, args)) from None
 
 
+_HF_TOKENIZERS = ("HuggingFaceTokenizer", "SFTTokenizer", "MultimodalTokenizer")
+
+
+def _check_tokenizer_path(args: argparse.Namespace) -> None:
+    """A local --tokenizer-model that does not exist: transformers would take `data/bpe4` for a hub id and retry
+    the network for a minute before failing. A path counts as local when it starts with / . or ~, has more
+    parts than a hub id's `org/name`, or its first folder exists here; a tokenizer file of the other types
+    always is."""
+    import difflib
+
+    text = args.tokenizer_model
+    if not text or Path(text).expanduser().exists():
+        return
+    path, hf = Path(text).expanduser(), args.tokenizer_type in _HF_TOKENIZERS
+    parts = Path(text).parts
+    local = (not hf or text.startswith(("/", ".", "~")) or len(parts) > 2
+             or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
+    if not local:
+        return  # a Hugging Face hub id (`org/name`): transformers resolves it
+    if not path.parent.is_dir():
+        hint = f" (nor is there a folder {path.parent})"
+    elif near := difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=1, cutoff=0.6):
+        hint = f"; did you mean {path.parent / near[0]}?"
+    else:
+        hint = f" ({path.parent} holds nothing of a close name)"
+    kind = "folder" if hf else "file"
+    raise UsageError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {text}: no such {kind}{hint}")
+
+
 def check_megatron_prerequisites(args: argparse.Namespace) -> None:
     """What Megatron-LM's optimizer, scheduler and layers need but its validate_args does not check: it finds
     out only after the model is built (a bare `assert`, torch's TypeError from AdamW without --lr) or in the
@@ -383,6 +416,7 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
     if args.async_save and args.use_persistent_ckpt_worker and not torch.cuda.is_available():
         raise UsageError("--async-save --use-persistent-ckpt-worker needs a GPU (its writer process selects a CUDA "
                          "device and would hang here): drop --async-save on a CPU")
+    _check_tokenizer_path(args)
     tokenizer = Path(args.tokenizer_model) if args.tokenizer_model else None
     if args.tokenizer_type in ("HuggingFaceTokenizer", "SFTTokenizer") and tokenizer is not None and tokenizer.is_dir():
         found = custom_code(tokenizer)
@@ -402,12 +436,16 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     import torch
     from megatron.training import arguments, global_vars
 
-    from megatron_jreg.compat import apply_cpu_training_compat
+    from megatron_jreg.compat import apply_cpu_training_compat, cpu_training_refusal
     from megatron_jreg.training.model import check_transformer_impl
 
     args = parse_args(argv)
     if args.yaml_cfg is not None:
         raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
+    cpu = not torch.cuda.is_available()
+    refusal = cpu_training_refusal() if cpu and not args.allow_cpu else None
+    if refusal is not None:  # never train on the CPU by accident (compat.py)
+        raise UsageError(refusal)
     if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
         _args_from_checkpoint(args)
     _check_numbers(args)
@@ -421,7 +459,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     args.verify_integrity = args.verify_integrity or not args.jreg_no_verify_integrity
     if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
         args.tokenizer_type = "GPT2BPETokenizer"
-    if not torch.cuda.is_available():
+    if cpu:
         _check_cpu(args)
         apply_cpu_training_compat(args)
     check_transformer_impl(args)
