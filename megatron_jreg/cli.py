@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"megatron-jreg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        import difflib
+
+        near = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        print(f"megatron-jreg: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 
 def _single_process_env() -> None:
@@ -30,12 +31,62 @@ def _single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# The files that shape `train --help` besides megatron-core itself (its version is part of the cache key).
+_HELP_SOURCES = ("training/arguments.py", "plugin.py", "usage.py", "train.py")
+
+
+def _help_cache() -> Path:
+    """Where `train --help` is kept: one file per megatron-core version, help sources and terminal width."""
+    import hashlib
+    import shutil
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        core = version("megatron-core")
+    except PackageNotFoundError:
+        core = "none"
+    here = Path(__file__).resolve().parent
+    key = hashlib.sha256(core.encode())
+    for name in _HELP_SOURCES:
+        key.update((here / name).read_bytes())
+    key.update(str(shutil.get_terminal_size().columns).encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-jreg"
+    return root / f"train-help-{key.hexdigest()[:16]}.txt"
+
+
+def print_help() -> None:
+    """Megatron-LM's help with our group. Importing megatron.training costs 5-10 s and prints a dozen warnings
+    about absent apex/Transformer Engine, none of which the help needs: the text is built once, quietly, and
+    kept in the user's cache (a new megatron-core, a changed flag or another terminal width builds it anew)."""
+    cache = _help_cache()
+    if cache.is_file():
+        sys.stdout.write(cache.read_text(encoding="utf-8"))
+        return
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron_jreg.training.arguments import parse_args
+
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+            parse_args(["--help"])  # argparse prints the help, then exits
+    sys.stdout.write(text.getvalue())
+    with contextlib.suppress(OSError):  # a read-only home just means no cache
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text.getvalue(), encoding="utf-8")
+        partial.replace(cache)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv in (["-h"], ["--help"]):
-        from megatron_jreg.training.arguments import parse_args
-
-        parse_args(argv)  # argparse prints Megatron-LM's help with our group, then exits
+        print_help()
         return 0
     debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

@@ -1,10 +1,12 @@
-"""pretrain_gpt.py flags that megatron-jreg train does not run as Megatron-LM would: one line naming the flag
-and the fix, exit 2, before any work (the CLI's own `main` in one spawned rank); layout-dependent refusals
-through the check itself on parsed args."""
+"""pretrain_gpt.py flags that megatron-jreg train does not run as Megatron-LM would, and mistyped tokenizer
+paths: one line naming the flag and the fix, exit 2, before any work (the CLI's own `main` in one spawned rank,
+started in the repository root); layout-dependent refusals through the check itself on parsed args."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -20,10 +22,16 @@ CASES = {
     "moe-grouped-gemm-on-cpu": (["--num-experts", "2", "--moe-grouped-gemm"],
                                 "--moe-grouped-gemm runs grouped-GEMM CUDA kernels, which need a GPU"),
     "record-memory-history-on-cpu": (["--record-memory-history"], "--record-memory-history records the CUDA"),
+    # a mistyped local folder (examples/sft/data exists) is not taken for a hub id with a minute of network retries
+    "mistyped-local-tokenizer": (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "examples/sft/dta"],
+                                 "--tokenizer-model examples/sft/dta: no such folder; did you mean examples/sft/data?"),
+    "missing-tokenizer-file": (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "tok/bpe.model"],
+                               "--tokenizer-model tok/bpe.model: no such file (nor is there a folder tok)"),
 }
 
 
 def suite(rank: int, world: int) -> dict:
+    os.chdir(Path(__file__).resolve().parent.parent)  # the relative tokenizer paths are the repository's
     return {name: train(TINY + extra) for name, (extra, _) in CASES.items()}
 
 
