@@ -25,7 +25,8 @@ SFT_SCRIPT = REPO / "examples" / "sft" / "sft-llama-3.4b.sbatch"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 JOB_ID = 4242
 # preset script → (tensor parallel size, sequence parallel, distributed optimizer)
-LAYOUTS = {"llama-170m": (1, False, False), "llama-1b": (1, False, True), "llama-3.4b": (2, True, True)}
+LAYOUTS = {"llama-170m": (1, False, True), "llama-1b": (1, False, True), "llama-3.4b": (2, True, True)}
+GPU_DOC = REPO / "docs" / "gpu.md"
 
 SRUN = r"""#!/usr/bin/env bash
 # Fake srun: the command once per task of the fake allocation, each with a job step's SLURM_* variables.
@@ -275,11 +276,48 @@ def test_dry_run_with_container_and_fp8(cluster):
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout.splitlines()[-1])
     assert command[0] == "srun" and "--container-image=/images/jreg.sqsh" in command
-    assert f"--container-mounts={cluster.runs}:{cluster.runs},/data:/data" in command
+    # the submitted checkout mounted over the image's copy, in the container's working directory
+    assert f"--container-mounts={cluster.runs}:{cluster.runs},/data:/data,{REPO}:/workspace/megatron-jreg" in command
+    assert "--container-workdir=/workspace/megatron-jreg" in command
     argv = command[command.index("megatron_jreg.train") + 1:]
     args = validated(argv, 16)
     assert (args.fp8, args.fp8_recipe, args.bf16) == ("hybrid", "delayed", True)
     assert not (cluster.out / "srun.args").exists() and not cluster.runs.exists()  # nothing ran, nothing made
+
+
+def test_container_runs_the_image_code_when_told(cluster):
+    script = SLURM / "llama-1b.sbatch"
+    result = cluster(script, DRY_RUN="1", CONTAINER_IMAGE="/images/jreg.sqsh", CONTAINER_CODE="image")
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.splitlines()[-1])
+    assert f"--container-mounts={cluster.runs}:{cluster.runs},/data:/data" in command
+    bad = cluster(script, DRY_RUN="1", CONTAINER_IMAGE="/images/jreg.sqsh", CONTAINER_CODE="mine")
+    assert bad.returncode == 2 and "CONTAINER_CODE=mine: give checkout or image" in bad.stderr
+
+
+def recommended_settings() -> dict[str, str]:
+    """{flag: value} of docs/gpu.md's table "The recipes' Megatron-LM settings" ("on": a switch)."""
+    text = GPU_DOC.read_text().split("## The recipes' Megatron-LM settings", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| ([^|]+?) \|", text, re.M)
+    assert len(rows) >= 6, text
+    return dict(rows)
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, SFT_SCRIPT], ids=lambda p: p.stem)
+def test_recipes_use_megatron_lms_recommended_settings(cluster, script, tmp_path):
+    env = {"PRETRAINED": str(tmp_path / "pre"), "DATA_PATH": str(tmp_path / "chat.jsonl"),
+           "TOKENIZER_MODEL": str(tmp_path / "tok")} if script == SFT_SCRIPT else {}
+    result = cluster(script, DRY_RUN="1", **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = shlex.split(result.stdout.splitlines()[-1])
+    opts = sbatch_options(script)
+    world = int(opts["nodes"]) * int(opts["ntasks-per-node"])
+    args = validated(command[command.index("megatron_jreg.train") + 1:], world)
+    for option, value in recommended_settings().items():
+        got = getattr(args, option[2:].replace("-", "_"))
+        assert got == (True if value == "on" else value), (option, got)
+    launcher = (SLURM / "launch.sh").read_text()
+    assert "examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0)" in launcher  # the comment names its source
 
 
 def test_sft_recipe_is_the_papers(cluster, tmp_path):

@@ -25,6 +25,8 @@
 : "${CONTAINER_IMAGE:=}"   # empty: the Python on PATH (the venv active at sbatch); else a pyxis/enroot image,
                            # e.g. /images/megatron-jreg.sqsh or docker://registry#megatron-jreg:latest
 : "${CONTAINER_MOUNTS:=/data:/data}"                 # host:container paths of data and tokenizer
+: "${CONTAINER_CODE:=checkout}"  # checkout: the submitted checkout ($REPO) mounted over the image's copy, so the job
+                                 # runs the code it was submitted with; image: the code built into the image
 : "${RUN_ROOT:=$REPO/runs}"                          # run folders: RUN_ROOT/RUN_NAME/{checkpoints,logs,...}
 : "${RUN_NAME:=${SLURM_JOB_NAME:-jreg}-${SLURM_JOB_ID:-0}}"  # a requeued job keeps its id, so its folder;
                                                      # set RUN_NAME to continue a run in a new submission
@@ -51,6 +53,7 @@ for name in PRESET TP PP MBS GBS SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_NNODES SL
 done
 : "${SEQUENCE_PARALLEL:=0}"
 : "${DISTRIBUTED_OPTIMIZER:=1}"
+[[ $CONTAINER_CODE == checkout || $CONTAINER_CODE == image ]] || die "CONTAINER_CODE=$CONTAINER_CODE: give checkout or image"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 (( ${#NODES[@]} == SLURM_NNODES )) || die "scontrol lists ${#NODES[@]} nodes for $SLURM_JOB_NODELIST, SLURM_NNODES is $SLURM_NNODES"
@@ -76,6 +79,12 @@ args=(
     --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$LR_WARMUP_ITERS"
     --lr-decay-style "$LR_DECAY_STYLE" --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
     --bf16 --use-mcore-models --distributed-timeout-minutes 60
+    # Megatron-LM's recommended settings, as its examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0)
+    # sets them (docs/gpu.md, "The recipes' Megatron-LM settings"): the fused cross-entropy of its
+    # TRAINING_ARGS, in megatron-core's own implementation (`native`, that script's default: megatron-core
+    # 0.19.2 refuses `te`, "disabled due to stability issues"), and garbage collection at fixed points on
+    # every rank (--manual-gc) instead of whenever one rank's threshold trips, which stalls the others
+    --cross-entropy-loss-fusion --cross-entropy-fusion-impl native --manual-gc
     --save "$CKPT" --load "$CKPT" --save-interval "$SAVE_INTERVAL"
     --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
     --log-interval 10 --eval-interval 1000 --eval-iters 10 --no-progress
@@ -89,7 +98,12 @@ else
            --data-cache-path "$RUN_ROOT/data-cache")
 fi
 [[ $SEQUENCE_PARALLEL == 1 ]] && args+=(--sequence-parallel)
-[[ $DISTRIBUTED_OPTIMIZER == 1 ]] && args+=(--use-distributed-optimizer)
+# Data parallelism as that script's DDP_ARGS: gradients reduce-scattered while the backward pass still runs
+# (--overlap-grad-reduce) and, with the distributed optimizer (DP-sharded Adam states), the updated
+# parameters all-gathered while the next forward pass runs (--overlap-param-gather): neither is on by default,
+# and at 1B both are ~7.5 GB a step that would otherwise wait in the open
+args+=(--overlap-grad-reduce)
+[[ $DISTRIBUTED_OPTIMIZER == 1 ]] && args+=(--use-distributed-optimizer --overlap-param-gather)
 [[ -n $FP8 ]] && args+=(--fp8-format "$FP8" --fp8-recipe "$FP8_RECIPE")
 read -r -a extra <<< "$EXTRA_ARGS"
 args+=("${extra[@]}")
@@ -100,8 +114,12 @@ srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node="$GPUS_PER_NODE" --gpu-bind
            --label --output="$LOGS/train.log" --open-mode=append)
 [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 if [[ -n $CONTAINER_IMAGE ]]; then
+    mounts=$RUN_ROOT:$RUN_ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}
+    # the working directory comes first on sys.path for `python -m`: the mounted checkout wins over the
+    # package installed in the image (docker/README.md)
+    [[ $CONTAINER_CODE == checkout ]] && mounts+=,$REPO:/workspace/megatron-jreg
     srun_args+=(--container-image="$CONTAINER_IMAGE" --container-workdir=/workspace/megatron-jreg
-                --container-mounts="$RUN_ROOT:$RUN_ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
+                --container-mounts="$mounts")
 fi
 # Each task's own shell turns its SLURM_* variables into the torch.distributed ones, then becomes the rank.
 # shellcheck disable=SC2016  # expanded by the task's shell, not here
