@@ -9,6 +9,7 @@ exactly, CI's versions (constraints.txt) pin everything else this package needs,
     python docker/pins.py constraints constraints.txt > /tmp/pins.txt        # at which versions
     pip install -c /tmp/pins.txt -r /tmp/requirements.txt
     python docker/pins.py check setup.py /tmp/pins.txt --pip-check           # after the install
+    python docker/pins.py constraints /dev/null --ci-pins 0 --leave-out 'transformer-engine*'  # to replace TE
 
 Standard library and `packaging` only (in every NGC PyTorch image), because it runs before any install.
 """
@@ -68,10 +69,13 @@ def read_pins(path: str | Path) -> dict[str, str]:
     return pins
 
 
-def constraints(ci_pins: dict[str, str], installed: dict[str, str], use_ci_pins: bool = True) -> list[str]:
+def constraints(ci_pins: dict[str, str], installed: dict[str, str], use_ci_pins: bool = True,
+                leave_out: tuple[str, ...] = ()) -> list[str]:
     """Constraint lines: the image's version of each image-owned distribution it has, then CI's pin of every
-    other package (none with use_ci_pins=False: setup.py's ranges decide)."""
-    lines = [f"{name}=={version}" for name, version in sorted(installed.items()) if image_owned(name)]
+    other package (none with use_ci_pins=False: setup.py's ranges decide); `leave_out`: name patterns not
+    pinned (the distribution about to be replaced, e.g. the image's Transformer Engine)."""
+    lines = [f"{name}=={version}" for name, version in sorted(installed.items())
+             if image_owned(name) and not any(fnmatch.fnmatch(name, p) for p in leave_out)]
     if use_ci_pins:
         lines += [f"{name}=={version}" for name, version in sorted(ci_pins.items()) if not image_owned(name)]
     return lines
@@ -118,9 +122,22 @@ def python_error(setup: dict, version: tuple[int, ...] = tuple(sys.version_info[
             "0.19 needs 3.12): use an NGC PyTorch base image from 25.01-py3 on (--build-arg BASE_IMAGE=...)")
 
 
-def check(setup: dict, pins: dict[str, str], installed: dict[str, str], pip_report: str | None = None) -> list[str]:
-    """Everything wrong with this environment for megatron-jreg (empty = fine)."""
-    errors = [e for e in [python_error(setup)] if e]
+def te_error(installed: dict[str, str], revision: str) -> str | None:
+    """Why the installed Transformer Engine is not the build of git `revision` (its version's local part is the
+    commit's first 8 hex digits, e.g. 2.17.1+4329ff84), or None when it is."""
+    have = installed.get("transformer-engine")
+    local = have.partition("+")[2] if have else ""
+    if have is not None and len(local) >= 7 and revision.startswith(local):
+        return None
+    return (f"transformer-engine is {have or 'not installed'}, not the build of revision {revision[:8]} that "
+            "Megatron-LM core_v0.19.0's CI uses (build with --build-arg TE_REVISION=...)")
+
+
+def check(setup: dict, pins: dict[str, str], installed: dict[str, str], pip_report: str | None = None,
+          te_revision: str = "") -> list[str]:
+    """Everything wrong with this environment for megatron-jreg (empty = fine); with `te_revision`, also a
+    Transformer Engine that is not that revision's build."""
+    errors = [e for e in [python_error(setup), te_error(installed, te_revision) if te_revision else None] if e]
     reqs = [Requirement(r) for r in requirements(setup)]
     for req in reqs:
         have = installed.get(canonicalize_name(req.name))
@@ -146,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("constraints", help="print the constraints for pip install")
     p.add_argument("constraints_txt")
     p.add_argument("--ci-pins", choices=["0", "1"], default="1", help="1: CI's pins for what the image lacks")
+    p.add_argument("--leave-out", action="append", default=[], metavar="PATTERN",
+                   help="a distribution (fnmatch pattern) not to pin: the one about to be replaced")
     p = sub.add_parser("check", help="verify the installed environment")
     p.add_argument("setup_py")
     p.add_argument("pins_txt")
     p.add_argument("--pip-check", action="store_true", help="also fail on `pip check` lines about our packages")
+    p.add_argument("--te-revision", default="", help="also fail unless Transformer Engine is this git revision's build")
     args = parser.parse_args(argv)
 
     if args.command == "requirements":  # the first step of the build: stop early on a too old Python
@@ -160,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(requirements(setup)))
         return 0
     if args.command == "constraints":
-        print("\n".join(constraints(read_pins(args.constraints_txt), installed_versions(), args.ci_pins == "1")))
+        print("\n".join(constraints(read_pins(args.constraints_txt), installed_versions(), args.ci_pins == "1",
+                                     tuple(args.leave_out))))
         return 0
     report = None
     if args.pip_check:
         report = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True).stdout
     installed = installed_versions()
-    errors = check(setup_arguments(args.setup_py), read_pins(args.pins_txt), installed, report)
+    errors = check(setup_arguments(args.setup_py), read_pins(args.pins_txt), installed, report, args.te_revision)
     for error in errors:
         print(f"pins.py check: {error}", file=sys.stderr)
     if not errors:

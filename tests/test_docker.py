@@ -160,3 +160,38 @@ def test_too_old_python_stops_the_build(setup_args):
     assert pins.python_error(setup_args, (3, 12, 3)) is None
     message = pins.python_error(setup_args, (3, 10, 12))
     assert "Python 3.10.12" in message and ">=3.12" in message and "BASE_IMAGE" in message
+
+
+# Megatron-LM core_v0.19.0's CI: pyproject.toml [tool.uv.sources] transformer-engine git rev (uv.lock: version
+# 2.17.1+4329ff84), built by docker/Dockerfile.ci.dev with NVTE_CUDA_ARCHS="80;90;100" on the same NGC release.
+MEGATRON_LM_CI_TE = "4329ff84bfbdaa778a33cba02a15fb0807c64689"
+
+
+def test_transformer_engine_is_megatron_lms_ci_revision(dockerfile):
+    assert arg_default(dockerfile, "TE_REVISION") == MEGATRON_LM_CI_TE
+    assert arg_default(dockerfile, "NVTE_CUDA_ARCHS") == '"80;90;100"'
+    runs = [rest for kw, rest in dockerfile if kw == "RUN"]
+    (te,) = [i for i, rest in enumerate(runs) if "TransformerEngine.git" in rest]
+    (deps,) = [i for i, rest in enumerate(runs) if "-r /tmp/requirements.txt" in rest]
+    assert te < deps  # built before our dependencies, whose pins then hold the new build
+    install = runs[te]
+    assert 'git+https://github.com/NVIDIA/TransformerEngine.git@${TE_REVISION}' in install
+    assert "--no-build-isolation" in install and "NVTE_FRAMEWORK=pytorch" in install
+    assert '--leave-out "transformer-engine*"' in install and '-c /tmp/te-pins.txt' in install
+    assert 'if [ -n "${TE_REVISION}" ]' in install  # TE_REVISION="" keeps the image's own build
+    (final,) = [rest for rest in runs if "pins.py check" in rest]
+    assert '--te-revision "${TE_REVISION}"' in final
+
+
+def test_te_revision_check():
+    assert pins.te_error({"transformer-engine": "2.17.1+4329ff84"}, MEGATRON_LM_CI_TE) is None
+    error = pins.te_error({"transformer-engine": "2.5.0+f05f12c"}, MEGATRON_LM_CI_TE)
+    assert error.startswith("transformer-engine is 2.5.0+f05f12c, not the build of revision 4329ff84")
+    assert "not installed" in pins.te_error({}, MEGATRON_LM_CI_TE)
+    assert pins.te_error({"transformer-engine": "2.17.1"}, MEGATRON_LM_CI_TE) is not None  # a PyPI release
+
+
+def test_constraints_leave_out_the_distribution_being_replaced():
+    image = {"torch": "2.9.0a0+nv", "transformer-engine": "2.5.0+f05f12c", "nvidia-cudnn-cu12": "9.10.2.21"}
+    assert pins.constraints({}, image, use_ci_pins=False, leave_out=("transformer-engine*",)) == [
+        "nvidia-cudnn-cu12==9.10.2.21", "torch==2.9.0a0+nv"]
