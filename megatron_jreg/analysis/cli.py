@@ -1,8 +1,10 @@
-"""`megatron-jreg analyze`: measure Ψ_ℓ and the jump rates ζ of Hugging Face, GGUF or megatron-jreg models.
+"""`megatron-jreg analyze`: measure Ψ_ℓ and the jump rates ζ of Hugging Face, GGUF or megatron-jreg models,
+and with them the layer-redundancy views: layer removal, the distance between any two layers, residual norms.
 
-    megatron-jreg analyze --model PATH [--model PATH ...] [--checkpoints GLOB] --data lambada \
+    megatron-jreg analyze --model PATH [--model PATH ...] [--revision A,B] [--checkpoints GLOB] --data lambada \
         --num-samples 100 [--batch-size 8] [--max-length T] [--dtype float32|bfloat16] \
-        [--distance angular|cosine] [--include-final-norm] [--stream|--no-stream] [--output DIR]
+        [--distance angular|cosine] [--positions all|last] [--remove-layers [--top-k 1,2,3]] \
+        [--include-final-norm] [--stream|--no-stream] [--output DIR]
 
 Parsing only: the settings are validated by `AnalyzeConfig`, the work is done by `run.run_analysis`.
 """
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.config import DTYPES, AnalyzeConfig
+from megatron_jreg.analysis.config import DTYPES, POSITIONS, AnalyzeConfig
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.errors import ModelFileError
 from megatron_jreg.usage import example
@@ -29,10 +31,24 @@ def _samples(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a number or 'all', got {value!r}") from e
 
 
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas (e.g. 1,2,3), got {value!r}") \
+            from e
+
+
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-jreg analyze",
-        description="Measure the per-layer displacement Ψ_ℓ and the jump rates ζ_ℓ (Shibata et al. 2026, §3).",
+        description="Measure the per-layer displacement Ψ_ℓ and the jump rates ζ_ℓ (Shibata et al. 2026, §3), the "
+        "distance between any two layers (Gromov et al. 2024), residual norms and, with --remove-layers, the "
+        "cross-entropy cost of removing each layer (ShortGPT).",
         **example("megatron-jreg analyze --model path/to/hf-model --data lambada --num-samples 100 "
                   "--output jump_analysis"),
     )
@@ -44,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF model folder or hub id (org/name, read from the local cache), GGUF file, or megatron-jreg "
         "checkpoint directory (repeatable)",
     )
+    p.add_argument(
+        "--revision",
+        type=_names,
+        default=[],
+        metavar="A,B,...",
+        help="revisions of each --model hub id, read from the local cache (e.g. Pythia's step1000,step2000): a series "
+        "whose step is read from each name; nothing downloads",
+    )
     p.add_argument("--checkpoints", metavar="GLOB", help="checkpoints of one run, measured in step order")
     p.add_argument(
         "--data",
@@ -51,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="lambada[:FILE] | wikitext:FILE | jsonl:FILE:KEY | text:FILE (default: bundled LAMBADA)",
     )
-    p.add_argument("--num-samples", type=_samples, default=100, metavar="N|all")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-samples", type=_samples, default=100, metavar="N|all",
+                   help="the first N samples of --data, or all (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass (default: %(default)s)")
     p.add_argument(
         "--max-length",
         type=int,
@@ -60,19 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="truncate samples to T tokens (default: the model's context length)",
     )
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: %(default)s)")
     p.add_argument(
         "--distance",
         choices=jreg.DISTANCES,
         default="angular",
-        help="angular: arccos(cos)/π (the paper's Ψ); cosine: 1 − cos",
+        help="angular: arccos(cos)/π (the paper's Ψ); cosine: 1 − cos (default: %(default)s)",
     )
+    p.add_argument(
+        "--positions",
+        choices=POSITIONS,
+        default="all",
+        help="measure over all real tokens, or only each sample's last token, as Gromov et al. and ShortGPT do "
+        "(layer removal then scores the prediction of each sample's last token) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--remove-layers",
+        action="store_true",
+        help="also measure layer removal: the increase of next-token cross-entropy when each decoder layer is "
+        "skipped (output := input), and when the top k layers are; costs about L/2 forward passes per batch",
+    )
+    p.add_argument("--top-k", type=_ints, default=(1, 2, 3), metavar="K,K,...",
+                   help="with --remove-layers: the top k layers skipped together (default: 1,2,3)")
     p.add_argument(
         "--include-final-norm",
         action="store_true",
         help="the output_hidden_states convention: Ψ_L measured after the final norm",
     )
-    p.add_argument("--output", type=Path, default=Path("jump_analysis"), metavar="DIR")
+    p.add_argument("--output", type=Path, default=Path("jump_analysis"), metavar="DIR",
+                   help="folder for results.json, the CSV files and the plots (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for models that carry none")
     p.add_argument(
@@ -88,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_jreg.analysis.run import print_report, run_analysis
+    from megatron_jreg.analysis.run import Interrupted, print_report, run_analysis
 
     try:
         cfg = AnalyzeConfig(
@@ -106,11 +147,23 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             stream=args.stream,
             progress=args.progress,
+            remove_layers=args.remove_layers,
+            top_k=args.top_k,
+            positions=args.positions,
+            revisions=args.revision,
         )
         results, files = run_analysis(cfg)
     except (AnalysisError, ModelFileError) as e:
         print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        saved = f"; the {e.index - 1} model(s) measured before it are in {args.output}" if e.files else \
+            "; nothing written"
+        print(f"\nmegatron-jreg analyze: {e}{saved}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("\nmegatron-jreg analyze: interrupted before any model was measured; nothing written", file=sys.stderr)
+        return 130
     print_report(results, files)
     return 0
 

@@ -21,7 +21,9 @@ from megatron_jreg.dtypes import torch_dtype
 DTYPES = ("float32", "bfloat16")  # of dtypes.WEIGHT_DTYPES: float16 overflows in the residual stream of deep models
 DATA_FORMATS = ("lambada", "wikitext", "jsonl", "text")
 PADDING_SIDES = ("right", "left")
+POSITIONS = ("all", "last")
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+_STEP = re.compile(r"(?:^|[^a-z])(?:step|iter|iteration|checkpoint|ckpt)[-_]?(\d+)", re.IGNORECASE)
 
 
 @dataclass
@@ -51,6 +53,14 @@ class AnalyzeConfig:
     """--stream / --no-stream: layer-by-layer from safetensors (any family), or in memory; None: stream
     only the models whose weights do not fit in free memory (`stream_source.should_stream`)."""
     progress: bool = True
+    remove_layers: bool = False
+    """--remove-layers: also measure layer removal (`removal.py`): ΔCE per skipped layer and for the top k."""
+    top_k: tuple[int, ...] = (1, 2, 3)
+    """--top-k: the k of "the top k layers skipped" (each at most the model's number of layers)."""
+    positions: str = "all"
+    """--positions: every measure over all real tokens, or over each sample's last token only."""
+    revisions: list[str] = field(default_factory=list)
+    """--revision: Hugging Face revisions of each --model hub id, read from the local cache (a series)."""
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
@@ -66,6 +76,25 @@ class AnalyzeConfig:
             raise AnalysisError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.distance not in jreg.DISTANCES:
             raise AnalysisError(f"--distance must be one of {jreg.DISTANCES}, got {self.distance!r}")
+        if self.positions not in POSITIONS:
+            raise AnalysisError(f"--positions must be one of {POSITIONS}, got {self.positions!r}")
+        self.top_k = tuple(self.top_k)
+        if not self.top_k or any(not isinstance(k, int) or k < 1 for k in self.top_k):
+            raise AnalysisError(f"--top-k {','.join(map(str, self.top_k))}: each k must be a whole number >= 1, "
+                                "e.g. --top-k 1,2,3")
+        if self.top_k != (1, 2, 3) and not self.remove_layers:
+            raise AnalysisError("--top-k is the k of layer removal: add --remove-layers (or drop --top-k)")
+        if self.revisions:
+            if not self.models:
+                raise AnalysisError("--revision needs --model ORG/NAME (a hub id in the local cache)")
+            for revision in self.revisions:
+                if not revision or "/" in revision or "@" in revision:
+                    raise AnalysisError(f"--revision {revision!r}: name branches, tags or commits separated by commas, "
+                                        "e.g. --revision step1000,step2000")
+            for model in self.models:
+                if "@" in model or Path(model).exists():
+                    raise AnalysisError(f"--revision with --model {model}: give the hub id without @REVISION (a local "
+                                        "folder has no revisions)")
         if self.padding_side not in PADDING_SIDES:
             raise AnalysisError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
         if self.device != "auto":
@@ -162,15 +191,27 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def resolve_models(models: list[str], checkpoints: str | None) -> list[ModelSpec]:
-    """`--model` paths (or hub ids, resolved from the local cache) in the order given, then `--checkpoints`
-    matches ordered by step.
+def named_step(name: str) -> int | None:
+    """The step a checkpoint or revision name states (step143000, iter_0001000, checkpoint-20,
+    stage1-step1000-tokens4B → 1000), or None when it names none."""
+    match = _STEP.search(name)
+    return int(match.group(1)) if match else None
 
-    Labels are the path's last component (a hub id's repo name), lengthened with parent folders (the
-    organisation) until they are unique.
+
+def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None) -> list[ModelSpec]:
+    """`--model` paths (or hub ids, resolved from the local cache; each at every `--revision`) in the order
+    given, then `--checkpoints` matches ordered by step.
+
+    Labels are the path's last component (a hub id's repo name, with @REVISION), lengthened with parent
+    folders (the organisation) until they are unique. Steps come from the revision or checkpoint name
+    (`named_step`) where it states one; a megatron checkpoint's own iteration replaces it when it is loaded.
     """
-    entries: list[tuple[Path, str, int | None]] = [(hub.resolve(m, "--model"), "--model", None) for m in models]
-    shown = [Path(m) if hub.describe(p) else p for m, (p, _, _) in zip(models, entries)]  # hub ids by name
+    given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
+    entries: list[tuple[Path, str, int | None]] = []
+    for spec, revision in given:
+        path = hub.resolve(spec, "--model")
+        entries.append((path, "--model", named_step(revision) if revision else named_step(Path(spec).name)))
+    shown = [Path(m) if hub.describe(p) else p for (m, _), (p, _, _) in zip(given, entries)]  # hub ids by name
     if checkpoints:
         matches = [Path(p) for p in glob.glob(checkpoints)]
         if not matches:
@@ -182,9 +223,22 @@ def resolve_models(models: list[str], checkpoints: str | None) -> list[ModelSpec
                 raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
             stepped.append((step, p))
         entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
-    kinds = [model_kind(p, flag) for p, flag, _ in entries]
-    labels = _unique_labels(shown + [p for p, _, _ in entries[len(models) :]])
-    return [ModelSpec(p, label, kind, step) for (p, _, step), label, kind in zip(entries, labels, kinds)]
+    kinds = [_kind(p, flag) for p, flag, _ in entries]
+    labels = _unique_labels(shown + [p for p, _, _ in entries[len(given) :]])
+    revs = [r for _, r in given] + [None] * (len(entries) - len(given))
+    return [ModelSpec(p, label, kind, step, rev, flag)
+            for (p, flag, step), label, kind, rev in zip(entries, labels, kinds, revs)]
+
+
+def _kind(path: Path, flag: str) -> str:
+    """`model_kind`; for a --checkpoints match that is not (yet) a readable model, "unreadable: <why>", so
+    that the series skips it in one line instead of stopping (an iteration still being written)."""
+    try:
+        return model_kind(path, flag)
+    except AnalysisError as e:
+        if flag != "--checkpoints":
+            raise
+        return f"unreadable: {e}"
 
 
 def _unique_labels(paths: list[Path]) -> list[str]:

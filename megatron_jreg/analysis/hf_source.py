@@ -21,7 +21,10 @@ from megatron_jreg.analysis.source import (
     LAYER_IO,
     AnalysisError,
     LayerDisplacementHooks,
+    LayerStates,
     UnsupportedArchitectureError,
+    batch_stats,
+    gather_rows,
     is_gguf_file,
     masked_displacement_sum,
     real_rows,
@@ -180,19 +183,31 @@ class HFSource:
             kwargs["output_hidden_states"] = True
         return self.base(**kwargs)
 
-    @torch.no_grad()
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
+        stats = self.layer_stats(input_ids, attention_mask, kind)
+        return stats["sums"], stats["counts"]
+
+    @torch.no_grad()
+    def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
+                    ) -> dict[str, Tensor]:
+        """See `HiddenStateSource.layer_stats`: Ψ by hooks on the layers, h_0..h_L kept at the selected tokens."""
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
+        select = attention_mask if select is None else select.to(self.device)
         if self.include_final_norm:
-            return self._sums_from_hidden_states(input_ids, attention_mask, kind)
-        with LayerDisplacementHooks(self.layers, attention_mask, kind) as hooks:
+            hidden = self._hidden_states(input_ids, attention_mask)
+            rows = real_rows(select)
+            pairs = torch.stack([torch.stack(masked_displacement_sum(a, b, rows, kind))
+                                 for a, b in zip(hidden[:-1], hidden[1:])])  # [L, 2]
+            return batch_stats(pairs[:, 0], pairs[:, 1], [gather_rows(h, rows) for h in hidden], kind)
+        with LayerDisplacementHooks(self.layers, select, kind) as hooks, LayerStates(self.layers, select) as states:
             self._forward(input_ids, attention_mask, output_hidden_states=False)
-        return hooks.sums, hooks.counts
+        return batch_stats(hooks.sums, hooks.counts, states.states, kind)
 
-    def _sums_from_hidden_states(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """The `output_hidden_states` convention: pairs (hs[ℓ-1], hs[ℓ]), hs[L] = final_norm(h_L)."""
+    def _hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, ...]:
+        """The `output_hidden_states` convention: hs[0] the embeddings, hs[ℓ] layer ℓ's output, hs[L] =
+        final_norm(h_L); refused when there are not L + 1 of one width."""
         hidden = self._forward(input_ids, attention_mask, output_hidden_states=True).hidden_states
         if len(hidden) != self.num_layers + 1:
             raise UnsupportedArchitectureError(
@@ -206,10 +221,7 @@ class HFSource:
                 f"one is {widths[-1]} (a projection after the final norm, as in OPT-350m): Ψ_L cannot compare "
                 "vectors of different widths; drop --include-final-norm (the default measures the layers themselves)"
             )
-        rows = real_rows(attention_mask)
-        pairs = [masked_displacement_sum(a, b, rows, kind) for a, b in zip(hidden[:-1], hidden[1:])]
-        table = torch.tensor([[s.item(), c.item()] for s, c in pairs], dtype=torch.float64)  # [L, 2]
-        return table[:, 0].clone(), table[:, 1].clone()
+        return hidden
 
     def close(self) -> None:
         del self.model, self.base, self.layers

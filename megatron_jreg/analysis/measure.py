@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource, Laye
 
 @dataclass
 class ModelResult:
-    """Per-layer totals of one model and the figures derived from them (layers ℓ = 1..L)."""
+    """Per-layer totals of one model and the figures derived from them (layers ℓ = 1..L, states h_0..h_L)."""
 
     label: str
     path: str
@@ -31,15 +31,31 @@ class ModelResult:
     convention: str
     step: int | None
     sums: list[float]
-    """Σ over real tokens of d(h_{ℓ-1}, h_ℓ), index ℓ-1."""
+    """Σ over the measured tokens of d(h_{ℓ-1}, h_ℓ), index ℓ-1."""
     counts: list[int]
-    """Real tokens seen by layer ℓ, index ℓ-1."""
+    """Tokens measured at layer ℓ, index ℓ-1."""
     samples: int
     truncated_samples: int
     streamed: bool = False
     """Measured layer by layer from safetensors (`stream_source.py`) rather than loaded whole."""
     peak_memory_bytes: int | None = None
     """Peak memory while loading and measuring this model (`memory.PeakMemory`), when measured."""
+    distance: str = "angular"
+    """d: "angular" (arccos(cos)/π, the paper's Ψ) or "cosine" (1 − cos)."""
+    positions: str = "all"
+    """The tokens measured: "all" real tokens, or the "last" of each sample."""
+    norm_sums: list[float] = field(default_factory=list)
+    """Σ ‖h_ℓ‖ over the measured tokens, index ℓ = 0..L."""
+    zero_tokens: list[int] = field(default_factory=list)
+    """Measured tokens whose h_ℓ is the zero vector (d counts them as orthogonal), index ℓ = 0..L."""
+    distance_sums: list[list[float]] = field(default_factory=list)
+    """[i][j] = Σ d(h_i, h_j) over the measured tokens for i < j (0 elsewhere), i, j = 0..L."""
+    removal: dict | None = None
+    """Layer removal (`removal.RemovalTotals.as_dict`), when measured."""
+    truncated_to: str | None = None
+    """What cut the truncated samples: "--max-length T" or "the model's context (T tokens)"."""
+    revision: str | None = None
+    """The Hugging Face revision (--revision), when one was named."""
 
     @property
     def num_layers(self) -> int:
@@ -78,14 +94,46 @@ class ModelResult:
         return statistics.median(self.psi[span[0] - 1 : span[1]]) if span else math.nan
 
     @property
+    def psi_ratio(self) -> float:
+        """Ψ_L / median middle-layer Ψ: how many typical steps the last layer takes (1 = no jump)."""
+        mid = self.psi_mid_median
+        return self.psi[-1] / mid if mid and math.isfinite(mid) else math.nan
+
+    @property
+    def largest_rise(self) -> tuple[int | None, float]:
+        """(ℓ, 100·(Ψ_ℓ − Ψ_{ℓ−1})) of the largest rise of Ψ over the layer below (ζ's units), ℓ = 2..L;
+        (None, NaN) for one layer, and the rise is ≤ 0 when Ψ never rises."""
+        psi = self.psi
+        if len(psi) < 2:
+            return None, math.nan
+        rises = [100.0 * (b - a) for a, b in zip(psi[:-1], psi[1:])]
+        best = max(range(len(rises)), key=lambda i: rises[i])
+        return best + 2, rises[best]
+
+    @property
     def tokens(self) -> int:
         return self.counts[0] if self.counts else 0
 
+    @property
+    def residual_norms(self) -> list[float]:
+        """Mean ‖h_ℓ‖ over the measured tokens, ℓ = 0..L (h_0: the embeddings entering layer 1)."""
+        return [s / self.tokens if self.tokens else math.nan for s in self.norm_sums]
 
-def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int | None) -> tuple[list[list[int]], int]:
+    @property
+    def layer_distances(self) -> list[list[float]]:
+        """Gromov et al.'s distance between h_ℓ and h_{ℓ+n}: row n − 1 (n = 1..L) holds ℓ = 0..L − n; the
+        n = 1 row is Ψ_1..Ψ_L when each layer's input is the previous layer's output."""
+        size = len(self.distance_sums)
+        n_tok = self.tokens or math.nan
+        return [[self.distance_sums[i][i + n] / n_tok for i in range(size - n)] for n in range(1, size)]
+
+
+def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int | None
+                   ) -> tuple[list[list[int]], int, str | None]:
     """Token ids of each text, truncated to `max_length` (default: the model's context length).
 
-    Returns (samples, number truncated); texts that tokenize to nothing are dropped.
+    Returns (samples, number truncated, what cut them: "--max-length T" or "the model's context (T tokens)");
+    texts that tokenize to nothing are dropped.
     """
     limit = max_length or source.context_length
     samples, truncated = [], 0
@@ -94,7 +142,16 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
             ids, truncated = ids[:limit], truncated + 1
         if ids:
             samples.append(ids)
-    return samples, truncated
+    why = None
+    if truncated:
+        why = f"--max-length {max_length}" if max_length else f"the model's context ({limit} tokens)"
+    return samples, truncated, why
+
+
+def last_token_mask(mask: Tensor) -> Tensor:
+    """mask[b, t] (1 = real) → bool [b, t] true at each row's last real token (`--positions last`)."""
+    real = mask.bool()
+    return real & real.long().cumsum(1).eq(real.long().sum(1, keepdim=True))
 
 
 def padded_batches(
@@ -146,38 +203,69 @@ def measure(
     kind: str = "angular",
     padding_side: str = "right",
     progress: bool = False,
+    positions: str = "all",
+    remove_layers: Sequence[int] | None = None,
 ) -> ModelResult:
-    """Ψ_ℓ totals of `source` over `texts` (all positions of each sample, padding excluded)."""
-    samples, truncated = encode_samples(source, texts, max_length)
+    """Ψ_ℓ, residual norms and the distances between any two layers of `source` over `texts` (padding
+    excluded; `positions` "all" tokens or each sample's "last"), and with `remove_layers` (the top k values)
+    layer removal (`removal.py`) on the same samples."""
+    samples, truncated, truncated_to = encode_samples(source, texts, max_length)
     if not samples:
         raise AnalysisError(f"{spec.label}: no sample has any token; check --data")
-    sums = torch.zeros(source.num_layers, dtype=torch.float64)
-    counts = torch.zeros(source.num_layers, dtype=torch.float64)
     tokens = sum(map(len, samples))
+    streaming = isinstance(source, LayerStreamingSource)
+    side = "right" if streaming or remove_layers is not None else padding_side
+    batches = [(ids, mask, last_token_mask(mask) if positions == "last" else mask.bool())
+               for ids, mask in padded_batches(samples, batch_size, source.pad_id, side)]
     bar = _NoProgress()
     try:
-        if isinstance(source, LayerStreamingSource):  # every batch through one layer at a time
+        if streaming:  # every batch through one layer at a time
             bar = progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
-            batches = list(padded_batches(samples, batch_size, source.pad_id, "right"))
-            sums, counts = source.stream_sums(batches, kind, bar.update)
+            stats = source.stream_stats(batches, kind, bar.update)
         else:
             bar = progress_bar(tokens, spec.label, progress)
-            for ids, mask in padded_batches(samples, batch_size, source.pad_id, padding_side):
-                batch_sums, batch_counts = source.layer_sums(ids, mask, kind)
-                sums += batch_sums
-                counts += batch_counts
+            stats = None
+            for ids, mask, select in batches:
+                batch = source.layer_stats(ids, mask, kind, select)
+                stats = batch if stats is None else {key: stats[key] + batch[key] for key in stats}
                 bar.update(int(mask.sum()))
     finally:
         bar.close()
-    return ModelResult(
+    result = ModelResult(
         label=spec.label,
         path=str(spec.path),
         kind=spec.kind,
         model_class=source.model_class,
         convention=source.convention,
         step=spec.step,
-        sums=sums.tolist(),
-        counts=[int(c) for c in counts.tolist()],
+        sums=stats["sums"].tolist(),
+        counts=[int(c) for c in stats["counts"].tolist()],
         samples=len(samples),
         truncated_samples=truncated,
+        distance=kind,
+        positions=positions,
+        norm_sums=stats["norm_sums"].tolist(),
+        zero_tokens=[int(z) for z in stats["zero_tokens"].tolist()],
+        distance_sums=stats["distance_sums"].tolist(),
+        truncated_to=truncated_to,
+        revision=spec.revision,
     )
+    if remove_layers is not None:
+        result.removal = _removal(source, batches, remove_layers, positions, f"{spec.label} (layer removal)", progress)
+    return result
+
+
+def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
+             positions: str, label: str, progress: bool) -> dict:
+    from megatron_jreg.analysis.removal import check_top_k, next_token_targets, removal_passes, removal_totals
+
+    ks = check_top_k(top_k, source.num_layers, "--top-k")
+    with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
+    if not any(bool((t >= 0).any()) for _, _, t in with_targets):
+        raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
+                            "needs samples of two tokens or more")
+    bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, progress, unit="layer")
+    try:
+        return removal_totals(source, with_targets, ks, bar.update).as_dict()
+    finally:
+        bar.close()

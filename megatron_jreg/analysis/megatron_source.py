@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.source import FINAL_NORM, LAYER_IO, AnalysisError
+from megatron_jreg.analysis.source import FINAL_NORM, LAYER_IO, AnalysisError, LayerStates, batch_stats
 
 
 class MegatronSource:
@@ -25,6 +25,7 @@ class MegatronSource:
         self.num_layers = loaded.num_layers
         self.context_length = loaded.seq_length
         self.model_class = f"megatron-core GPTModel (iteration {loaded.iteration})"
+        self.iteration = loaded.iteration  # the step of a checkpoint given by --model
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         tok = loaded.tokenizer
@@ -49,46 +50,46 @@ class MegatronSource:
             raise AnalysisError(f"{self.loaded.path}: the run had no tokenizer (mock data); pass --tokenizer PATH")
         return [list(ids) for ids in tok.tokenize_batch(texts)]
 
-    @torch.no_grad()
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
-        ids, mask = _right_pad(input_ids, attention_mask.bool(), self.pad_id)
-        sums, counts = _plugin_sums(self.loaded, ids, mask, kind)
-        if self.include_final_norm:
-            sums[-1] = self._final_norm_sum(ids, mask, kind)
-        return sums, counts
+        stats = self.layer_stats(input_ids, attention_mask, kind)
+        return stats["sums"], stats["counts"]
 
-    def _final_norm_sum(self, ids: Tensor, mask: Tensor, kind: str) -> float:
-        """Σ d(h_{L-1}, final_norm(h_L)): the `output_hidden_states` convention for the last layer."""
-        model = self.loaded.model
-        captured: dict[str, Tensor] = {}
-        last = model.decoder.layers[-1]
-        h1 = last.register_forward_hook(lambda m, a, k, o: captured.__setitem__("in", k["hidden_states"]),
-                                        with_kwargs=True)
-        h2 = model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: captured.__setitem__("out", o))
-        try:
-            self.loaded.logits(ids)
-        finally:
-            h1.remove()
-            h2.remove()
-        total, _ = jreg.displacement_sum(captured["in"], captured["out"], mask.t().to(captured["in"].device), kind)
-        return float(total)
+    @torch.no_grad()
+    def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
+                    ) -> dict[str, Tensor]:
+        """See `HiddenStateSource.layer_stats`: Ψ from `JregPlugin`, h_0..h_L kept by hooks on the same pass."""
+        mask = attention_mask.bool()
+        select = mask if select is None else select.bool() & mask
+        ids, mask, select = _right_pad(input_ids, mask, self.pad_id, select)
+        device = next(self.loaded.model.parameters()).device
+        last = self.loaded.model.decoder.final_layernorm if self.include_final_norm else None
+        with LayerStates(self.layers, select.t().to(device), last) as states:  # megatron's [s, b, h] layout
+            sums, counts = _plugin_sums(self.loaded, ids, select, kind)
+        if self.include_final_norm:  # Ψ_L between layer L's input and the final norm's output
+            total, _ = jreg.displacement_sum(states.states[-2], states.states[-1], None, kind)
+            sums[-1] = total.double().cpu()
+        return batch_stats(sums, counts, states.states, kind)
 
     def close(self) -> None:
         self.loaded = None
 
 
-def _right_pad(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
-    """Move each row's real tokens to the front: megatron's causal attention then never sees padding."""
+def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple[Tensor, ...]:
+    """Move each row's real tokens to the front (and the same positions of the masks in `others`):
+    megatron's causal attention then never sees padding."""
     if bool(mask.all()):
-        return ids, mask
+        return (ids, mask, *others)
     out = torch.full_like(ids, pad_id)
     new_mask = torch.zeros_like(mask)
+    moved = [torch.zeros_like(o) for o in others]
     for row in range(ids.shape[0]):
         real = ids[row][mask[row]]
         out[row, : len(real)] = real
         new_mask[row, : len(real)] = True
-    return out, new_mask
+        for o, m in zip(others, moved):
+            m[row, : len(real)] = o[row][mask[row]]
+    return (out, new_mask, *moved)
 
 
 def load_megatron_source(

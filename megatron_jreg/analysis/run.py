@@ -46,76 +46,139 @@ def _model_failures(spec):  # noqa: ANN001 - a ModelSpec
         ) from e
 
 
+class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the CLI with what was saved
+    """Ctrl-C during model `index` of `total`; `files` hold the models measured before it (maybe none)."""
+
+    def __init__(self, index: int, total: int, files: list[Path]):
+        super().__init__(f"interrupted while measuring model {index} of {total}")
+        self.index, self.total, self.files = index, total, files
+
+
 def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tuple[list[ModelResult], list[Path]]:
     """Measure every model of `cfg` on the same samples; returns the results and the files written.
 
     Models are loaded one at a time and released before the next, so a checkpoint series needs the
-    memory of one model only.
+    memory of one model only. A `--checkpoints` match that cannot be read (an iteration still being
+    written) is skipped in one line; Ctrl-C writes the models measured so far and raises `Interrupted`.
     """
-    specs = resolve_models(cfg.models, cfg.checkpoints)
+    specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions)
     if cfg.stream:
         for spec in specs:
+            if spec.kind.startswith("unreadable"):
+                continue
             reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path)
             if reason:
                 raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
     texts = load_texts(cfg.data, cfg.num_samples)
     log(
         f"analyze: {len(specs)} model(s), {len(texts)} samples of {cfg.data}, distance {cfg.distance}, "
-        f"{cfg.dtype} on {cfg.torch_device}"
+        f"positions {cfg.positions}, {cfg.dtype} on {cfg.torch_device}"
+        + (f", layer removal (top k {','.join(map(str, cfg.top_k))})" if cfg.remove_layers else "")
     )
-    results = []
-    for i, spec in enumerate(specs, 1):
-        stream = cfg.stream
-        if stream is None and spec.kind == "hf":
-            stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device)
-            log(f"[{i}/{len(specs)}] {spec.path} ({spec.kind}): {why}")
-        log(f"[{i}/{len(specs)}] {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
-        with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
-            source = load_source(
-                spec,
-                dtype=cfg.torch_dtype,
-                device=cfg.torch_device,
-                include_final_norm=cfg.include_final_norm,
-                tokenizer=cfg.tokenizer,
-                stream=bool(stream),
-            )
-            for note in getattr(source, "notes", ()):
-                log(f"    note: {note}")
+    results: list[ModelResult] = []
+    i = 0
+    try:
+        for i, spec in enumerate(specs, 1):
             try:
-                result = measure(
-                    source,
-                    texts,
-                    spec,
-                    batch_size=cfg.batch_size,
-                    max_length=cfg.max_length,
-                    kind=cfg.distance,
-                    padding_side=cfg.padding_side,
-                    progress=cfg.progress,
-                )
-            finally:
-                source.close()
-                del source
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-        result.streamed, result.peak_memory_bytes = bool(stream), memory.peak
-        if memory.peak is not None:
-            where = "GPU memory allocated" if cfg.torch_device.type == "cuda" else "resident set of this process"
-            log(f"    peak memory {memory.peak / 2**30:.2f} GiB ({where}; {'streamed' if stream else 'in memory'})")
-        bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
-        if bad:
-            raise AnalysisError(
-                f"--model {spec.path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
-                "overflow; check the model's weights, or measure with --dtype float32"
+                if spec.kind.startswith("unreadable: "):
+                    raise AnalysisError(spec.kind.removeprefix("unreadable: "))
+                result = _measure_one(cfg, spec, texts, f"[{i}/{len(specs)}]", log)
+            except AnalysisError as e:
+                if spec.flag != "--checkpoints":
+                    raise
+                log(f"[{i}/{len(specs)}] skipped {spec.path}: {e}")
+                continue
+            results.append(result)
+    except KeyboardInterrupt:
+        files = _write(results, cfg) if results else []
+        raise Interrupted(i, len(specs), files) from None
+    if not results:
+        raise AnalysisError(f"--checkpoints {cfg.checkpoints!r}: no checkpoint could be read (each is named above)")
+    return results, _write(results, cfg)
+
+
+def _write(results: list[ModelResult], cfg: AnalyzeConfig) -> list[Path]:
+    return write_results(results, cfg.settings(), cfg.output) + write_plots(results, cfg.output)
+
+
+def _measure_one(cfg: AnalyzeConfig, spec, texts: list[str], tag: str, log: Callable[[str], None]) -> ModelResult:  # noqa: ANN001
+    """Load, measure and release one model; checks its figures (finite, hidden states not all zero)."""
+    stream = cfg.stream
+    if stream is None and spec.kind == "hf":
+        stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device)
+        log(f"{tag} {spec.path} ({spec.kind}): {why}")
+    log(f"{tag} {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
+    with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
+        source = load_source(
+            spec,
+            dtype=cfg.torch_dtype,
+            device=cfg.torch_device,
+            include_final_norm=cfg.include_final_norm,
+            tokenizer=cfg.tokenizer,
+            stream=bool(stream),
+        )
+        for note in getattr(source, "notes", ()):
+            log(f"    note: {note}")
+        try:
+            result = measure(
+                source,
+                texts,
+                spec,
+                batch_size=cfg.batch_size,
+                max_length=cfg.max_length,
+                kind=cfg.distance,
+                padding_side=cfg.padding_side,
+                progress=cfg.progress,
+                positions=cfg.positions,
+                remove_layers=cfg.top_k if cfg.remove_layers else None,
             )
-        if result.truncated_samples:
-            log(f"    {result.truncated_samples} sample(s) truncated to the model's context (--max-length)")
-        results.append(result)
-    files = write_results(results, cfg.settings(), cfg.output) + write_plots(results, cfg.output)
-    return results, files
+            if result.step is None:
+                result.step = getattr(source, "iteration", None)
+        finally:
+            source.close()
+            del source
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    result.streamed, result.peak_memory_bytes = bool(stream), memory.peak
+    if memory.peak is not None:
+        where = "GPU memory allocated" if cfg.torch_device.type == "cuda" else "resident set of this process"
+        log(f"    peak memory {memory.peak / 2**30:.2f} GiB ({where}; {'streamed' if stream else 'in memory'})")
+    check_result(result, spec.path, log)
+    if result.truncated_samples:
+        log(f"    {result.truncated_samples} sample(s) truncated to {result.truncated_to}")
+    return result
+
+
+def check_result(result: ModelResult, path: Path, log: Callable[[str], None]) -> None:
+    """Refuse figures that mean nothing: non-finite Ψ or CE (NaN weights, overflow), or a layer whose hidden
+    states are all exactly zero (d counts a zero vector as orthogonal: Ψ would read 0.5); say in one line
+    when only some tokens have a zero hidden state."""
+    bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
+    if bad:
+        raise AnalysisError(
+            f"--model {path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
+            "overflow; check the model's weights, or measure with --dtype float32"
+        )
+    if result.removal is not None:
+        ce = [result.removal["base_ce"], *result.removal["ce_skip"], *result.removal["ce_skip_top"]]
+        if not all(math.isfinite(c) for c in ce):
+            raise AnalysisError(f"--model {path}: the cross-entropy of layer removal is not finite (NaN/inf logits); "
+                                "check the model's weights, or measure with --dtype float32")
+    zero = [ell for ell, z in enumerate(result.zero_tokens) if z]
+    dead = [ell for ell in zero if result.zero_tokens[ell] == result.tokens]
+    if dead:
+        raise AnalysisError(
+            f"--model {path}: every measured hidden state h_ℓ is exactly zero at ℓ = {dead} (0 = the embeddings): "
+            "the angle to a zero vector is undefined (it would read as Ψ = 0.5); check the model's weights"
+        )
+    if zero:
+        counts = ", ".join(f"h_{ell}: {result.zero_tokens[ell]}" for ell in zero[:5])
+        log(f"    warning: {counts} of {result.tokens} tokens have an all-zero hidden state; d counts each as "
+            "orthogonal (0.5 angular, 1 cosine)")
 
 
 def print_report(results: list[ModelResult], files: list[Path]) -> None:
-    """The console table on stdout, then where the files went."""
+    """The console table and the reading on stdout, then where the files went."""
     print(format_table(results))
     print("wrote " + ", ".join(str(p) for p in files))

@@ -71,6 +71,13 @@ class HiddenStateSource(Protocol):
         """
         ...
 
+    def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
+                    ) -> dict[str, Tensor]:
+        """`layer_sums` and `state_totals` of one batch over the tokens of select[b, t] (default: the real
+        ones; `--positions last` selects each sample's last token): {"sums", "counts", "norm_sums",
+        "zero_tokens", "distance_sums"}, float64 on the CPU (`batch_stats`)."""
+        ...
+
     def close(self) -> None:
         """Release the model (the CLI measures several models one after the other)."""
         ...
@@ -81,12 +88,11 @@ class LayerStreamingSource(HiddenStateSource, Protocol):
     """A source that measures all batches one layer at a time (`StreamingSource`), so only one layer's
     weights are in memory; `measure` hands it every batch at once."""
 
-    def stream_sums(
-        self, batches: Sequence[tuple[Tensor, Tensor]], kind: str, on_batch: Callable[[int], None] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """(input_ids[b, t], attention_mask[b, t]) right-padded batches → (sums[L], counts[L]) float64
-        on the CPU, the sums of `layer_sums` over the batches; on_batch(real tokens) after each batch
-        of each layer."""
+    def stream_stats(
+        self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], kind: str, on_batch: Callable[[int], None] | None = None
+    ) -> dict[str, Tensor]:
+        """(input_ids[b, t], attention_mask[b, t], select[b, t]) right-padded batches → `layer_stats` summed
+        over the batches, float64 on the CPU; on_batch(real tokens) after each batch of each layer."""
         ...
 
 
@@ -217,6 +223,98 @@ class LayerDisplacementHooks:
         self.sums, self.counts = pairs[:, 0].clone(), pairs[:, 1].clone()
 
 
+class LayerStates:
+    """Forward hooks that keep h_0 (the input of layer 1) and every layer's output h_ℓ at the selected
+    tokens, for the measures between any two layers (`state_totals`):
+
+        with LayerStates(layers, select) as rec:
+            model(...)
+        rec.states          # [h_0, ..., h_L], each [n, h] on the model's device, n = selected tokens
+
+    `select` has the leading shape of the hidden states, like `LayerDisplacementHooks`' mask. `last`: a
+    module whose output replaces h_L (the final norm, for the output_hidden_states convention).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], select: Tensor | None, last: nn.Module | None = None):
+        self.layers = list(layers)
+        self.rows = real_rows(select)
+        self.last = last
+        self.states: list[Tensor | None] = [None] * (len(self.layers) + 1)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _gather(self, h: Tensor) -> Tensor:
+        return gather_rows(h, self.rows)
+
+    def __enter__(self) -> LayerStates:
+        def first_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+            if isinstance(h, Tensor):
+                self.states[0] = self._gather(h)
+
+        self._handles.append(self.layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
+        for i, layer in enumerate(self.layers):
+            if self.last is not None and i == len(self.layers) - 1:
+                break
+
+            def output(module: nn.Module, args: tuple, out: Any, i: int = i) -> None:
+                h = first_tensor(out)
+                if h is not None:
+                    self.states[i + 1] = self._gather(h)
+
+            self._handles.append(layer.register_forward_hook(output))
+        if self.last is not None:
+            self._handles.append(self.last.register_forward_hook(
+                lambda m, a, out: self.states.__setitem__(-1, self._gather(first_tensor(out)))))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if exc[0] is None and any(s is None for s in self.states):
+            missing = [i for i, s in enumerate(self.states) if s is None]
+            raise UnsupportedArchitectureError(f"hidden states h_ℓ for ℓ in {missing} were not seen in the forward "
+                                               "pass")
+
+
+STATE_FIELDS = ("norm_sums", "zero_tokens", "distance_sums")
+
+
+def state_totals(states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:
+    """Per-batch totals over the selected tokens of states [h_0..h_L] (each [n, h]), on their device:
+    norm_sums[L+1] = Σ‖h_ℓ‖, zero_tokens[L+1] = tokens whose h_ℓ is the zero vector (Ψ counts them as 0.5),
+    distance_sums[L+1, L+1] = Σ d(h_i, h_j) for i < j (d from `jreg.token_displacement(kind)`; 0 elsewhere).
+    float64; Gromov et al.'s distance between layers ℓ and ℓ + n is distance_sums[ℓ, ℓ + n] / tokens."""
+    size = len(states)
+    norms = torch.stack([torch.linalg.vector_norm(h.float(), dim=-1) for h in states])  # [L+1, n]
+    distance = torch.zeros(size, size, dtype=torch.float64, device=norms.device)
+    for i in range(size - 1):
+        later = torch.stack(list(states[i + 1 :]))  # [L - i, n, h]
+        d = jreg.token_displacement(states[i].unsqueeze(0).expand_as(later), later, kind)
+        distance[i, i + 1 :] = d.double().sum(-1)
+    return {"norm_sums": norms.double().sum(-1), "zero_tokens": (norms <= jreg.NORM_EPS).double().sum(-1),
+            "distance_sums": distance}
+
+
+def gather_rows(h: Tensor, rows: Tensor | None) -> Tensor:
+    """h[..., w] → [n, w]: the rows `real_rows` selected (all when None)."""
+    flat = h.reshape(-1, h.shape[-1])
+    return flat if rows is None else flat.index_select(0, rows.to(h.device))
+
+
+def batch_stats(sums: Tensor, counts: Tensor, states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:
+    """What `HiddenStateSource.layer_stats` returns: {"sums", "counts"} (Ψ totals, [L]) and `state_totals`,
+    float64 on the CPU, brought over in one transfer."""
+    totals = state_totals(states, kind)
+    size = len(states)
+    flat = torch.cat([sums.double().to(totals["norm_sums"].device), counts.double().to(totals["norm_sums"].device),
+                      totals["norm_sums"], totals["zero_tokens"], totals["distance_sums"].reshape(-1)]).cpu()
+    num = size - 1
+    parts = flat.split([num, num, size, size, size * size])
+    return {"sums": parts[0], "counts": parts[1], "norm_sums": parts[2], "zero_tokens": parts[3],
+            "distance_sums": parts[4].reshape(size, size)}
+
+
 # --------------------------------------------------------------------------------------------------
 # What a --model path is, and loading it.
 
@@ -229,6 +327,10 @@ class ModelSpec:
     label: str
     kind: str
     step: int | None = None
+    revision: str | None = None
+    """The Hugging Face revision it was resolved at (`--revision`), when one was named."""
+    flag: str = "--model"
+    """The flag that named it: "--model" or "--checkpoints" (a series, whose unreadable members are skipped)."""
 
 
 def is_gguf_file(path: Path) -> bool:

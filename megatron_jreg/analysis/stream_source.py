@@ -46,9 +46,12 @@ from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
+    STATE_FIELDS,
     AnalysisError,
     UnsupportedArchitectureError,
+    batch_stats,
     first_tensor,
+    gather_rows,
     masked_displacement_sum,
     real_rows,
 )
@@ -212,7 +215,7 @@ def _replaced_forwards(layers: Sequence[nn.Module], outputs: Any):
 class StreamingSource:
     """A Hugging Face folder measured layer by layer from safetensors (see the module docstring).
 
-    Implements `HiddenStateSource` for encoding and `stream_sums` for measuring: a streamed model cannot
+    Implements `HiddenStateSource` for encoding and `stream_stats` for measuring: a streamed model cannot
     measure one batch through all layers (`layer_sums`), only all batches through one layer at a time.
     """
 
@@ -416,8 +419,9 @@ class StreamingSource:
                 handle.remove()
         return captured.get("h_in"), out
 
-    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> Tensor:
-        """Batch through layer i (the layers before it answer with their recorded output): [Σ d, count]."""
+    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Batch through layer i (the layers before it answer with their recorded output): ([Σ d, count],
+        layer i's input, its output — or the final norm's output when last_with_norm)."""
         h_in, out = self._advance(i, batch, output_hidden_states=last_with_norm)
         measured = out.hidden_states[-1] if last_with_norm else first_tensor(batch.output)
         if h_in is None or measured is None or measured.shape != h_in.shape:
@@ -427,49 +431,65 @@ class StreamingSource:
                 + (" after the final norm (--include-final-norm cannot compare them: drop it)" if last_with_norm
                    else "")
             )
-        return torch.stack(masked_displacement_sum(h_in, measured, batch.rows, kind))
+        return torch.stack(masked_displacement_sum(h_in, measured, batch.rows, kind)), h_in, measured
+
+    def _load_layer(self, i: int) -> None:
+        self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
+        unloaded = [n for n, p in self.layers[i].named_parameters() if p.device.type == "meta"]
+        if unloaded:
+            raise AnalysisError(f"--model {self.folder}: decoder layer {i + 1} got no tensor for "
+                                f"{', '.join(unloaded[:3])}; download or convert the model again")
 
     @torch.no_grad()
-    def stream_sums(
+    def stream_stats(
         self,
-        batches: Sequence[tuple[Tensor, Tensor]],
+        batches: Sequence[tuple[Tensor, Tensor, Tensor]],
         kind: str,
         on_batch: Callable[[int], None] | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> dict[str, Tensor]:
         """All batches through the layers, one layer in memory at a time.
 
-        batches: (input_ids[b, t] int64, attention_mask[b, t]) right-padded, as `measure.padded_batches`
-        yields them → (sums[L], counts[L]) float64 on the CPU, as `layer_sums` summed over the batches.
-        on_batch(real tokens) is called after each batch of each layer (progress).
+        batches: (input_ids[b, t] int64, attention_mask[b, t], select[b, t]) right-padded, as
+        `measure.padded_batches` yields them → `layer_stats` summed over the batches (float64 on the CPU).
+        h_0..h_L of the selected tokens are kept on the CPU for the distances between any two layers
+        ((L + 1) × selected tokens × hidden × dtype bytes). on_batch(real tokens) after each batch of each layer.
         """
-        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask in batches):
-            raise ValueError("stream_sums needs right-padded batches (padding_side='right')")
-        hook = self._embed_rows(batches)
+        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
+            raise ValueError("stream_stats needs right-padded batches (padding_side='right')")
+        hook = self._embed_rows([(ids, mask) for ids, mask, _ in batches])
         state = []
-        for ids, mask in batches:
+        for ids, mask, select in batches:
             ids, mask = ids.to(self.device), mask.to(self.device)
-            state.append(_Batch(ids, mask, real_rows(mask), int(mask.sum())))
-        sums = torch.zeros(self.num_layers, dtype=torch.float64)
-        counts = torch.zeros(self.num_layers, dtype=torch.float64)
+            state.append(_Batch(ids, mask, real_rows(select.to(self.device)), int(mask.sum())))
+        kept: list[list[Tensor]] = [[] for _ in state]
+        pairs = []
         try:
             for i, layer in enumerate(self.layers):
-                self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
-                unloaded = [n for n, p in layer.named_parameters() if p.device.type == "meta"]
-                if unloaded:
-                    raise AnalysisError(f"--model {self.folder}: decoder layer {i + 1} got no tensor for "
-                                        f"{', '.join(unloaded[:3])}; download or convert the model again")
+                self._load_layer(i)
                 last_with_norm = self.include_final_norm and i == self.num_layers - 1
                 partial = []
-                for batch in state:
-                    partial.append(self._layer_pass(i, batch, kind, last_with_norm))
+                for batch, states in zip(state, kept):
+                    pair, h_in, h_out = self._layer_pass(i, batch, kind, last_with_norm)
+                    partial.append(pair)
+                    if i == 0:
+                        states.append(gather_rows(h_in, batch.rows).cpu())
+                    states.append(gather_rows(h_out, batch.rows).cpu())
                     if on_batch is not None:
                         on_batch(batch.tokens)
                 layer.to("meta")  # drop this layer's tensors before the next layer is read
-                totals = torch.stack(partial).double().cpu()  # [batches, 2]
-                sums[i], counts[i] = totals[:, 0].sum(), totals[:, 1].sum()
+                pairs.append(torch.stack(partial))  # [batches, 2]
         finally:
             hook.remove()
-        return sums, counts
+        table = torch.stack(pairs).double().sum(1)  # [L, 2]
+        totals = None
+        for states in kept:
+            batch_totals = batch_stats(table[:, 0], table[:, 1], [h.to(self.device) for h in states], kind)
+            if totals is None:
+                totals = batch_totals
+            else:
+                for key in STATE_FIELDS:
+                    totals[key] += batch_totals[key]
+        return totals
 
     def _load_head(self) -> None:
         """Read the LM head (the embedding table, whole, when the two are tied), for layer removal."""
@@ -511,7 +531,7 @@ class StreamingSource:
         """Layer removal (`removal.py`) one layer in memory at a time: (Σ CE [1 + L + len(top_k)] float64 of
         [model, without layer 1..L, without the top k], predicted tokens).
 
-        batches: right-padded (ids[b, t], mask[b, t], targets[b, t]). Layer-major like `stream_sums`: the
+        batches: right-padded (ids[b, t], mask[b, t], targets[b, t]). Layer-major like `stream_stats`: the
         variant without layer ℓ forks from the model's state before layer ℓ and then passes the layers above
         it; the variant without the top k layers is the model's state after layer L − k. Memory: up to L + 1
         states of all samples' hidden states at the top of the stack. on_pass(layers) per batch and pass.
@@ -529,7 +549,7 @@ class StreamingSource:
         tick = on_pass or (lambda n: None)
         try:
             for i, layer in enumerate(self.layers):
-                self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
+                self._load_layer(i)
                 for states in skips.values():
                     for batch in states:
                         self._advance(i, batch)
@@ -562,8 +582,14 @@ class StreamingSource:
         return torch.stack([torch.as_tensor(s, dtype=torch.float64).cpu() for s in sums]), tokens
 
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """One batch through all layers (reads every layer once per call: use `stream_sums` for many)."""
-        return self.stream_sums([(input_ids, attention_mask)], kind)
+        """One batch through all layers (reads every layer once per call: use `stream_stats` for many)."""
+        stats = self.layer_stats(input_ids, attention_mask, kind)
+        return stats["sums"], stats["counts"]
+
+    def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
+                    ) -> dict[str, Tensor]:
+        """One batch through all layers (reads every layer once per call: use `stream_stats` for many)."""
+        return self.stream_stats([(input_ids, attention_mask, attention_mask if select is None else select)], kind)
 
     def close(self) -> None:
         del self.model, self.base, self.layers, self.weights
