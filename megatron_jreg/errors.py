@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 USAGE = 2  # bad flag or input: the message names it and the fix
 FAILED = 1  # the run or the machine failed (full disk, a lost rank, a verification that did not pass)
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention)
 
 
 class JregError(Exception):
@@ -24,6 +25,12 @@ class JregError(Exception):
 
 class UsageError(JregError, ValueError):
     """A bad flag or input; the message names it and the fix (printed as one line, exit 2)."""
+
+
+class Interrupted(JregError):
+    """Ctrl-C, reported as one line saying where the run stopped and how to resume it (exit 130)."""
+
+    exit_code = INTERRUPTED
 
 
 class ModelFileError(JregError, ValueError):

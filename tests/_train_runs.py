@@ -7,6 +7,7 @@ run, so one process trains many times, as these suites do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import re
@@ -159,12 +160,13 @@ def crash_during_save(tmp: str) -> dict:
     original = dist_checkpointing.save
     calls = {"n": 0}
 
-    def dying_save(state, path, *args, **kwargs):
+    @functools.wraps(original)  # its signature: megatron-jreg wraps it too (megatron_jreg.patches checks)
+    def dying_save(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:  # the second save (iteration 2) dies after writing its shards
-            original(state, path, *args, **kwargs)
+            original(*args, **kwargs)
             raise RuntimeError("simulated crash during save")
-        return original(state, path, *args, **kwargs)
+        return original(*args, **kwargs)
 
     dist_checkpointing.save = dying_save
     try:

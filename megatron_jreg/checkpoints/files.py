@@ -62,8 +62,11 @@ def iteration_dir(root: str | Path, iteration: int | str) -> Path:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """An iter_*/release directory written completely (torch_dist: .metadata and metadata.json)."""
-    return (path / "metadata.json").is_file() or (path / ".metadata").is_file()
+    """An iter_*/release directory written completely (torch_dist: .metadata and metadata.json; the legacy
+    `--ckpt-format torch`: mp_rank_*/model_optim_rng.pt)."""
+    path = Path(path)
+    return ((path / "metadata.json").is_file() or (path / ".metadata").is_file()
+            or any(path.glob("mp_rank_*/model_optim_rng.pt")))
 
 
 def is_checkpoint(path: str | Path) -> bool:

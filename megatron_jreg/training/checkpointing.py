@@ -2,12 +2,21 @@
 
 - Before any work, `--load` is checked (`check_load`): a malformed tracker, a missing or incomplete
   iteration directory, or hostile `.metadata` stop with one line (Megatron-LM exits 0 on a bad tracker,
-  and torch unpickles `.metadata` with plain pickle).
+  and torch unpickles `.metadata` with plain pickle). The run's `--save` folder is locked and what the
+  checkpoint means is kept across resumes by `run_folder.RunFolder` (opened by the training loop).
+- Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; on by default,
+  `--no-verify-integrity`), computed by all ranks together before the tracker names the save — each rank the
+  files it wrote, in threads (`checkpoints.files.share`) — instead of Megatron-LM's --verify-integrity, where
+  rank 0 alone hashes the whole checkpoint while the others wait (again at load). A wrapper of
+  `dist_checkpointing.save` does it (after the writes; for --async-save in the request's finalization), and
+  after save_checkpoint for the legacy `--ckpt-format torch` (which Megatron-LM's manifest refuses). Loads
+  verify it the same way (`_load_checkpoint`), so Megatron-LM's own flag stays off.
 - `patch_makers` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
-  calls): the checkpoint's SHA-256 manifest is verified first when it has one (Megatron-LM's own
-  --verify-integrity would refuse checkpoints saved without it, e.g. by Megatron-LM's defaults), and
-  the loaded checkpoint is reported.
-- Saves record the manifest: `--verify-integrity` is on by default here (`--no-verify-integrity`).
+  calls): the manifest is verified first when the checkpoint has one (Megatron-LM's own check would refuse
+  checkpoints saved without it, e.g. by Megatron-LM's defaults), and the loaded checkpoint is reported.
+- Saves: megatron_jreg.json is written first (so the manifest covers it); a save whose weights hold NaN/Inf is
+  not written (one line; the tracker keeps naming the last finite checkpoint, which a NaN stop's "resume with
+  --load" then loads); without --save, Megatron-LM's exit paths that save have nothing to do.
 - A save that fails (a full disk: the writer's OSError reaches Megatron-LM only as "Worker failure ...
   <class 'OSError'>") stops the run with one line naming the folder, the space free and the space a
   checkpoint needs (the last complete one's size, else this run's parameters and optimizer state); the
@@ -20,7 +29,7 @@
   correction after a resume; its dp_reshardable format does not store the count either (the loaded
   value is the pre-load one). The wrappers give an unstepped optimizer its state first (megatron's own
   zero-gradient helper; the load overwrites what it touches), record the count at save in
-  `iter_*/megatron_jreg.json` (with the JREG settings, as provenance), and put it back after the load,
+  `iter_*/megatron_jreg.json` (with the run's settings, see run_folder.py), and put it back after the load,
   one tensor per parameter.
 """
 
@@ -47,10 +56,19 @@ from megatron_jreg.checkpoints import (
     read_tracker,
     resolve,
     verify_integrity,
+    write_integrity,
 )
-from megatron_jreg.checkpoints.files import SIDECAR, TRACKER, check_storage_paths, read_sidecar
+from megatron_jreg.checkpoints.files import (
+    SIDECAR,
+    TRACKER,
+    check_storage_paths,
+    checkpoint_files,
+    digest_files,
+    read_sidecar,
+    share,
+)
 from megatron_jreg.errors import FAILED, JregError, UsageError
-from megatron_jreg.plugin import JregConfig
+from megatron_jreg.training.run_folder import active, has_checkpoint, load_dir
 
 
 class SaveError(JregError, RuntimeError):
@@ -79,28 +97,12 @@ def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None
     return RankLost(f"another rank stopped (rank {os.environ.get('RANK', '0')} saw: {seen}); {resume}")
 
 
-def _load_dir(args: argparse.Namespace) -> str | None:
-    """The folder Megatron-LM's load_checkpoint reads: --load when it holds a checkpoint, else
-    --pretrained-checkpoint (fine-tuning starts there; its requeued jobs resume from --load)."""
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained is not None and not _has_checkpoint(args.load):
-        return pretrained
-    return args.load
-
-
-def _has_checkpoint(root: str | None) -> bool:
-    try:
-        return root is not None and Path(root).is_dir() and read_tracker(root) is not None
-    except CheckpointError:
-        return True  # a damaged tracker: reported when it is read
-
-
 def check_load(args: argparse.Namespace) -> None:
     """--load names nothing yet (start from scratch, as Megatron-LM) or a checkpoint we can read safely."""
     install_safe_checkpoint_reader()
-    root = _load_dir(args)
+    root = load_dir(args)
     option = "--pretrained-checkpoint" if root is not None and root == args.pretrained_checkpoint else "--load"
-    if option == "--pretrained-checkpoint" and not _has_checkpoint(root):
+    if option == "--pretrained-checkpoint" and not has_checkpoint(root):
         raise UsageError(f"--pretrained-checkpoint {root}: no checkpoint there (a folder with "
                          "latest_checkpointed_iteration.txt, as --save writes)")
     if root is None or not Path(root).is_dir():
@@ -119,7 +121,60 @@ def patch_makers() -> dict:
     """Megatron-LM's load_checkpoint/save_checkpoint → these wrappers (rows of megatron_jreg.patches.PATCHES;
     applied around pretrain by training.run)."""
     return {"megatron.training.training.load_checkpoint": lambda orig: functools.partial(_load_checkpoint, orig),
-            "megatron.training.training.save_checkpoint": lambda orig: functools.partial(_save_checkpoint, orig)}
+            "megatron.training.training.save_checkpoint": lambda orig: functools.partial(_save_checkpoint, orig),
+            DIST_SAVE: lambda orig: functools.partial(_dist_save, orig)}
+
+
+DIST_SAVE = "megatron.core.dist_checkpointing.save"
+
+
+def _dist_save(original, *a, **k):  # noqa: ANN001
+    """megatron-core's dist_checkpointing.save (`original`) without its rank-0 manifest, then this run's manifest
+    digested by all ranks (after the writes: at once, or in an --async-save request's finalization)."""
+    from megatron.training import get_args
+
+    call = _bound(original, a, k)
+    call["verify_integrity"] = False
+    result = original(**call)
+    if not get_args().jreg_no_verify_integrity:
+        ckpt = Path(call["checkpoint_dir"])
+        if result is None:
+            _record_integrity(ckpt)
+        else:
+            result.add_finalize_fn(functools.partial(_record_integrity, ckpt))
+    return result
+
+
+def _threads() -> int:
+    """Digest threads per rank: the CPUs of this process shared by the ranks of its node."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _record_integrity(ckpt: Path) -> None:
+    """integrity.json of a save just written: rank 0 lists the files, every rank digests its `share` (the shards
+    it wrote, still in its page cache), rank 0 writes the manifest; the ranks wait for each other once."""
+    import torch
+
+    dist = torch.distributed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names: list = [checkpoint_files(ckpt) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(names, src=0)
+    try:
+        mine: dict | str = digest_files(ckpt, share(names[0], rank, world), _threads())
+    except OSError as e:
+        mine = f"{e.filename}: {e.strerror}"
+    gathered: list = [mine]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+    failed = next((g for g in gathered if isinstance(g, str)), None)
+    if failed is not None:
+        raise RuntimeError(f"digesting the saved files failed ({failed})")
+    if rank == 0:
+        write_integrity(ckpt, {name: digest for part in gathered for name, digest in part.items()})
+    if world > 1:
+        dist.barrier()
 
 
 def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
@@ -128,23 +183,37 @@ def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
 
 
 def _save_checkpoint(original, *a, **k):  # noqa: ANN001
-    """Megatron-LM's save_checkpoint (`original`), then megatron_jreg.json (Adam's step count, JREG settings) beside it;
-    a failed save becomes one SaveError line (module docstring)."""
-    import torch
-    from megatron.training import get_args
+    """Megatron-LM's save_checkpoint (`original`) with megatron_jreg.json written first (run_folder's record); not
+    at all without --save or with non-finite weights; a failed save becomes one SaveError line (module docstring)."""
+    from megatron.training import get_args, print_rank_0
     from megatron.training.checkpointing import get_checkpoint_name
 
     args = get_args()
     call = _bound(original, a, k)
     iteration, model, optimizer = call["iteration"], call["model"], call["optimizer"]
+    if args.save is None:
+        return None  # Megatron-LM's NaN and signal exits save even without --save
     persistent = not call.get("non_persistent_ckpt", False)
-    ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
     previous = _tracked(args.save)
+    bad, name = _nonfinite_weights(model)
+    if bad:
+        print_rank_0(f"megatron-jreg train: iteration {iteration} not saved: {bad} weight tensor(s) hold NaN/Inf "
+                     f"(first: {name}); {TRACKER} in {args.save} still names "
+                     f"{'iteration ' + str(previous) if previous is not None else 'no checkpoint'}")
+        return None
+    ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
+    steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
+    if persistent:
+        _write_sidecar(args, ckpt, iteration, next((s for s in steps if s is not None), None))
     writer = logging.getLogger(_WRITER_LOG)
     writer_errors = _Collect()
     writer.addFilter(writer_errors)
     try:
         result = original(*a, **k)
+        if persistent and args.ckpt_format != "torch_dist" and not args.jreg_no_verify_integrity:
+            _record_integrity(ckpt)  # the legacy torch format does not go through dist_checkpointing.save
+    except JregError:
+        raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
         if not persistent:
             raise
@@ -154,26 +223,51 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         writer.removeFilter(writer_errors)
     for message in writer_errors.messages:  # logged without failing the save: show them after all
         writer.error(message)
-    steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
+    return result
+
+
+def _write_sidecar(args: argparse.Namespace, ckpt: Path, iteration: int, adam_step: int | None) -> None:
+    """iter_*/megatron_jreg.json (rank 0), before the save's files so that its manifest covers it; every rank stops
+    with one SaveError line if it cannot be written."""
+    import torch
+
     error: list = [None]
-    if torch.distributed.get_rank() == 0 and persistent:
+    if torch.distributed.get_rank() == 0:
         tmp = ckpt / (SIDECAR + ".tmp")
-        record = {"torch_adam_step": next((s for s in steps if s is not None), None),
-                  "jreg": JregConfig.from_args(args).record()}
         try:
             ckpt.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(record, indent=2))
+            tmp.write_text(json.dumps(active().sidecar(adam_step), indent=2))
             os.replace(tmp, ckpt / SIDECAR)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            error = [f"--save {args.save}: iteration {iteration} was saved, but {ckpt / SIDECAR} could not be written "
-                     f"({e.strerror}; {_free(args.save) / 2**20:.1f} MiB free): free space and resume from it "
-                     "(Adam's step count is lost without the file)"]
-    if persistent and torch.distributed.get_world_size() > 1:
+            error = [f"--save {args.save}: saving iteration {iteration} failed ({ckpt / SIDECAR}: {e.strerror}; "
+                     f"{_free(args.save) / 2**20:.1f} MiB free): free space or choose another --save"]
+    if torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast_object_list(error, src=0)  # every rank stops, or none
     if error[0] is not None:
         raise SaveError(error[0])
-    return result
+
+
+def _nonfinite_weights(model) -> tuple[int, str | None]:  # noqa: ANN001 - Megatron-LM's model chunks
+    """(weight tensors holding NaN/Inf over all ranks, the name of one), from one reduction (a save's cost only)."""
+    import torch
+
+    dist = torch.distributed
+    named = [(n, p) for chunk in (model if isinstance(model, list) else [model]) for n, p in chunk.named_parameters()]
+    if not named:
+        return 0, None
+    bad = torch.stack([~torch.isfinite(p.detach()).all() for _, p in named])
+    count = bad.sum().to(torch.int64).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(count)
+    if not int(count.item()):
+        return 0, None
+    first = next((n for (n, _), b in zip(named, bad.tolist(), strict=True) if b), None)
+    names = [first]
+    if dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, first)
+    return int(count.item()), next((n for n in names if n is not None), None)
 
 
 _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
@@ -275,46 +369,51 @@ def _adam_step(opt) -> int | None:
 
 def _saved_adam_step(args: argparse.Namespace) -> int | None:
     try:
-        ckpt, _ = resolve(_load_dir(args), args.ckpt_step)
+        ckpt, _ = resolve(load_dir(args), args.ckpt_step)
         return (read_sidecar(ckpt) or {}).get("torch_adam_step")
     except (CheckpointError, AttributeError):
         return None
 
 
 def _load_checkpoint(original, *a, **k):  # noqa: ANN001
-    """Megatron-LM's load_checkpoint (`original`), after verifying the checkpoint's digests (rank 0 reads, all
-    raise)."""
+    """Megatron-LM's load_checkpoint (`original`), after verifying the checkpoint's digests (every rank its share,
+    all raise)."""
     import torch
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
-    root = _load_dir(args)
-    verified: list = [None]
+    root = load_dir(args)
     resuming = root is not None and Path(root).is_dir() and read_tracker(root) is not None
     if resuming and not args.jreg_no_verify_integrity:
-        if torch.distributed.get_rank() == 0:
-            try:
-                ckpt, _ = resolve(root, args.ckpt_step)
-                count = verify_integrity(ckpt)
-                verified = [f"verified {count} file(s) of {ckpt} against integrity.json" if count is not None
-                            else f"{ckpt} has no integrity.json (saved without --verify-integrity): loading "
-                                 "it unverified"]
-            except CheckpointError as e:
-                verified = [e]
-        torch.distributed.broadcast_object_list(verified, src=0)
-        if isinstance(verified[0], Exception):
-            raise UsageError(f"--load: {verified[0]}")
-        print_rank_0(f"megatron-jreg: {verified[0]}")
+        dist = torch.distributed
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            ckpt, _ = resolve(root, args.ckpt_step)
+            outcome: int | str | None = verify_integrity(ckpt, rank, world, _threads())
+        except CheckpointError as e:
+            outcome = str(e)
+        gathered: list = [outcome]
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, outcome)
+        failed = next((g for g in gathered if isinstance(g, str)), None)
+        if failed is not None:
+            raise UsageError(f"--load: {failed}")
+        if gathered[0] is None:
+            print_rank_0(f"megatron-jreg: {ckpt} has no integrity.json (saved without --verify-integrity): loading "
+                         "it unverified")
+        else:
+            print_rank_0(f"megatron-jreg: verified {sum(gathered)} file(s) of {ckpt} against integrity.json"
+                         f"{f' ({world} ranks)' if world > 1 else ''}")
     optimizer = _bound(original, a, k).get("optimizer")
     torch_adam = _torch_adam_distributed(optimizer) if resuming else []
     for opt in torch_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
-    saved, args.verify_integrity = args.verify_integrity, False  # verified above (or deliberately not)
     try:
         with torch.no_grad():  # copies into leaf (main) parameters; Megatron-LM relies on apex/TE paths here
             result = original(*a, **k)
-    except UsageError:
+    except JregError:
         raise
     except AssertionError as e:
         if str(e).startswith("OptimizerParamScheduler:"):
@@ -325,8 +424,6 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
         detail = failure_text(e)
         raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({detail}); "
                          "is it truncated, or saved for another model or layout?") from None
-    finally:
-        args.verify_integrity = saved
     if torch_adam and not args.no_load_optim and not args.finetune:
         step = _saved_adam_step(args)
         if step is None:

@@ -10,7 +10,9 @@ Megatron-LM's sample for sample.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 from functools import partial
 from pathlib import Path
 
@@ -21,15 +23,16 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_jreg.data.indexed import verify_dataset
+from megatron_jreg.data.manifest import read_manifest
+from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import UsageError
 
 _DATA_OPTIONS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
 def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft)."""
-    if args.mock_data or args.sft:
-        return []
+    """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft); UsageError for a blend
+    Megatron-LM would assert on (a weight that is negative, zero or NaN)."""
     out = []
     for name in _DATA_OPTIONS:
         values = getattr(args, name, None)
@@ -40,8 +43,34 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
         except (AssertionError, ValueError) as e:
             raise UsageError(f"--{name.replace('_', '-')} {' '.join(values)}: {e}; give PREFIX or "
                              "W1 PREFIX1 W2 PREFIX2 ...") from None
+        bad = [w for w in blend[1] or [] if not (math.isfinite(w) and w > 0)]
+        if bad:
+            raise UsageError(f"--{name.replace('_', '-')} {' '.join(values)}: blend weight {bad[0]} is not a positive "
+                             "number; give W1 PREFIX1 W2 PREFIX2 ... with every weight > 0 (drop a dataset instead "
+                             "of weighting it 0)")
         out += [(f"--{name.replace('_', '-')}", prefix) for prefix in blend[0]]
-    return out
+    return [] if args.mock_data or args.sft else out
+
+
+def tokenizer_sha256(args: argparse.Namespace) -> str | None:
+    """SHA-256 of the run's tokenizer files, as `megatron-jreg preprocess` records it in a dataset's manifest
+    (data/tokenizers.py's identity: a folder's tokenizer.json, GPT-2's vocab + merges, else the model file);
+    None for NullTokenizer."""
+    if args.tokenizer_type == "NullTokenizer":
+        return None
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        files = [args.vocab_file, args.merge_file]
+    else:
+        model = Path(args.tokenizer_model or "")
+        files = [model / "tokenizer.json" if model.is_dir() else model]
+    if not all(f and Path(f).is_file() for f in files):
+        return None
+    return _sha256_of(*(str(Path(f).resolve()) for f in files))
+
+
+@functools.lru_cache(maxsize=4)
+def _sha256_of(*paths: str) -> str:
+    return file_sha256(*paths)
 
 
 def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, bool]:
@@ -76,9 +105,16 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, boo
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:
-    """Stop before training when the data holds token ids the model's vocabulary cannot embed."""
+    """Stop before training when the data does not fit the run's tokenizer: token ids the vocabulary cannot
+    embed, a dataset whose manifest records another tokenizer (its sha256), or --sft conversations that
+    Megatron-LM's SFTDataset cannot read or that give no token to train on (sft.check_conversations)."""
     from megatron.training import get_tokenizer
 
+    if args.sft:
+        from megatron_jreg.training.sft import check_conversations
+
+        check_conversations(args)
+        return
     vocab_size = get_tokenizer().vocab_size
     for option, prefix in data_prefixes(args):
         largest, exact = max_token_id(prefix)
@@ -88,6 +124,15 @@ def check_vocabulary(args: argparse.Namespace) -> None:
                 f"vocabulary of --tokenizer-model ({vocab_size} tokens): the data was tokenized with another "
                 "tokenizer; pass the one preprocess_data.py used"
             )
+        recorded = ((read_manifest(prefix) or {}).get("tokenizer") or {})
+        if isinstance(recorded, dict) and recorded.get("sha256"):
+            ours = tokenizer_sha256(args)
+            if ours is not None and ours != recorded["sha256"]:
+                raise UsageError(
+                    f"{option} {prefix}: the data was tokenized with {recorded.get('type')} {recorded.get('model')} "
+                    f"(sha256 {recorded['sha256'][:12]}…, its manifest), not with this run's --tokenizer-model "
+                    f"{args.tokenizer_model or args.vocab_file} (sha256 {ours[:12]}…): give that tokenizer"
+                )
 
 
 def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:

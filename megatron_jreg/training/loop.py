@@ -31,6 +31,10 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,8 +44,19 @@ from megatron.core.rerun_state_machine import (
 )
 
 from megatron_jreg import patches
+from megatron_jreg.checkpoints import read_tracker
+from megatron_jreg.checkpoints.files import CheckpointError
+from megatron_jreg.errors import Interrupted
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
-from megatron_jreg.training.metrics import MetricsFile, Progress, console_suffix, jreg_fields, write_scalars
+from megatron_jreg.training.metrics import (
+    LossWindow,
+    MetricsFile,
+    Progress,
+    console_suffix,
+    jreg_fields,
+    write_scalars,
+)
+from megatron_jreg.training.run_folder import RunFolder
 
 TRAIN_STEP = "megatron.training.training.train_step"
 TRAINING_LOG = "megatron.training.training.training_log"
@@ -58,20 +73,31 @@ EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")
 
 
 class JregLoop:
-    """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop."""
+    """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop; it also holds
+    the run's --save folder (run_folder.RunFolder: lock, settings, history) and its Ctrl-C."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.folder = RunFolder.open(args)  # first: a refusal leaves nothing else behind
+        self.folder.loop_fields = self._checkpoint_fields
         self.cfg = JregConfig.from_args(args)
         self.plugin: JregPlugin | None = None
         self.stats: JregStats | None = None  # Ψ of the last recorded training iteration
         self.evaluations: list[tuple[JregStats, float | None]] = []  # (Ψ, lm loss) of each `evaluate` call
         self.first_step = True
+        self.start: int | None = None  # the iteration this run's steps count from (set at its first step)
         is_logging_rank = args.rank == args.world_size - 1  # Megatron-LM prints its log on the last rank
         self.metrics = MetricsFile(args.metrics_file, is_logging_rank)
+        self.window = LossWindow()  # --metrics-file's lm loss since its last row
         self.progress = Progress(args.progress if is_logging_rank else False, args.train_iters, args.log_interval)
         self._record = False  # this training step records Ψ
         self._line: dict = {}  # what on_log_start read for the line training_log is making
+        self._interrupted = False  # Ctrl-C seen: stop at the end of the step
+        self._iteration = 0  # the last completed iteration
+        self._sigint = None
+        if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
+            self._sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     # -- model builder hook --------------------------------------------------------------------------
     def attach(self, model_chunks: list) -> list:
@@ -84,10 +110,63 @@ class JregLoop:
         return MegatronLoopAdapter(self).makers()
 
     def close(self) -> None:
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
         self.progress.close()
         self.metrics.close()
+        self.folder.close()
         if self.plugin is not None:
             self.plugin.remove_hooks()
+
+    def _checkpoint_fields(self) -> dict:
+        """What each checkpoint's megatron_jreg.json keeps of this loop: --metrics-file's open window, so a run resumed
+        from it writes the rows the uninterrupted run would have."""
+        return {"metrics_window": {"iteration": self._iteration, **self.window.state()}}
+
+    # -- Ctrl-C ---------------------------------------------------------------------------------------------
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        """Ctrl-C: once training runs, stop at the end of the step (all ranks at the same step) with one line; before
+        it, or pressed again, stop at once."""
+        if os.getpid() != self._pid:  # a forked data worker: its default (torch's workers ignore the interrupt)
+            raise KeyboardInterrupt
+        if self.first_step or self._interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise Interrupted(self._interrupted_line())
+        self._interrupted = True
+        print("megatron-jreg train: Ctrl-C: stopping at the end of this iteration (press again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def _stop_if_interrupted(self) -> None:
+        """After a step or an evaluation: raise Interrupted on every rank if any rank saw Ctrl-C."""
+        import torch
+
+        stop = self._interrupted
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor([int(stop)], device="cuda" if torch.cuda.is_available() else "cpu")
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            raise Interrupted(self._interrupted_line())
+
+    def _interrupted_line(self) -> str:
+        """"interrupted at iteration N; last checkpoint M ...; resume with ..." (one line)."""
+        save = self.args.save
+        where = (f"at iteration {self._iteration}" if not self.first_step
+                 else f"before training started (iteration {self.start or 0})")
+        try:
+            last = read_tracker(save) if save else None
+        except CheckpointError:
+            last = None
+        if not save:
+            kept = "no --save: nothing was saved, a rerun starts over"
+        elif last is None:
+            kept = f"no checkpoint in --save {save} yet, a rerun starts over"
+        else:
+            again = "the same command" if self.args.load == save else f"the same command with --load {save}"
+            kept = f"last checkpoint: iteration {last} in {save}; resume with {again}"
+        return f"interrupted (Ctrl-C) {where}; {kept}"
+
 
     def _records(self, iteration: int) -> bool:
         """Megatron-LM prints iteration `iteration + 1` (1-based) when this is true."""
@@ -99,7 +178,11 @@ class JregLoop:
 
         self._record = self._records(iteration or 0)
         if self.first_step:
-            self.progress.start(iteration or 0)
+            self.start = self._iteration = iteration or 0
+            self.progress.start(self.start)
+            saved = self.folder.base.get("metrics_window") or {}
+            if self.start and saved.get("iteration") == self.start:  # the window the checkpoint was saved in
+                self.window = LossWindow.restore(saved)
         self.plugin.start_step(get_num_microbatches(), record=self._record)
 
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
@@ -109,6 +192,10 @@ class JregLoop:
         if result["should_exit"] and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                                    EXIT_CODE_RESUME_TO_DISAMBIGUATE):
             self._report_divergence((iteration or 0) + 1, exit_code)
+            return
+        self._iteration = (iteration or 0) + 1
+        self.first_step = False
+        self._stop_if_interrupted()
 
     def _report_divergence(self, iteration: int, exit_code: int) -> None:
         """Megatron-LM's rerun machine stops on NaN/Inf: exit 16 after saving a checkpoint when the result
@@ -123,7 +210,10 @@ class JregLoop:
                 with open(get_checkpoint_tracker_filename(root)) as f:
                     last = f"{root} (iteration {f.read().strip()})"
                 break
-        if exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+        if not self.args.save:
+            advice = (f"exit {exit_code}: no --save, so nothing to resume from; rerun with --save (on another node if "
+                      "you suspect the hardware), or lower --lr")
+        elif exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
             advice = (f"exit {exit_code}: resume with --load (on another node if you suspect the hardware) to tell a "
                       "fault from a divergence")
         else:
@@ -133,13 +223,17 @@ class JregLoop:
 
     def on_log_start(self, log: Mapping[str, Any]) -> str | None:
         """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line, if
-        it prints one with JREG statistics. Reads the line's loss window before training_log resets it."""
+        it prints one with JREG statistics. Adds the iteration to --metrics-file's window and reads the line's
+        iteration count before training_log resets it."""
         iteration, total = log["iteration"], log["total_loss_dict"]
-        logging_now = iteration % self.args.log_interval == 0 or log["is_first_iteration"]
+        self.window.add(log["loss_dict"].get("lm loss"), bool(log["skipped_iter"]))
+        on_grid = iteration % self.args.log_interval == 0
+        logging_now = on_grid or log["is_first_iteration"]  # Megatron-LM prints a line then
         stats = self.stats if logging_now else None
         self._line = {
             "logging_now": logging_now, "stats": stats,
-            "lm_loss": _console_lm_loss(log["loss_dict"], total, log["skipped_iter"]) if logging_now else None,
+            # --metrics-file: one row per --log-interval iterations (and a fresh run's first), whatever the resumes
+            "row": on_grid or (log["is_first_iteration"] and not self.start), "on_grid": on_grid,
             "iterations": total.get(_ADVANCED, 0) + total.get(_SKIPPED, 0) + 1,  # in its window
         }
         return console_suffix(stats) if stats is not None else None
@@ -148,18 +242,18 @@ class JregLoop:
         """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line (the
         seconds it divides by the window's iterations), None when it printed none."""
         line, iteration = self._line, log["iteration"]
-        logging_now = line["logging_now"]
-        seconds = window_seconds / line["iterations"] if window_seconds is not None and logging_now else None
-        if logging_now:
-            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], line["lm_loss"],
-                             seconds, log)
-        self.first_step = False
+        seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
+        if line["row"]:
+            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], seconds, log)
+            if line["on_grid"]:
+                self.window = LossWindow()
         self.progress.update(iteration, seconds)
 
-    def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, lm_loss: float | None,
-                    seconds: float | None, log_kwargs: dict) -> None:
-        """One --metrics-file record per console line, with the line's loss window and elapsed time; tokens/s
-        and TFLOP/s follow from that time as Megatron-LM's throughput does."""
+    def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, seconds: float | None,
+                    log_kwargs: dict) -> None:
+        """One --metrics-file record: lm_loss over the window's advanced iterations (null when all were skipped),
+        the console line's elapsed time; tokens/s and TFLOP/s follow from that time as Megatron-LM's throughput
+        does."""
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training.training import num_floating_point_operations
 
@@ -171,14 +265,21 @@ class JregLoop:
             total_real_tokens_in_batch=log_kwargs.get("total_real_tokens_in_batch"))
         timed = seconds is not None and seconds > 0
         record = {
-            "iteration": iteration, "consumed_samples": args.consumed_train_samples, "lm_loss": lm_loss,
+            "iteration": iteration, "consumed_samples": args.consumed_train_samples, "lm_loss": self.window.mean(),
             "lr": lr, "grad_norm": grad_norm, "iteration_ms": 1000 * seconds if seconds is not None else None,
             "tokens_per_sec": batch * args.seq_length / seconds if timed else None,
             "tflops_per_rank": flops / seconds / 1e12 / args.world_size if timed else None,
         }
+        if self.window.skipped:
+            record["skipped_iterations"] = self.window.skipped
         if stats is not None:
             record.update(jreg_fields(stats))
             write_scalars(stats, iteration, "jreg")
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        if not self.metrics.opened:
+            self.metrics.open(getattr(self.args, "iteration", 0) or 0)
         self.metrics.write(record)
 
     def on_eval_start(self, eval_iters: int | None) -> None:
@@ -195,6 +296,8 @@ class JregLoop:
         stats = self.plugin.finish_step()
         losses = result["total_loss_dict"] or {}
         self.evaluations.append((stats, float(losses["lm loss"]) if "lm loss" in losses else None))
+        if not self.first_step:
+            self._stop_if_interrupted()
 
     def on_eval_report_start(self, prefix: str, iteration: int) -> None:
         self.evaluations = []
@@ -212,7 +315,7 @@ class JregLoop:
         for index, (stats, val_loss) in enumerate(self.evaluations):
             name = names[index] if several else None
             print_rank_last(f" validation{f'-{name}' if name else ''} JREG at {prefix} |{console_suffix(stats)}")
-            self.metrics.write({"iteration": iteration, "split": split, "final": final,
+            self._write({"iteration": iteration, "split": split, "final": final,
                                 **({"set": name} if name else {}), "val_loss": val_loss, **jreg_fields(stats)})
             # W&B keeps one value per key and step: the post-training validation gets keys of its own
             group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
@@ -310,14 +413,3 @@ def _named(function: str, names: tuple[str, ...], result: tuple) -> dict[str, An
 
 
 _ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM's training_log counters
-
-
-def _console_lm_loss(loss_dict: dict, total_loss_dict: dict, skipped: int) -> float | None:
-    """The `lm loss` Megatron-LM's training_log is about to print: its window's sum (its accumulator plus this
-    iteration, unless skipped) over the window's advanced iterations, read before it resets them."""
-    if "lm loss" not in loss_dict and "lm loss" not in total_loss_dict:
-        return None
-    total = total_loss_dict.get("lm loss", 0.0)
-    if not skipped:
-        total = total + loss_dict["lm loss"]
-    return float(total) / max(1, total_loss_dict.get(_ADVANCED, 0) + (0 if skipped else 1))

@@ -4,15 +4,23 @@ Megatron-LM's own writers are used (its TensorBoard writer on the last rank, its
 adds JREG's scalars to them, writes `--metrics-file` (one JSON object per record; fields below) and a
 progress bar on terminals.
 
-Training records, one per console line of Megatron-LM: iteration, consumed_samples, lm_loss and
-iteration_ms (the console's own numbers: its `lm loss` window — which, after its extra line for the first
-iteration, still starts at iteration 1 — and its `elapsed time per iteration`), jreg_loss (L_cos = Σ w_ℓ Ψ_ℓ
-under the training distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1, zeta_L-2, lr,
-grad_norm, tokens_per_sec, tflops_per_rank (from iteration_ms, as Megatron-LM's throughput). Ψ and ζ are
-measured on the logged iteration's batch. Validation records, one per evaluation: iteration, split
-("valid" | "test"), final (false for the evaluations every --eval-interval; true for the ones Megatron-LM
-runs after training, "at iteration N on validation/test set", on further batches at the same iteration),
-set (with --multiple-validation-sets: the set's name), val_loss, jreg_loss, psi, zeta_*.
+Training records: one per --log-interval iterations (iteration a multiple of it), plus a fresh run's first
+iteration: iteration, consumed_samples, lm_loss (the mean over the record's window — the iterations since the
+previous multiple of --log-interval, where Megatron-LM sums its console's `lm loss` the same way — over the
+iterations that advanced; null when every one was skipped, with skipped_iterations counting them),
+iteration_ms (the console's `elapsed time per iteration`), jreg_loss (L_cos = Σ w_ℓ Ψ_ℓ under the training
+distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1, zeta_L-2, lr, grad_norm, tokens_per_sec,
+tflops_per_rank (from iteration_ms, as Megatron-LM's throughput). Ψ and ζ are measured on the logged
+iteration's batch. The windows do not depend on where a run was interrupted: a checkpoint keeps the open
+window (`LossWindow.state`, in its megatron_jreg.json), a resumed run starts from it, and rows of iterations
+after the checkpoint it resumes from (lost work, about to be replayed) move to `PATH.replaced` — the file
+holds one row per iteration, equal to the uninterrupted run's. Megatron-LM's console differs after its first
+line, which it does not reset, and after a resume (its window then restarts).
+
+Validation records, one per evaluation: iteration, split ("valid" | "test"), final (false for the evaluations
+every --eval-interval; true for the ones Megatron-LM runs after training, "at iteration N on validation/test
+set", on further batches at the same iteration), set (with --multiple-validation-sets: the set's name),
+val_loss, jreg_loss, psi, zeta_*.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -65,14 +74,70 @@ def write_scalars(stats: JregStats, step: int, prefix: str) -> None:
         wandb_writer.log(scalars, step)
 
 
+class LossWindow:
+    """Megatron-LM's `lm loss` accumulation (training_log: a float32 sum of the advanced iterations' losses,
+    counted apart from the skipped ones) over one --metrics-file window; the sum stays a tensor, so adding an
+    iteration costs no host sync."""
+
+    def __init__(self, loss=None, advanced: int = 0, skipped: int = 0) -> None:  # noqa: ANN001 - a tensor
+        self.loss, self.advanced, self.skipped = loss, advanced, skipped
+
+    def add(self, loss, skipped: bool) -> None:  # noqa: ANN001 - the iteration's reduced loss tensor, or None
+        if skipped:
+            self.skipped += 1
+        elif loss is not None:
+            import torch
+
+            start = self.loss if self.loss is not None else torch.zeros(1, dtype=torch.float, device=loss.device)
+            self.loss = start + loss
+            self.advanced += 1
+
+    def mean(self) -> float | None:
+        return float(self.loss) / self.advanced if self.advanced else None
+
+    def state(self) -> dict:
+        """JSON for a checkpoint (its exact float32 value: the resumed sum is the same bits)."""
+        return {"lm_loss_sum": float(self.loss) if self.loss is not None else None, "advanced": self.advanced,
+                "skipped": self.skipped}
+
+    @classmethod
+    def restore(cls, state: dict) -> LossWindow:
+        import torch
+
+        value = state.get("lm_loss_sum")
+        loss = torch.tensor([value], dtype=torch.float) if value is not None else None
+        if loss is not None and torch.cuda.is_available():
+            loss = loss.cuda()
+        return cls(loss, int(state.get("advanced", 0)), int(state.get("skipped", 0)))
+
+
 class MetricsFile:
-    """`--metrics-file`: appended JSON lines, written by one rank (the one that prints Megatron-LM's log)."""
+    """`--metrics-file`: JSON lines, written by one rank (the one that prints Megatron-LM's log)."""
 
     def __init__(self, path: str | None, active: bool) -> None:
+        self.path = Path(path) if path and active else None
         self._file = None
-        if path and active:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.opened = self.path is None
+
+    def open(self, start: int) -> None:
+        """Before the first record of a run whose steps count from iteration `start`: rows of later iterations
+        (a run that went on past the checkpoint this one resumed from) move to PATH.replaced, then append."""
+        self.opened = True
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+            later = [line for line in lines if _iteration(line) > start]
+            if later:
+                with open(f"{self.path}.replaced", "a", encoding="utf-8") as f:
+                    f.writelines(later)
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line for line in lines if _iteration(line) <= start), encoding="utf-8")
+                os.replace(tmp, self.path)
+                print(f"megatron-jreg: --metrics-file {self.path}: {len(later)} row(s) after iteration {start} (not "
+                      f"in the checkpoint this run starts from) moved to {self.path}.replaced", flush=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
         if self._file is not None:
@@ -84,6 +149,15 @@ class MetricsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _iteration(line: str) -> int:
+    """A row's iteration (-1 for a line that is not a record: kept)."""
+    try:
+        value = json.loads(line).get("iteration")
+    except (ValueError, AttributeError):
+        return -1
+    return value if isinstance(value, int) else -1
 
 
 class _MegatronRateBar(tqdm):

@@ -15,6 +15,8 @@ for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU ru
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from megatron_jreg.data.chat_targets import ChatTargets
@@ -56,3 +58,86 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Te
     same = segment[:, None] == segment[None, :]
     causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu_seqlens.device).tril()
     return ~(same & causal)[None, None]
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def check_conversations(args) -> None:  # noqa: ANN001 - Megatron-LM's args
+    """Every --sft JSONL file as Megatron-LM's SFTDataset reads it, before any work (UsageError naming the file,
+    the line and the fix): each line a JSON object with a `messages` list of {"role", "content"} turns (its
+    `datasets` JSON reader stops at the first bad line with a traceback; a turn without `role` fails in a data
+    worker iterations later), and at least one conversation that gives a token to train on once packed into
+    --seq-length (SFTDataset cuts a pack on the right: conversations all longer than that train nothing)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_jreg.errors import UsageError
+
+    fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = getattr(args, name, None)
+        for path in get_blend_from_list(values)[0] if values else []:
+            option = f"--{name.replace('_', '-')} {path}"
+            trainable, lines = False, 0
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    lines += 1
+                    problem = _record_problem(raw)
+                    if problem is not None:
+                        raise UsageError(f"{option}: line {number}: {problem}; {fix}")
+                    trainable = trainable or _trains(args, json.loads(raw)["messages"], f"{option}: line {number}")
+            if not lines:
+                raise UsageError(f"{option}: no conversation in the file; {fix}")
+            if not trainable:
+                raise UsageError(f"{option}: no conversation gives a token to train on within --seq-length "
+                                 f"{args.seq_length} (no assistant turn, or every assistant turn is cut off by the "
+                                 "pack's length): raise --seq-length or shorten the conversations (prepare-chat "
+                                 "--seq-length reports them)")
+
+
+def _record_problem(raw: bytes) -> str | None:
+    """Why SFTDataset cannot read one JSONL line, or None."""
+    try:
+        record = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"not JSON ({e})"
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "no non-empty `messages` list"
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
+            return f"turn {i} is not an object with `role` and `content`"
+        if turn["role"] not in _ROLES:
+            return f"turn {i} has role {turn['role']!r} (SFTDataset knows {', '.join(_ROLES)})"
+        if not isinstance(turn["content"], str):
+            return f"turn {i} has a {type(turn['content']).__name__} content, not a string"
+    return None
+
+
+def _trains(args, messages: list[dict], where: str) -> bool:  # noqa: ANN001
+    """Whether this line, packed by Megatron-LM's own SFTDataset.__getitem__ (called on a stand-in holding just
+    this line), has a loss token."""
+    import types
+
+    import numpy as np
+    from megatron.training import get_tokenizer
+    from megatron.training.datasets.sft_dataset import SFTDataset
+
+    from megatron_jreg.errors import UsageError
+
+    tokenizer = get_tokenizer()
+    if args.sft_tokenizer_prompt_format in ("default", "identity"):
+        tokenizer = chat_targets(tokenizer)  # what the run trains with (training.run.training_patches)
+    config = types.SimpleNamespace(tokenizer=tokenizer, sequence_length=args.seq_length,
+                                   context_parallel_size=args.context_parallel_size, reset_position_ids=False,
+                                   create_attention_mask=False, reset_attention_mask=False)
+    pack = types.SimpleNamespace(dataset=[messages], indices=np.zeros(1, dtype=np.int64), config=config,
+                                 _split_conversations=lambda m: SFTDataset._split_conversations(None, m))
+    try:
+        sample = SFTDataset.__getitem__(pack, 0)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise UsageError(f"{where}: the chat template cannot tokenize it ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:160]})") from None
+    return bool(sample["loss_mask"].any())

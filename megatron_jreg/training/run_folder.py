@@ -1,0 +1,321 @@
+"""One run's `--save` folder: one writer at a time, and what a checkpoint means kept across resumes.
+
+Megatron-LM writes into `--save` whatever else is there: two runs started on one folder mix their `iter_*`
+folders, and a new run without `--load` overwrites a finished run's checkpoints and moves its tracker. A
+resume takes the flags of the new command: a changed vocabulary loads the embedding partly (megatron-core
+allows that shape mismatch), a changed global batch ends the run with samples never trained, a changed
+sequence length or JREG setting leaves no trace. `RunFolder.open(args)`, before any work:
+
+- locks `--save` for the run (`SaveLock`, released at the end; kill -9 leaves no stale lock) and refuses,
+  in one line naming the holder's host and pid, a second run on it;
+- refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder;
+- compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args
+  saved in its common state) with this run: a changed vocabulary or tokenizer is refused, and on a resume
+  (not --finetune / --pretrained-checkpoint) a changed global batch, batch ramp-up or sequence length too,
+  in one line naming the flag, the checkpoint's value and this run's; what may legitimately change
+  (JREG's settings, the seed; batch and length when fine-tuning) is printed and appended to the sidecar's
+  `history` with the iteration it took effect and the checkpoint it started from.
+
+Every save then writes `sidecar(...)` into `iter_*/megatron_jreg.json`: Adam's step count (see
+checkpointing.py), the JREG settings, `run` (this run's settings), `history` and what the training loop
+adds (its metrics window, so a resumed run's --metrics-file continues the same windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_jreg.checkpoints import CheckpointError, read_sidecar, read_tracker, resolve, saved_iterations
+from megatron_jreg.errors import UsageError
+from megatron_jreg.plugin import JregConfig
+
+LOCK = ".megatron_jreg.lock"  # in --save, while a run may write there
+_HELD: set[str] = set()  # lock files this process holds (POSIX locks never exclude their own process)
+_ACTIVE: list[RunFolder] = []  # the run in progress in this process (its save wrapper reads it)
+
+
+def load_dir(args: argparse.Namespace) -> str | None:
+    """The folder Megatron-LM's load_checkpoint reads: --load when it holds a checkpoint, else
+    --pretrained-checkpoint (fine-tuning starts there; its requeued jobs resume from --load)."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and not has_checkpoint(args.load):
+        return pretrained
+    return args.load
+
+
+def has_checkpoint(root: str | None) -> bool:
+    try:
+        return root is not None and Path(root).is_dir() and read_tracker(root) is not None
+    except CheckpointError:
+        return True  # a damaged tracker: reported when it is read
+
+
+def active() -> RunFolder | None:
+    """The RunFolder of the run in progress in this process (None outside `megatron-jreg train`)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class SaveLock:
+    """`--save`/.megatron_jreg.lock, locked with POSIX `lockf` while the run may write there: the kernel drops
+    it when the process ends, even by kill -9 (no stale lock), forked data workers do not inherit it, and it
+    holds across NFS clients. The file says who holds it (host, pid, start) for the refusal's message; it is
+    removed on release."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def acquire(cls, save: str) -> SaveLock | None:
+        """The lock, or UsageError naming its holder; None (with a warning) where the file system has no locks."""
+        folder = Path(save)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOCK
+        key = str(path.resolve())
+        if key in _HELD:
+            raise UsageError(f"--save {save}: this process already runs a training that writes there")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _holder(fd)
+                os.close(fd)
+                if e.errno in (errno.EACCES, errno.EAGAIN):
+                    raise UsageError(f"--save {save}: another run is writing there ({holder}); wait for it to end, "
+                                     "or give this run another --save") from None
+                print(f"megatron-jreg: warning: --save {save} cannot be locked ({e.strerror}): make sure no other "
+                      "run writes there", flush=True)
+                return None
+            try:  # its previous holder may have removed the file between our open and our lock: lock the new one
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = _holder(fd)
+        if stale != "holder unknown":
+            print(f"megatron-jreg: --save {save}: the lock of a run that ended without releasing it ({stale}; "
+                  "killed?) is taken over", flush=True)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        _HELD.add(key)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        _HELD.discard(str(self.path.resolve()))
+        try:
+            if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # closing drops the lock
+        self._fd = -1
+
+
+def _holder(fd: int) -> str:
+    """Who the lock file names: "pid P on host H since T"."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode() or "null")
+        return f"pid {record['pid']} on host {record['host']} since {record['started']}"
+    except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return "holder unknown"
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """What a checkpoint's meaning depends on, as this run sets it (megatron_jreg.json's `run`)."""
+    from megatron.training import get_tokenizer
+
+    from megatron_jreg.training.data import tokenizer_sha256
+
+    return {"padded_vocab_size": args.padded_vocab_size, "vocab_size": get_tokenizer().vocab_size,
+            "tokenizer_sha256": tokenizer_sha256(args), "global_batch_size": args.global_batch_size,
+            "rampup_batch_size": args.rampup_batch_size, "seq_length": args.seq_length, "seed": args.seed,
+            "jreg": JregConfig.from_args(args).record()}
+
+
+def _settings_from_args(saved: argparse.Namespace) -> dict:
+    """run_settings' fields from the Megatron-LM args a checkpoint saved (one without megatron_jreg.json)."""
+    names = ("padded_vocab_size", "global_batch_size", "rampup_batch_size", "seq_length", "seed")
+    settings = {name: getattr(saved, name, None) for name in names}
+    settings["vocab_size"] = getattr(saved, "vocab_size", None)  # --vocab-size when given (NullTokenizer)
+    if getattr(saved, "jreg_lambda", None) is not None:
+        settings["jreg"] = JregConfig.from_args(saved).record()
+    return settings
+
+
+def saved_settings(ckpt: Path) -> dict | None:
+    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args in its common state
+    (torch_dist checkpoints of Megatron-LM itself); None when neither is readable."""
+    recorded = (read_sidecar(ckpt) or {}).get("run")
+    if isinstance(recorded, dict):
+        return recorded
+    if not (ckpt / ".metadata").is_file():
+        return None
+    from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))  # no_dist: no process group needed
+    except Exception:  # noqa: BLE001 - an unreadable common state is reported by the load itself
+        return None
+    saved = common.get("args") if isinstance(common, dict) else None
+    return _settings_from_args(saved) if isinstance(saved, argparse.Namespace) else None
+
+
+# flag, why a resume must keep it
+_KEPT_ON_RESUME = {
+    "global_batch_size": ("--global-batch-size", "the iteration count and the data order are in its samples"),
+    "rampup_batch_size": ("--rampup-batch-size", "the consumed samples follow its ramp"),
+    "seq_length": ("--seq-length", "the data's samples and positions are cut at it"),
+}
+_RECORDED = {"seed": "--seed", "jreg.lambda": "--jreg-lambda", "jreg.alpha": "--jreg-alpha",
+             "jreg.distance": "--jreg-distance", "jreg.layers": "--jreg-layers"}
+
+
+def _flat(settings: dict) -> dict:
+    return {**{k: v for k, v in settings.items() if k != "jreg"},
+            **{f"jreg.{k}": v for k, v in (settings.get("jreg") or {}).items()}}
+
+
+def _value(value: object) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+class RunFolder:
+    """This run's --save folder and what its checkpoints record (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, lock: SaveLock | None, start: tuple[Path, int] | None,
+                 settings: dict, history: list[dict], base: dict) -> None:
+        self.args, self.lock, self.start, self.settings, self.history = args, lock, start, settings, history
+        self.base = base  # the megatron_jreg.json of the checkpoint this run starts from ({} when none)
+        self.loop_fields: Callable[[], dict] | None = None  # what the training loop adds to each sidecar
+
+    @classmethod
+    def open(cls, args: argparse.Namespace) -> RunFolder:
+        """Lock --save and check the checkpoint this run starts from (module docstring); Megatron-LM's own
+        --verify-integrity is switched off (checkpointing.py digests over all ranks instead). Raises UsageError,
+        in one line, before any work."""
+        args.verify_integrity = False
+        lock = SaveLock.acquire(args.save) if args.save and args.rank == 0 else None
+        try:
+            folder = cls._open(args, lock, load_dir(args))
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        _ACTIVE.append(folder)
+        return folder
+
+    @classmethod
+    def _open(cls, args: argparse.Namespace, lock: SaveLock | None, root: str | None) -> RunFolder:
+        from megatron.training import print_rank_0
+
+        has_start = root is not None and Path(root).is_dir() and read_tracker(root) is not None
+        if args.save:
+            _refuse_foreign(args, root if has_start else None)
+        settings = run_settings(args)
+        if not has_start:
+            return cls(args, lock, None, settings, [], {})
+        try:
+            ckpt, iteration = resolve(root, args.ckpt_step)
+            base = read_sidecar(ckpt) or {}
+        except CheckpointError:
+            return cls(args, lock, None, settings, [], {})  # check_load and the load itself name what is wrong
+        fresh = bool(args.finetune) or root == getattr(args, "pretrained_checkpoint", None)
+        first = 0 if fresh else iteration  # the iteration this run's steps count from
+        saved = saved_settings(ckpt)
+        vocab_flag = (f"--vocab-size {args.vocab_size}" if args.vocab_size is not None
+                      else f"--tokenizer-model {args.tokenizer_model}")
+        changes = _compare(ckpt, saved or {}, settings, fresh, vocab_flag)
+        same_folder = args.save is not None and Path(args.save).resolve() == Path(root).resolve()
+        history = list(base.get("history") or [])
+        if changes or not same_folder:
+            history.append({"iteration": first, "from": str(ckpt), "changes": changes})
+        if changes:
+            what = ", ".join(f"{_RECORDED.get(k, '--' + k.replace('_', '-'))} {_value(old)} → {_value(new)}"
+                             for k, (old, new) in changes.items())
+            print_rank_0(f"megatron-jreg: {ckpt} (iteration {iteration}) continues with changed settings from "
+                         f"iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
+        return cls(args, lock, (ckpt, iteration), settings, history, base)
+
+    def sidecar(self, torch_adam_step: int | None) -> dict:
+        """The megatron_jreg.json of a save of this run."""
+        return {"torch_adam_step": torch_adam_step, "jreg": self.settings["jreg"], "run": self.settings,
+                "history": self.history, **(self.loop_fields() if self.loop_fields is not None else {})}
+
+    def close(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
+    """--save holds checkpoints of another run, and this run does not continue that folder (`root`: the folder it
+    loads a checkpoint from, if any)."""
+    save = Path(args.save)
+    found = saved_iterations(save)
+    tracker = _tracker_text(save)
+    if not found and tracker is None:
+        return
+    if root is not None and Path(root).resolve() == save.resolve():
+        return
+    if getattr(args, "jreg_overwrite_save", False):
+        return
+    shown = ", ".join(map(str, found[-6:])) if found else "none complete"
+    loading = f"it loads {root}" if root is not None else "it has no --load"
+    raise UsageError(f"--save {args.save} holds the checkpoints of another run (iterations {shown}; "
+                     f"{tracker or 'no tracker'}) and this run would overwrite them ({loading}): add --load "
+                     f"{args.save} to continue that run, or give this run an empty --save")
+
+
+def _tracker_text(save: Path) -> str | None:
+    try:
+        found = read_tracker(save)
+    except CheckpointError:
+        return "a damaged tracker"
+    return None if found is None else f"tracker at {found}"
+
+
+def _compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) -> dict:
+    """UsageError for a setting that must not change; {setting: [checkpoint's, this run's]} for those recorded."""
+    old, new = _flat(saved), _flat(now)
+
+    def known(key: str) -> bool:
+        return old.get(key) is not None and new.get(key) is not None and old[key] != new[key]
+
+    if known("padded_vocab_size") or known("vocab_size"):
+        raise UsageError(f"{vocab_flag}: this run's vocabulary is {new['vocab_size']} tokens (embedding "
+                         f"{new['padded_vocab_size']} rows), {ckpt}'s {old.get('vocab_size') or '?'} "
+                         f"({old.get('padded_vocab_size')} rows): Megatron-LM would load the embedding partly and "
+                         "train on; give the checkpoint's tokenizer (or --vocab-size)")
+    if known("tokenizer_sha256"):
+        raise UsageError(f"--tokenizer-model: this run's tokenizer (sha256 {new['tokenizer_sha256'][:12]}…) is not the "
+                         f"one {ckpt} was trained with ({old['tokenizer_sha256'][:12]}…): its embedding rows would "
+                         "mean other tokens; give that tokenizer")
+    changes = {}
+    for key, (flag, why) in _KEPT_ON_RESUME.items():
+        if old.get(key) != new.get(key) and key in saved:
+            if not fresh:
+                raise UsageError(f"{flag} {_value(new.get(key))}: {ckpt} was trained with {flag} "
+                                 f"{_value(old.get(key))} and a resume must keep it ({why}): give {flag} "
+                                 f"{_value(old.get(key))}, or start a new run from its weights with --finetune")
+            changes[key] = [old.get(key), new.get(key)]
+    for key in _RECORDED:
+        if key in old and old[key] != new.get(key):
+            changes[key] = [old[key], new.get(key)]
+    return changes
