@@ -12,24 +12,27 @@ Notation (layers ℓ = 1..L; h_0 = embeddings, h_L = last layer output *before* 
     w_ℓ      = softmax_ℓ(α · ℓ)                                          over the penalized layers
     L_cos    = Σ_ℓ w_ℓ Ψ_ℓ ;   loss = L_CE + λ · L_cos
 
-Everything is computed in fp32 whatever the activation dtype. The per-token displacement is a custom
-autograd function: it saves only references to the two hidden states plus per-token scalars, and
-recomputes the rest in backward. Where the layers keep those hidden states anyway (norms that save their
-input: Transformer Engine's, apex's) it adds no activation memory; a torch norm that saves an fp32 upcast
-of a bf16 input instead leaves JREG's references as the only holders of the bf16 states (measured: +3 %
-saved bytes on the tiny bf16 CPU model; benchmarks/jreg_overhead.py reports it).
+Everything is computed in fp32 whatever the activation dtype, by one fused kernel per direction
+(`jreg_kernels`: Triton on CUDA, torch.compile'd C++ on CPU, eager torch elsewhere). The per-token
+displacement is a custom autograd function that saves references to the two hidden states plus four
+per-token fp32 figures and recomputes the rest in backward. Where the layers keep those hidden states
+anyway (norms that save their input: Transformer Engine's, apex's, torch's in fp32) it adds no activation
+memory; a torch norm that saves an fp32 upcast of a bf16 input leaves JREG's references as the only holders
+of the bf16 states, and the last layer of a pipeline stage has its output (which Megatron-LM frees once it
+is sent) kept until JREG's backward has read it (benchmarks/jreg_op.py --pp-memory measures both).
+
+A hidden state that is not finite gives a NaN displacement (never 0.5), so Ψ and ζ of a broken step are NaN.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from megatron_jreg import jreg_kernels
+from megatron_jreg.jreg_kernels import NORM_EPS as NORM_EPS  # a state whose norm is at most this is zero
+
 DISTANCES = ("angular", "cosine")
-NORM_EPS = 1e-8  # a hidden state whose norm is below this counts as the zero vector
-_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries are bounded to this many elements per chunk
 
 
 def _check_kind(kind: str) -> None:
@@ -37,66 +40,21 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown distance {kind!r}: use one of {DISTANCES}")
 
 
-def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_ELEMENTS // max(width, 1))
-    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
-
-
-def _unit(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 unit vectors and norms of the rows of x[T, h]; zero rows stay zero."""
-    x = x.float()
-    norm = torch.linalg.vector_norm(x, dim=-1)
-    return x / norm.clamp_min(NORM_EPS).unsqueeze(-1), norm
-
-
 class _TokenDisplacement(torch.autograd.Function):
-    """Per-token displacement d[T] between rows of a[T, h] and b[T, h] (any float dtype).
-
-    Written for few passes over [T, h] (this runs for every layer of every microbatch): the angle comes
-    from the chord |â − b̂| (exact near 0, where arccos(cos) loses digits), and backward reuses its
-    buffers in place.
-    """
+    """Per-token displacement d[T] between rows of a[T, h] and b[T, h] (any float dtype), fused (jreg_kernels):
+    the forward reads a and b once, the backward reads them once more and writes the two gradients."""
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, angular: bool) -> Tensor:  # type: ignore[override]
-        rows, width = a.shape
-        out = torch.empty(rows, dtype=torch.float32, device=a.device)
-        for lo, hi in _row_chunks(rows, width):
-            ua, na = _unit(a[lo:hi])
-            ub, nb = _unit(b[lo:hi])
-            if angular:
-                chord = torch.linalg.vector_norm(ua.sub_(ub), dim=-1)  # |â − b̂|
-                # angle = 2·atan2(|â − b̂|, |â + b̂|), and |â + b̂|² = 4 − |â − b̂|² for unit vectors.
-                angle = 2.0 * torch.atan2(chord, (4.0 - chord.square()).clamp_min(0.0).sqrt())
-                live = (na > NORM_EPS) & (nb > NORM_EPS)
-                out[lo:hi] = torch.where(live, angle / math.pi, 0.5)  # a zero vector counts as orthogonal
-            else:
-                out[lo:hi] = 1.0 - torch.linalg.vecdot(ua, ub)
-        ctx.save_for_backward(a, b)
+        d, *rows = jreg_kernels.forward(a.detach(), b.detach(), angular)
+        ctx.save_for_backward(a, b, *rows)
         ctx.angular = angular
-        return out
+        return d
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
-        a, b = ctx.saved_tensors
-        grad_a = torch.empty_like(a)
-        grad_b = torch.empty_like(b)
-        for lo, hi in _row_chunks(*a.shape):
-            ua, na = _unit(a[lo:hi])
-            ub, nb = _unit(b[lo:hi])
-            cos = torch.linalg.vecdot(ua, ub).unsqueeze(-1)
-            # Components of b̂ orthogonal to â and of â orthogonal to b̂; |perp| = sin(angle).
-            perp_a = torch.addcmul(ub, ua, cos, value=-1.0)
-            perp_b = ua.addcmul_(ub, cos, value=-1.0)
-            # d(1 − cos)/da = −perp_a/|a|; d angle/da = −perp_a/(|a| sin): bounded by 1/|a|, 0 when a ∥ b.
-            g = grad[lo:hi].float() * ((na > NORM_EPS) & (nb > NORM_EPS))  # zero vectors: no gradient
-            coef_a = -g / na.clamp_min(NORM_EPS)
-            coef_b = -g / nb.clamp_min(NORM_EPS)
-            if ctx.angular:
-                coef_a = coef_a / (math.pi * torch.linalg.vector_norm(perp_a, dim=-1).clamp_min(1e-12))
-                coef_b = coef_b / (math.pi * torch.linalg.vector_norm(perp_b, dim=-1).clamp_min(1e-12))
-            grad_a[lo:hi] = perp_a.mul_(coef_a.unsqueeze(-1))
-            grad_b[lo:hi] = perp_b.mul_(coef_b.unsqueeze(-1))
+        a, b, *rows = ctx.saved_tensors
+        grad_a, grad_b = jreg_kernels.backward(a.detach(), b.detach(), grad, tuple(rows), ctx.angular)
         return grad_a, grad_b, None
 
 
@@ -104,7 +62,8 @@ def token_displacement(h_in: Tensor, h_out: Tensor, kind: str = "angular") -> Te
     """Per-token displacement between h_in[..., h] and h_out[..., h] → fp32 tensor of shape [...].
 
     `angular` is arccos(cos)/π ∈ [0, 1] with a gradient that stays finite when the two vectors are
-    parallel; `cosine` is the smooth 1 − cos ∈ [0, 2]. A zero vector has cos = 0 and no gradient.
+    parallel; `cosine` is the smooth 1 − cos ∈ [0, 2]. A zero vector has cos = 0 and no gradient; a
+    token whose state is not finite gives NaN.
     """
     _check_kind(kind)
     if h_in.shape != h_out.shape:
@@ -115,6 +74,17 @@ def token_displacement(h_in: Tensor, h_out: Tensor, kind: str = "angular") -> Te
     return d.view(lead)
 
 
+def displacement_total(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular") -> Tensor:
+    """Sum of per-token displacements over real tokens (fp32 scalar); h[s, b, h], mask[s, b] as below."""
+    d = token_displacement(h_in, h_out, kind)
+    if mask is None:
+        return d.sum()
+    if mask.shape != d.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens {tuple(d.shape)}")
+    # where, not multiply: a padded position may hold anything (even inf/NaN) and must not leak in.
+    return torch.where(mask.bool(), d, 0.0).sum()
+
+
 def displacement_sum(
     h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular"
 ) -> tuple[Tensor, Tensor]:
@@ -122,16 +92,14 @@ def displacement_sum(
 
     h_in, h_out: [s, b, h] (megatron's layout; any leading shape works); mask: [s, b] (True/1 = real
     token) or None for all tokens. Sums rather than means because sharded tokens (sequence and
-    context parallelism) are reduced as sums and counts.
+    context parallelism) are reduced as sums and counts. Both stay on the device (no host sync).
     """
-    d = token_displacement(h_in, h_out, kind)
+    total = displacement_total(h_in, h_out, mask, kind)
     if mask is None:
-        return d.sum(), torch.tensor(float(d.numel()), device=d.device)
-    if mask.shape != d.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens {tuple(d.shape)}")
-    real = mask.bool()
-    # where, not multiply: a padded position may hold anything (even inf/NaN) and must not leak in.
-    return torch.where(real, d, 0.0).sum(), real.sum().to(torch.float32)
+        count = torch.full((), float(h_in.shape[:-1].numel()), dtype=torch.float32, device=total.device)
+    else:
+        count = mask.bool().sum().to(torch.float32)
+    return total, count
 
 
 def displacement(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular") -> Tensor:

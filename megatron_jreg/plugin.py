@@ -125,21 +125,27 @@ class JregStats:
     """Ψ of all L layers for one step (same on every rank) and the figures derived from it.
 
     `psi` and ζ always use the paper's angular Ψ; `psi_distance` and `jreg_loss` use the training
-    distance (identical lists when that is angular).
+    distance (identical lists when that is angular). A layer whose hidden states held a non-finite value at
+    a real token has Ψ = NaN; then ζ is NaN too and `first_nonfinite_layer` names the first such layer.
     """
 
     psi: list[float]
     jreg_loss: float  # L_cos = Σ w_ℓ Ψ_ℓ under the training distance, before λ
     zeta: dict[str, float] = field(default_factory=dict)  # zeta_L, zeta_L-1, zeta_L-2
     psi_distance: list[float] = field(default_factory=list)
+    first_nonfinite_layer: int | None = None  # 1-based ℓ of the first layer with a non-finite Ψ; None: all finite
 
     @classmethod
     def from_psi(cls, psi: Tensor, weights: Tensor, psi_distance: Tensor | None = None) -> JregStats:
         psi = psi.double().cpu()
         psi_distance = psi if psi_distance is None else psi_distance.double().cpu()
+        broken = ~(torch.isfinite(psi) & torch.isfinite(psi_distance))
+        first = int(broken.nonzero()[0, 0]) + 1 if bool(broken.any()) else None
         zeta = jreg.final_jumps(psi) if psi.numel() >= 2 else {}
+        if first is not None:  # a step with a non-finite state has no jump rates
+            zeta = dict.fromkeys(zeta, math.nan)
         return cls(psi=psi.tolist(), jreg_loss=float(jreg.jreg_loss(psi_distance, weights)), zeta=zeta,
-                   psi_distance=psi_distance.tolist())
+                   psi_distance=psi_distance.tolist(), first_nonfinite_layer=first)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -226,6 +232,7 @@ class JregPlugin:
             raise ValueError(f"decoder layers numbered {bad} outside 1..{self.num_layers}")
         self.cfg = cfg
         self.weights = jreg.layer_weights(self.num_layers, cfg.alpha, cfg.layers)
+        self._weight = self.weights.tolist()  # w_ℓ as Python floats: read per layer call without a device read
         self.penalize = cfg.lam > 0
         self.recording = False
         self._handles: list = []
@@ -280,6 +287,7 @@ class JregPlugin:
                 from megatron.core import parallel_state
 
                 dist.all_reduce(real, group=parallel_state.get_context_parallel_group())
+            real = real.clamp_min(1.0)  # a microbatch without real tokens adds 0 (not 0/0) to Ψ
             tp_rank = _tp_rank() if self._sp else 0
             rows = sequence_split_mask(mask.bool(), tp_rank, self._tp if self._sp else 1)
         self._next = Microbatch(rows, real, loss_tokens, self._scale)
@@ -340,7 +348,7 @@ class JregPlugin:
     def process_layer(self, ell: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
         """Record Ψ of global layer ℓ (1-based) from h_in/h_out[s, b, h] (this rank's tokens) and,
         when penalizing, return h_out carrying λ·w_ℓ·Ψ_ℓ for backward; None = output unchanged."""
-        weight = float(self.weights[ell - 1])
+        weight = self._weight[ell - 1]
         attach = self.penalize and training and weight > 0
         if not attach and not self.recording:
             return None
@@ -351,10 +359,10 @@ class JregPlugin:
         if mask is not None and mask.shape != h_out.shape[:2]:
             raise ValueError(f"token mask {tuple(mask.shape)} does not match hidden rows {tuple(h_out.shape[:2])}")
         if attach:
-            total, _ = jreg.displacement_sum(h_in, h_out, mask, self.cfg.distance)
+            total = jreg.displacement_total(h_in, h_out, mask, self.cfg.distance)
         else:
             with torch.no_grad():
-                total, _ = jreg.displacement_sum(h_in.detach(), h_out.detach(), mask, self.cfg.distance)
+                total = jreg.displacement_total(h_in.detach(), h_out.detach(), mask, self.cfg.distance)
         real = mb.real if mb.real is not None else self._all_tokens(h_out)
         share = total / real  # this rank's part of the microbatch's Ψ_ℓ
         if self.recording:
@@ -363,7 +371,7 @@ class JregPlugin:
             self._sums[0, ell - 1] += share.detach().double()
             if not self._angular:  # ζ is defined on the angular Ψ whatever the training distance
                 with torch.no_grad():
-                    angular, _ = jreg.displacement_sum(h_in.detach(), h_out.detach(), mask, "angular")
+                    angular = jreg.displacement_total(h_in.detach(), h_out.detach(), mask, "angular")
                 self._sums[1, ell - 1] += (angular / real).double()
         if not attach:
             return None
