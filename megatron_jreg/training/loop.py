@@ -128,8 +128,8 @@ class JregLoop:
     def _on_sigint(self, signum: int, frame: object) -> None:
         """Ctrl-C: once training runs, stop at the end of the step (all ranks at the same step) with one line; before
         it, or pressed again, stop at once."""
-        if os.getpid() != self._pid:  # a forked data worker: its default (torch's workers ignore the interrupt)
-            raise KeyboardInterrupt
+        if os.getpid() != self._pid:  # a forked data worker (Ctrl-C reaches the whole process group): keep serving
+            return  # batches until the step ends; the run's exit ends the workers
         if self.first_step or self._interrupted:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise Interrupted(self._interrupted_line())
@@ -164,7 +164,7 @@ class JregLoop:
             kept = f"no checkpoint in --save {save} yet, a rerun starts over"
         else:
             again = "the same command" if self.args.load == save else f"the same command with --load {save}"
-            kept = f"last checkpoint: iteration {last} in {save}; resume with {again}"
+            kept = f"last checkpoint: iteration {last} in {save}; to resume, rerun {again}"
         return f"interrupted (Ctrl-C) {where}; {kept}"
 
 

@@ -21,6 +21,8 @@ Validation records, one per evaluation: iteration, split ("valid" | "test"), fin
 every --eval-interval; true for the ones Megatron-LM runs after training, "at iteration N on validation/test
 set", on further batches at the same iteration), set (with --multiple-validation-sets: the set's name),
 val_loss, jreg_loss, psi, zeta_*.
+
+A value that is NaN/Inf is written as null and its key listed in the record's `nonfinite`.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from megatron_jreg.plugin import JregStats
+if TYPE_CHECKING:
+    from megatron_jreg.plugin import JregStats
 
 
 def jreg_fields(stats: JregStats) -> dict:
@@ -141,7 +145,10 @@ class MetricsFile:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+            clean = {k: (None if k in nonfinite else v) for k, v in record.items()}
+            if nonfinite:  # JSON has no NaN/Inf: null, and the keys named (a skipped window's null is not one)
+                clean["nonfinite"] = nonfinite
             self._file.write(json.dumps(clean) + "\n")
             self._file.flush()
 

@@ -35,7 +35,6 @@ from pathlib import Path
 
 from megatron_jreg.checkpoints import CheckpointError, read_sidecar, read_tracker, resolve, saved_iterations
 from megatron_jreg.errors import UsageError
-from megatron_jreg.plugin import JregConfig
 
 LOCK = ".megatron_jreg.lock"  # in --save, while a run may write there
 _HELD: set[str] = set()  # lock files this process holds (POSIX locks never exclude their own process)
@@ -137,6 +136,7 @@ def run_settings(args: argparse.Namespace) -> dict:
     """What a checkpoint's meaning depends on, as this run sets it (megatron_jreg.json's `run`)."""
     from megatron.training import get_tokenizer
 
+    from megatron_jreg.plugin import JregConfig
     from megatron_jreg.training.data import tokenizer_sha256
 
     return {"padded_vocab_size": args.padded_vocab_size, "vocab_size": get_tokenizer().vocab_size,
@@ -147,6 +147,8 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 def _settings_from_args(saved: argparse.Namespace) -> dict:
     """run_settings' fields from the Megatron-LM args a checkpoint saved (one without megatron_jreg.json)."""
+    from megatron_jreg.plugin import JregConfig
+
     names = ("padded_vocab_size", "global_batch_size", "rampup_batch_size", "seq_length", "seed")
     settings = {name: getattr(saved, name, None) for name in names}
     settings["vocab_size"] = getattr(saved, "vocab_size", None)  # --vocab-size when given (NullTokenizer)

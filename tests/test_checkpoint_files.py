@@ -1,0 +1,214 @@
+"""A checkpoint folder on disk without training: the iteration a reader asks for, the integrity manifest digested
+by several ranks (or one process) and verified the same way, and the lock on a run's --save folder.
+
+Unit tier: plain files and processes that import nothing heavy (the lock holder is a `python -c` with fcntl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _iteration(root: Path, it: int, files: dict[str, bytes] | None = None) -> Path:
+    """A complete iter_* folder (torch_dist's metadata.json) holding `files`."""
+    ckpt = root / f"iter_{it:07d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for name, data in (files or {}).items():
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_bytes(data)
+    return ckpt
+
+
+def test_an_iteration_that_does_not_exist_lists_those_that_do(tmp_path):
+    """convert --iteration 150 (issue 33, 6): the iterations there, not "fix the tracker"."""
+    from megatron_jreg.checkpoints import CheckpointError, resolve
+
+    for it in (50, 100):
+        _iteration(tmp_path, it)
+    (tmp_path / "iter_0000120").mkdir()  # an interrupted save: not complete, not listed
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(CheckpointError) as e:
+        resolve(tmp_path, 150)
+    assert str(e.value) == (f"{tmp_path}: no iteration 150 (iter_0000150 does not exist); complete iterations "
+                            "there: 50, 100")
+    assert "tracker" not in str(e.value)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("99")  # a tracker that is wrong is still named
+    with pytest.raises(CheckpointError, match="names iteration 99 .* fix the tracker .*complete iterations there: 50"):
+        resolve(tmp_path)
+
+
+def test_every_file_falls_to_exactly_one_rank():
+    from megatron_jreg.checkpoints.files import share
+
+    names = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__2_0.distcp",
+             "__3_0.distcp", "megatron_jreg.json", "metadata.json"]
+    for world in (1, 2, 3, 4, 8):
+        shares = [share(names, rank, world) for rank in range(world)]
+        assert sorted(n for s in shares for n in s) == sorted(names), world
+    assert share(names, 1, 4)[:2] == ["__1_0.distcp", "__1_1.distcp"]  # the shards rank 1 wrote itself
+    assert set(share(names, 0, 2)) >= {"__0_0.distcp", "__0_1.distcp"} and "__2_0.distcp" not in share(names, 1, 4)
+
+
+def test_manifest_by_ranks_equals_one_process_and_names_a_corrupt_file(tmp_path):
+    """Digests gathered from shares = write_integrity's own (the function convert's import calls); files in
+    subfolders (the legacy torch format's mp_rank_*/) included; every share verifies, and the rank holding a
+    damaged file names it."""
+    from megatron_jreg.checkpoints import CheckpointError, verify_integrity, write_integrity
+    from megatron_jreg.checkpoints.files import checkpoint_files, digest_files, share
+
+    files = {f"__{r}_{i}.distcp": os.urandom(70_000 + 1000 * r + i) for r in range(3) for i in range(2)}
+    files.update({".metadata": b"m", "megatron_jreg.json": b"{}", "mp_rank_00/model_optim_rng.pt": os.urandom(5000)})
+    ckpt = _iteration(tmp_path, 7, files)
+    names = checkpoint_files(ckpt)
+    assert "mp_rank_00/model_optim_rng.pt" in names and "integrity.json" not in names
+    gathered = {}
+    for rank in range(3):
+        gathered.update(digest_files(ckpt, share(names, rank, 3), threads=2))
+    assert write_integrity(ckpt, gathered) == len(names) == len(files) + 1
+    by_ranks = json.loads((ckpt / "integrity.json").read_text())
+    assert write_integrity(ckpt) == len(names)
+    assert json.loads((ckpt / "integrity.json").read_text()) == by_ranks
+    assert by_ranks["algorithm"] == "sha256"
+    assert sum(verify_integrity(ckpt, rank, 2) for rank in range(2)) == len(names) == verify_integrity(ckpt)
+    data = bytearray((ckpt / "__1_0.distcp").read_bytes())
+    data[100] ^= 1
+    (ckpt / "__1_0.distcp").write_bytes(bytes(data))
+    assert verify_integrity(ckpt, 0, 2) is not None  # rank 0's share does not hold it
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp: contents differ from the digest recorded at save"):
+        verify_integrity(ckpt, 1, 2)
+    (ckpt / "mp_rank_00/model_optim_rng.pt").unlink()
+    with pytest.raises(CheckpointError, match="model_optim_rng.pt: listed in integrity.json but missing"):
+        verify_integrity(ckpt)
+
+
+def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    from megatron_jreg.checkpoints import CheckpointError, verify_integrity
+
+    ckpt = _iteration(tmp_path, 1)
+    (ckpt / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": {"../../etc/passwd": "0"}}))
+    with pytest.raises(CheckpointError, match="not a file name inside the checkpoint"):
+        verify_integrity(ckpt)
+
+
+_HOLDER = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.pwrite(fd, json.dumps({"host": "node7", "pid": os.getpid(), "started": "2026-01-01T00:00:00"}).encode(), 0)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(lock: Path) -> subprocess.Popen:
+    """Another process holding --save's lock as a run does (its record names host node7)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_leaves_no_stale_lock(tmp_path, capsys):
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.training.run_folder import LOCK, SaveLock
+
+    save = tmp_path / "run"
+    save.mkdir()
+    proc = _holder(save / LOCK)
+    try:
+        with pytest.raises(UsageError) as e:
+            SaveLock.acquire(str(save))
+        assert str(e.value) == (f"--save {save}: another run is writing there (pid {proc.pid} on host node7 since "
+                                "2026-01-01T00:00:00); wait for it to end, or give this run another --save")
+    finally:
+        proc.send_signal(signal.SIGKILL)  # kill -9: no clean-up ran, the record stays
+        proc.wait()
+    assert (save / LOCK).is_file()
+    lock = SaveLock.acquire(str(save))
+    try:
+        taken = capsys.readouterr().out
+        assert f"the lock of a run that ended without releasing it (pid {proc.pid} on host node7" in taken
+        with pytest.raises(UsageError, match="this process already runs a training that writes there"):
+            SaveLock.acquire(str(save))
+        record = json.loads((save / LOCK).read_text())
+        assert record["pid"] == os.getpid()
+    finally:
+        lock.release()
+    assert not (save / LOCK).exists()
+    SaveLock.acquire(str(save)).release()  # free again
+
+
+def test_the_lock_is_released_when_its_holder_process_ends_however_it_ends(tmp_path):
+    from megatron_jreg.training.run_folder import LOCK, SaveLock
+
+    save = tmp_path / "run"
+    save.mkdir()
+    proc = _holder(save / LOCK)
+    proc.terminate()
+    proc.wait()
+    deadline = time.monotonic() + 30  # a guard, not a timing claim
+    while True:
+        try:
+            SaveLock.acquire(str(save)).release()
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_loss_window_is_megatron_lm_s_sum_and_survives_a_checkpoint():
+    """--metrics-file's window: float32 sums as Megatron-LM's training_log makes them; a state restored from JSON
+    continues with the same bits; skipped iterations counted apart, a window of only skipped ones has no loss."""
+    import torch
+
+    from megatron_jreg.training.metrics import LossWindow
+
+    losses = [torch.tensor(x, dtype=torch.float32) for x in (6.2354936599731445, 6.254260540008545, 6.1944842338)]
+    megatron = torch.tensor([0.0])
+    for loss in losses:
+        megatron = megatron + loss
+    whole = LossWindow()
+    for loss in losses:
+        whole.add(loss, skipped=False)
+    assert whole.mean() == float(megatron) / 3
+    part = LossWindow()
+    part.add(losses[0], skipped=False)
+    part.add(None, skipped=True)
+    resumed = LossWindow.restore(json.loads(json.dumps(part.state())))
+    for loss in losses[1:]:
+        resumed.add(loss, skipped=False)
+    assert resumed.mean() == whole.mean() and resumed.skipped == 1 and resumed.advanced == 3
+    skipped = LossWindow()
+    skipped.add(losses[0], skipped=True)
+    assert skipped.mean() is None and skipped.skipped == 1
+
+
+def test_metrics_file_after_a_resume_holds_one_row_per_iteration(tmp_path, capsys):
+    """Rows past the iteration a run resumes from (lost work, replayed next) move to PATH.replaced; nothing is
+    dropped; a first open without earlier rows changes nothing."""
+    from megatron_jreg.training.metrics import MetricsFile
+
+    path = tmp_path / "m.jsonl"
+    rows = [{"iteration": i, "lm_loss": 1.0 / i} for i in (1, 2, 3, 4, 5)] + [{"iteration": 4, "split": "valid"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = MetricsFile(str(path), active=True)
+    metrics.open(3)
+    metrics.write({"iteration": 4, "lm_loss": float("nan")})
+    metrics.close()
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in kept] == [1, 2, 3, 4] and kept[-1]["lm_loss"] is None
+    assert kept[-1]["nonfinite"] == ["lm_loss"]
+    moved = [json.loads(line) for line in Path(f"{path}.replaced").read_text().splitlines()]
+    assert moved == rows[3:]
+    assert "3 row(s) after iteration 3" in capsys.readouterr().out
+    fresh = MetricsFile(str(tmp_path / "new.jsonl"), active=True)
+    fresh.open(0)
+    fresh.close()
+    assert (tmp_path / "new.jsonl").read_text() == "" and not Path(f"{tmp_path / 'new.jsonl'}.replaced").exists()
