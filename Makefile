@@ -34,12 +34,23 @@ demo: venv
 clean:
 	rm -rf $(VENV) build *.egg-info $(DEMO_OUT)
 
-# Wheels that the lent GPU machine lacks (Python 3.12, torch, triton, transformers, ... but no megatron-core
-# and no registry): megatron-core (constraints.txt's pin) and einops, for manylinux x86-64 / CPython 3.12, into
-# .whl/gpu (git-ignored, 2.4 MB); benchmarks/gpu_check.sh installs them on that machine (docs/gpu.md).
+# What the lent GPU machine lacks (Python 3.12, torch, triton, transformers, ... but no megatron-core and no
+# registry), into .whl/ (git-ignored, 2.5 MB; the device tool's `carry: [".whl"]`, docs/gpu.md): megatron-core
+# (constraints.txt's pin) and einops, for manylinux x86-64 / CPython 3.12, into .whl/gpu; Megatron-LM's
+# pretrain_gpt.py, gpt_builders.py and model_provider.py at core_v0.19.0 (not in the wheel; the GPU check's
+# reference) into .whl/megatron-lm, from a local clone (MEGATRON_LM=/path/to/Megatron-LM) or from GitHub.
 GPU_WHEELS ?= .whl/gpu
+GPU_MEGATRON_LM ?= .whl/megatron-lm
+MEGATRON_LM ?=
+MEGATRON_LM_TAG := core_v0.19.0
 .PHONY: gpu-wheels
 gpu-wheels: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.12 \
 		--implementation cp --abi cp312 -c constraints.txt -d $(GPU_WHEELS) megatron-core einops==0.8.2
-	@ls -l $(GPU_WHEELS)
+	@mkdir -p $(GPU_MEGATRON_LM)
+	@for f in pretrain_gpt.py gpt_builders.py model_provider.py; do \
+		if [ -n "$(MEGATRON_LM)" ]; then git -C "$(MEGATRON_LM)" show $(MEGATRON_LM_TAG):$$f > $(GPU_MEGATRON_LM)/$$f; \
+		else curl -fsSL -o $(GPU_MEGATRON_LM)/$$f \
+			https://raw.githubusercontent.com/NVIDIA/Megatron-LM/$(MEGATRON_LM_TAG)/$$f; fi || exit 1; \
+	done
+	@ls -l $(GPU_WHEELS) $(GPU_MEGATRON_LM)

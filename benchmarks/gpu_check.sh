@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One-command GPU check (issue 16; docs/gpu.md): install megatron-core from the carried wheels, compare a
-# tiny fp32 run on the GPU with the CPU, time JREG's kernel and llama-170m training in bf16 at λ = 0 and
-# λ = 1, measure the matmul rate, and print one key=value line:
-#   loss_rel_diff tokens_per_sec mfu jreg_time_ratio jreg_memory_ratio kernel_time_ratio (then more keys)
+# The GPU check (docs/gpu.md; benchmarks/gpu_check.py --help): bf16 Ψ and its gradient vs fp64, the JREG op
+# against its memory floor, tokens/s and MFU of the 170M and 1B presets at λ = 0 and λ = 1 beside Megatron-LM's
+# own pretrain_gpt.py, peak memory at PP = 1 and PP = 2, a sync-debug run of JREG steps; ≤ 7 minutes; its last
+# line is key=value.
 #
-#     make gpu-wheels                        # here, once: wheels into .whl/gpu (PyPI needed)
-#     bash benchmarks/gpu_check.sh           # on the GPU machine (the working tree plus .whl), ≤ 8 minutes
-#     bash benchmarks/gpu_check.sh --dry-run # here: every step on CPU at tiny sizes
+#     make gpu-wheels                        # here, once (PyPI and GitHub, or MEGATRON_LM=/path/to/clone): .whl/
+#     bash benchmarks/gpu_check.sh           # on the GPU machine: the working tree plus .whl (carry: [".whl"])
+#     bash benchmarks/gpu_check.sh --dry-run # here: every step on the CPU at tiny sizes (~1-2 minutes)
 #
 # Environment: OUT (console, JSON and logs go there too), PYTHON (default: .venv/bin/python when present,
 # else python3.12, else python3), GPU_WHEELS (default .whl/gpu), GPU_SITE (where missing wheels are
-# unpacked; default $TMPDIR/megatron-jreg-gpu-site). Other flags go to benchmarks/gpu_check.py (--help).
+# unpacked; default $TMPDIR/megatron-jreg-gpu-site). Other flags go to benchmarks/gpu_check.py.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
