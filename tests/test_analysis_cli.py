@@ -142,3 +142,157 @@ def test_config_validation():
     with pytest.raises(source.AnalysisError, match="--dtype"):
         AnalyzeConfig(models=["x"], dtype="float64")
     assert AnalyzeConfig(models=["x"], num_samples=None).num_samples is None
+
+
+def test_layer_redundancy_outputs_and_labels(models, tmp_path, capsys):
+    """--remove-layers, --positions last and --distance cosine: the table, results.json (with the definitions
+    named), the CSV files and the plots carry the new measures and say which distance and tokens they use."""
+    from matplotlib.image import imread
+
+    from megatron_jreg.analysis.cli import main
+
+    out = tmp_path / "out"
+    argv = ["--model", str(models / "llama"), "--checkpoints", str(models / "run" / "checkpoint-*"), "--num-samples",
+            "4", "--max-length", "40", "--remove-layers", "--top-k", "1,3", "--distance", "cosine", "--positions",
+            "last", "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    table = captured.out
+    for fragment in ("cosine distance 1 − cos", "the last token of each sample", "Ψ_L/mid", "ΔCE top1", "ΔCE top3",
+                     "Reading", "largest rise of Ψ is at layer", "Reference: Shibata et al. 2026", "Table 2"):
+        assert fragment in table, fragment
+    assert "truncated to --max-length 40" in captured.err and "model's context" not in captured.err
+
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["settings"]["remove_layers"] and payload["settings"]["top_k"] == [1, 3]
+    assert {"psi", "zeta", "layer_distances", "residual_norms", "layer_removal"} <= set(payload["definitions"])
+    record = payload["models"][0]
+    assert record["distance"] == "cosine" and record["positions"] == "last" and record["tokens"] == 4
+    assert record["step"] is None and [r["step"] for r in payload["models"][1:]] == [20, 300, 1000]
+    removal = record["layer_removal"]
+    assert removal["top_k"] == [1, 3] and len(removal["delta_ce"]) == record["L"] == 4
+    assert removal["predicted_tokens"] == 4 and "nats per predicted token" in removal["definition"]
+    assert record["layer_distances"][0] == pytest.approx(record["psi"], abs=1e-7)
+    assert len(record["layer_distances"]) == 4 and len(record["residual_norms"]) == 5
+    assert record["largest_rise"]["layer"] in range(2, 5) and record["reading"].startswith("llama: Ψ_L = ")
+
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {row["distance"] for row in rows} == {"cosine"} and {row["positions"] for row in rows} == {"last"}
+    assert float(rows[0]["delta_ce_top3"]) == pytest.approx(removal["delta_ce_top"][1])
+    with open(out / "layers.csv", newline="") as f:
+        layers = list(csv.DictReader(f))
+    assert {row["distance"] for row in layers} == {"cosine"}
+    assert float(layers[0]["delta_ce"]) == pytest.approx(removal["delta_ce"][0])
+    with open(out / "layer_distances.csv", newline="") as f:
+        assert sum(1 for _ in csv.DictReader(f)) == 4 * (4 * 5 // 2)  # L(L+1)/2 pairs per model
+    for name in ("removal.png", "layer_distances.png", "residual_norms.png", "zeta_series.png"):
+        image = imread(out / name)
+        assert image.shape[0] > 300 and image[..., :3].std() > 0.05, name
+
+
+def test_help_shows_the_defaults(capsys):
+    from megatron_jreg.analysis.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fragment in ("or all (default: 100)", "(default: 8)", "(default: jump_analysis)", "(default: 1,2,3)",
+                     "(default: all)", "(default: angular)"):
+        assert fragment in text, fragment
+
+
+def test_revisions_of_a_cached_hub_model_are_a_series(models, tmp_path, monkeypatch, capsys):
+    """--revision A,B: each revision read from the local cache (refs/<name>), the step from its name."""
+    from huggingface_hub import constants
+
+    from megatron_jreg.analysis.cli import main
+    from tests.test_hub import cache_repo
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    for i, (ref, folder) in enumerate((("step20", "checkpoint-20"), ("step1000", "checkpoint-1000"))):
+        cache_repo(cache, "org/tiny", models / "run" / folder, f"{i + 1}" * 40, ref=ref)
+    out = tmp_path / "out"
+    argv = ["--model", "org/tiny", "--revision", "step1000,step20", "--num-samples", "2", "--max-length", "16",
+            "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
+    records = json.loads((out / "results.json").read_text())["models"]
+    assert [(r["model"], r["step"], r["revision"]) for r in records] == [
+        ("tiny@step1000", 1000, "step1000"), ("tiny@step20", 20, "step20")]
+    assert records[0]["psi"] != records[1]["psi"]  # two different snapshots were measured
+    assert main([*argv[:2], "--revision", "step5", *argv[4:]]) == 2
+    assert "org/tiny@step5" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_in_one_line_and_keeps_the_measured_models(models, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second model is measured: exit 130, one line, the first model's results written."""
+    from megatron_jreg.analysis import run
+    from megatron_jreg.analysis.cli import main
+
+    real = run.measure
+    calls = []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "measure", interrupted_second)
+    out = tmp_path / "out"
+    argv = ["--model", str(models / "llama"), "--model", str(models / "gpt2"), "--num-samples", "2", "--max-length",
+            "16", "--output", str(out), "--no-progress"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"megatron-jreg analyze: interrupted while measuring model 2 of 2; the 1 model(s) measured " \
+                      f"before it are in {out}"
+    assert [r["model"] for r in json.loads((out / "results.json").read_text())["models"]] == ["llama"]
+    calls.clear()
+    calls.append(1)  # the first model is now the interrupted one: nothing to write
+    assert main(argv[:2] + argv[4:] + ["--output", str(tmp_path / "none")]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("; nothing written")
+    assert not (tmp_path / "none").exists()
+
+
+def convert_to_megatron(rank: int, world: int, hf: str, out: str) -> None:
+    from megatron_jreg.convert.from_hf import hf_to_mcore
+
+    hf_to_mcore(hf, Path(out), verify=False)
+
+
+@pytest.mark.multirank
+def test_megatron_run_folder_steps_and_an_incomplete_iteration(models, tmp_path):
+    """A run folder with iterations 10 and 20 and an incomplete 30 (its data file never written): --checkpoints
+    measures 10 and 20 and names 30 in one line, with no reader traceback; --model of an iteration folder and of
+    the run folder shows each real step."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.distributed import run_ranks
+
+    run_ranks(convert_to_megatron, 1, str(models / "llama"), str(tmp_path / "mc"))
+    run_dir = tmp_path / "run"
+    for step in (10, 20, 30):
+        shutil.copytree(tmp_path / "mc" / "release", run_dir / f"iter_{step:07d}")
+    for data in (run_dir / "iter_0000030").glob("*.distcp"):
+        data.unlink()
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("20")
+    common = ["--num-samples", "3", "--max-length", "24", "--no-progress"]
+
+    def analyze(*argv: str) -> tuple[subprocess.CompletedProcess, list]:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        done = subprocess.run([sys.executable, "-m", "megatron_jreg.cli", "analyze", *argv, *common, "--output",
+                               str(out)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+        return done, json.loads((out / "results.json").read_text())["models"]
+
+    done, records = analyze("--checkpoints", str(run_dir / "iter_*"), "--remove-layers", "--top-k", "1,2")
+    skipped = [line for line in done.stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and "iter_0000030" in skipped[0] and "truncated or corrupt" in skipped[0], skipped
+    assert [(r["model"], r["step"]) for r in records] == [("iter_0000010", 10), ("iter_0000020", 20)]
+    assert records[0]["layer_removal"]["delta_ce"] == records[1]["layer_removal"]["delta_ce"]  # the same weights
+    _, records = analyze("--model", str(run_dir / "iter_0000010"), "--model", str(run_dir))
+    assert [r["step"] for r in records] == [10, 20]

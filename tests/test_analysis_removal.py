@@ -104,12 +104,15 @@ def test_layer_removal_of_a_loaded_model_leaves_it_unchanged(llama, windows):
         assert torch.equal(model(windows[:, :-1]).logits, before)
 
 
-def megatron_removal(rank: int, world: int, hf: str, tmp: str, windows) -> dict:
+def megatron_removal(rank: int, world: int, hf: str, tmp: str, windows, samples: list[list[int]]) -> dict:
     """In a fresh process (megatron-core's global state): the HF model as megatron-jreg checkpoints saved for
-    TP=1/PP=1 and TP=2/PP=2, each measured from its path; one also loaded first (`MegatronModel`)."""
+    TP=1/PP=1 and TP=2/PP=2, each measured from its path; one also loaded first (`MegatronModel`), and measured
+    on padded text batches (all tokens and the last of each sample) as `analyze` measures them."""
     import torch
 
-    from megatron_jreg.analysis.removal import layer_removal
+    from megatron_jreg.analysis.measure import last_token_mask, padded_batches
+    from megatron_jreg.analysis.megatron_source import MegatronSource
+    from megatron_jreg.analysis.removal import layer_removal, next_token_targets, removal_totals
     from megatron_jreg.checkpoints import load_megatron_model
     from megatron_jreg.convert.from_hf import hf_to_mcore
 
@@ -121,15 +124,147 @@ def megatron_removal(rank: int, world: int, hf: str, tmp: str, windows) -> dict:
         out[f"tp{tp}pp{pp}"] = layer_removal(ckpt, windows, top_k=TOP_K, batch_size=2)
     loaded = load_megatron_model(Path(tmp) / "mcore-tp1-pp1", load_tokenizer=False)
     out["loaded"] = layer_removal(loaded, windows, top_k=TOP_K, batch_size=5)
+    source = MegatronSource(loaded, "mcore")
+    for positions in ("all", "last"):
+        batches = list(padded_batches(samples, 3, 0))
+        stats = None
+        for ids, mask in batches:
+            select = last_token_mask(mask) if positions == "last" else mask
+            batch = source.layer_stats(ids, mask, "angular", select)
+            stats = batch if stats is None else {k: stats[k] + batch[k] for k in stats}
+        targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask in batches]
+        out[positions] = {"stats": {k: v.tolist() for k, v in stats.items()},
+                          "removal": removal_totals(source, targets, TOP_K).as_dict()}
     return out
 
 
 @pytest.mark.multirank
-def test_layer_removal_of_megatron_checkpoints_equals_the_hf_reference(llama, windows, tmp_path):
+def test_megatron_checkpoints_equal_the_hf_references(llama, windows, samples, tmp_path):
+    """Layer removal on windows (from checkpoint paths of two saved layouts and from a loaded model) and on
+    padded text batches, the distances between any two layers and the residual norms of the megatron-jreg
+    checkpoint equal the references computed on the Hugging Face model it was converted from."""
     from tests.distributed import run_ranks
 
-    results = run_ranks(megatron_removal, 1, str(llama), str(tmp_path), windows, timeout=900)[0]
+    _, ids = samples
+    results = run_ranks(megatron_removal, 1, str(llama), str(tmp_path), windows, ids, timeout=900)[0]
     ref = reference(llama, windows)
-    for name, result in results.items():
+    for name in ("tp1pp1", "tp2pp2", "loaded"):
+        result = results[name]
         assert result["num_layers"] == LAYERS and result["predicted_tokens"] == 5 * 18, name
         assert_matches(result, ref)
+    for positions in ("all", "last"):
+        measured = results[positions]
+        assert_matches(measured["removal"], reference_on_samples(llama, ids, positions))
+        norms, dist = reference_states(llama, ids, positions)
+        stats = measured["stats"]
+        tokens = stats["counts"][0]
+        assert [n / tokens for n in stats["norm_sums"]] == pytest.approx(norms, rel=1e-5)
+        for i in range(LAYERS + 1):
+            for j in range(i + 1, LAYERS + 1):
+                assert stats["distance_sums"][i][j] / tokens == pytest.approx(dist[i][j], abs=2e-6), (i, j)
+        psi = [s / c for s, c in zip(stats["sums"], stats["counts"])]
+        assert [stats["distance_sums"][i][i + 1] / tokens for i in range(LAYERS)] == pytest.approx(psi, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On text samples (what `analyze --remove-layers` measures): padded batches, all tokens or each sample's last.
+
+
+def reference_on_samples(folder: Path, samples: list[list[int]], positions: str, top_k=TOP_K) -> dict:
+    """As `reference`, one sample at a time (no padding): CE of every next-token prediction inside the sample,
+    or only of its last token."""
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    layers = model.model.layers
+
+    def ce(skipped) -> float:
+        handles = [layers[i].register_forward_hook(lambda m, args, kwargs, out: args[0] if args else
+                                                   kwargs["hidden_states"], with_kwargs=True) for i in skipped]
+        total, count = 0.0, 0
+        try:
+            for ids in samples:
+                ids = torch.tensor([ids])
+                with torch.no_grad():
+                    logits = model(ids).logits[0, :-1].double()
+                targets = ids[0, 1:]
+                if positions == "last":
+                    logits, targets = logits[-1:], targets[-1:]
+                total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+                count += len(targets)
+        finally:
+            for h in handles:
+                h.remove()
+        return total / count
+
+    return {"base_ce": ce([]), "ce_skip": [ce([i]) for i in range(LAYERS)],
+            "ce_skip_top": [ce(range(LAYERS - k, LAYERS)) for k in top_k]}
+
+
+def reference_states(folder: Path, samples: list[list[int]], positions: str) -> tuple[list, list]:
+    """(mean ‖h_ℓ‖ for ℓ = 0..L, mean angular d(h_i, h_j) [L+1][L+1]) the plain way: output_hidden_states with
+    the final norm swapped for the identity, one sample at a time, float64 arccos of the cosine."""
+    import math
+
+    import torch
+
+    from tests.test_analysis import final_norm_removed
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    size = LAYERS + 1
+    norms = torch.zeros(size, dtype=torch.float64)
+    dist = torch.zeros(size, size, dtype=torch.float64)
+    count = 0
+    with torch.no_grad(), final_norm_removed(model.model, "norm"):
+        for ids in samples:
+            hidden = [h[0].double() for h in model.model(input_ids=torch.tensor([ids]),
+                                                         output_hidden_states=True).hidden_states]
+            if positions == "last":
+                hidden = [h[-1:] for h in hidden]
+            count += hidden[0].shape[0]
+            for i in range(size):
+                norms[i] += hidden[i].norm(dim=-1).sum()
+                for j in range(i + 1, size):
+                    cos = torch.cosine_similarity(hidden[i], hidden[j], dim=-1).clamp(-1, 1)
+                    dist[i, j] += (torch.arccos(cos) / math.pi).sum()
+    return (norms / count).tolist(), (dist / count).tolist()
+
+
+@pytest.fixture(scope="module")
+def samples(llama) -> tuple[list[str], list[list[int]]]:
+    """Seven LAMBADA passages cut to different lengths (one of a single word), and their token ids."""
+    texts = [" ".join(p.split()[:n]) for p, n in zip(lambada_passages()[:7], (5, 31, 12, 1, 26, 8, 18))]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama)
+    return texts, [tokenizer(t)["input_ids"] for t in texts]
+
+
+@pytest.mark.parametrize("positions", ["all", "last"])
+def test_measure_on_samples_equals_references(llama, samples, positions):
+    """`measure` (what analyze runs): padded batches of text samples, in memory and streamed. Layer removal
+    equals the hook reference, the distance between any two layers and the residual norms the plain
+    output_hidden_states reference, and the n = 1 row of the distances is Ψ."""
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.measure import measure
+    from megatron_jreg.analysis.source import ModelSpec
+    from megatron_jreg.analysis.stream_source import load_stream_source
+
+    texts, ids = samples
+    spec = ModelSpec(llama, "llama", "hf")
+    ref = reference_on_samples(llama, ids, positions)
+    norms, dist = reference_states(llama, ids, positions)
+    results = []
+    for load in (load_hf_source, load_stream_source):
+        source = load(llama, label="llama")
+        results.append(measure(source, texts, spec, batch_size=3, positions=positions, remove_layers=TOP_K))
+    for result in results:
+        assert result.positions == positions and result.tokens == (len(ids) if positions == "last" else
+                                                                   sum(map(len, ids)))
+        predicted = [len(i) - 1 if positions == "all" else 1 for i in ids if len(i) > 1]
+        assert result.removal["predicted_tokens"] == sum(predicted)
+        assert_matches(result.removal, ref)
+        assert result.residual_norms == pytest.approx(norms, rel=1e-5)
+        for n, row in enumerate(result.layer_distances, start=1):
+            assert row == pytest.approx([dist[i][i + n] for i in range(LAYERS + 1 - n)], abs=2e-6)
+        assert result.layer_distances[0] == pytest.approx(result.psi, abs=1e-7)
+        assert result.zero_tokens == [0] * (LAYERS + 1)
+    assert results[1].removal["ce_skip"] == pytest.approx(results[0].removal["ce_skip"], rel=1e-6)

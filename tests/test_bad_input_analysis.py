@@ -429,6 +429,8 @@ def _add_extra_tensor(tensors: dict) -> None:
 
 
 EXTRA_TENSOR = edited_weights(_add_extra_tensor)
+ZERO_EMBEDDINGS = edited_weights(lambda t: t["model.embed_tokens.weight"].zero_())  # every h_ℓ is then 0
+NO_HEAD = edited_weights(lambda t: t.pop("lm_head.weight"))  # untied: Ψ needs no head, layer removal does
 GOOD = [(1, 0.5), (2, 0.6)]
 
 CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
@@ -462,6 +464,12 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     "analyze/nan-weights": ("analyze", model(NAN_WEIGHT), ("edited", "not finite at layer(s) [2, 3]", "weights")),
     "analyze/nan-weights-stream": ("analyze", model(NAN_WEIGHT, "--stream"), ("not finite at layer(s) [2, 3]",)),
     "analyze/no-tokenizer": ("analyze", model(without("tokenizer*")), ("partial", "--tokenizer DIR")),
+    "analyze/zero-hidden-states": ("analyze", model(ZERO_EMBEDDINGS), ("edited", "exactly zero", "Ψ = 0.5")),
+    "analyze/zero-hidden-states-stream": ("analyze", model(ZERO_EMBEDDINGS, "--stream"), ("exactly zero",)),
+    "analyze/remove-layers-no-head": ("analyze", model(NO_HEAD, "--remove-layers"), ("--remove-layers", "LM head")),
+    "analyze/remove-layers-no-head-stream": (
+        "analyze", model(NO_HEAD, "--remove-layers", "--stream"), ("--remove-layers", "LM head", "edited")
+    ),
     "analyze/tokenizer-missing": (
         "analyze", model(good_llama, "--tokenizer", "/nonexistent/tok"), ("--tokenizer /nonexistent/tok",)
     ),
@@ -501,6 +509,18 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
         "analyze", lambda i: ["--model", str(i.llama), "--output", str(i.file("f", "x"))], ("--output", "is a file")
     ),
     "analyze/no-model": ("analyze", lambda i: [], ("--model",)),
+    "analyze/top-k-0": ("analyze", model(good_llama, "--remove-layers", "--top-k", "0"), ("--top-k 0", ">= 1")),
+    "analyze/top-k-not-numbers": ("analyze", model(good_llama, "--remove-layers", "--top-k", "1,b"), ("--top-k",)),
+    "analyze/top-k-beyond-layers": (
+        "analyze", model(good_llama, "--remove-layers", "--top-k", "2,9"), ("--top-k 9", "3 decoder layers")
+    ),
+    "analyze/top-k-without-remove-layers": ("analyze", model(good_llama, "--top-k", "2"), ("--remove-layers",)),
+    "analyze/positions-unknown": ("analyze", model(good_llama, "--positions", "middle"), ("--positions",)),
+    "analyze/revision-of-a-folder": ("analyze", model(good_llama, "--revision", "step1"), ("--revision", "local")),
+    "analyze/revision-empty": ("analyze", lambda i: ["--model", "org/x", "--revision", "a,,b"], ("--revision ''",)),
+    "analyze/revision-without-model": (
+        "analyze", lambda i: ["--checkpoints", str(i.root / "*"), "--revision", "step1"], ("--revision needs --model",)
+    ),
     # analyze: data
     "analyze/data-malformed-jsonl": (
         "analyze",
@@ -742,3 +762,37 @@ def test_partly_bad_lambada_file_is_scored_and_reported(case_inputs, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["samples"] == {"lambada": 3}
     assert saved["skipped"] == {"lambada": {"empty": 1, "not_a_string": 1, "one_word": 1}}
+
+
+# `analysis.removal.layer_removal` (the library entry): each bad argument is one AnalysisError line naming it.
+REMOVAL_CASES: dict[str, tuple[Callable, dict, tuple[str, ...]]] = {
+    "windows-float": (lambda torch: torch.rand(2, 5), {}, ("windows", "integer tensor [N, S]", "2-D")),
+    "windows-1d": (lambda torch: torch.arange(5), {}, ("windows", "1-D",)),
+    "windows-a-list": (lambda torch: [[1, 2, 3]], {}, ("windows", "got list")),
+    "windows-one-token": (lambda torch: torch.zeros(3, 1, dtype=torch.long), {}, ("windows", "no prediction")),
+    "windows-beyond-vocabulary": (lambda torch: torch.full((2, 4), VOCAB), {}, ("windows", f"vocabulary of {VOCAB}")),
+    "windows-negative": (lambda torch: torch.full((2, 4), -1), {}, ("windows", "-1..-1")),
+    "top-k-0": (None, {"top_k": (0,)}, ("top_k 0",)),
+    "top-k-beyond-layers": (None, {"top_k": (1, 4)}, ("top_k 4", "3 decoder layers")),
+    "batch-size-0": (None, {"batch_size": 0}, ("batch_size", "0")),
+    "model-missing": (None, {"model": "/nonexistent/model"}, ("/nonexistent/model", "no such file")),
+    "model-of-another-kind": (None, {"model": 42}, ("cannot use a int as a model",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REMOVAL_CASES))
+def test_layer_removal_bad_input_is_one_clear_error(name, inputs):
+    import torch
+
+    from megatron_jreg.analysis.removal import layer_removal
+    from megatron_jreg.analysis.source import AnalysisError
+
+    make, kwargs, expect = REMOVAL_CASES[name]
+    windows = make(torch) if make else torch.randint(0, VOCAB, (2, 6))
+    kwargs = {"model": inputs.llama, **kwargs}
+    with pytest.raises(AnalysisError) as error:
+        layer_removal(kwargs.pop("model"), windows, **kwargs)
+    message = str(error.value)
+    assert "\n" not in message
+    for fragment in expect:
+        assert fragment in message, (fragment, message)

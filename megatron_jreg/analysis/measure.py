@@ -209,6 +209,13 @@ def measure(
     """Ψ_ℓ, residual norms and the distances between any two layers of `source` over `texts` (padding
     excluded; `positions` "all" tokens or each sample's "last"), and with `remove_layers` (the top k values)
     layer removal (`removal.py`) on the same samples."""
+    if remove_layers is not None:  # before any work: k within the model's layers, an LM head to score with
+        from megatron_jreg.analysis.removal import check_top_k
+
+        remove_layers = check_top_k(remove_layers, source.num_layers, "--top-k")
+        if getattr(source, "head_missing", None):
+            raise AnalysisError(f"--remove-layers: layer removal needs the LM head, but {source.head_missing}; "
+                                "drop --remove-layers or add the head's weights")
     samples, truncated, truncated_to = encode_samples(source, texts, max_length)
     if not samples:
         raise AnalysisError(f"{spec.label}: no sample has any token; check --data")
@@ -257,9 +264,9 @@ def measure(
 
 def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
              positions: str, label: str, progress: bool) -> dict:
-    from megatron_jreg.analysis.removal import check_top_k, next_token_targets, removal_passes, removal_totals
+    from megatron_jreg.analysis.removal import next_token_targets, removal_passes, removal_totals
 
-    ks = check_top_k(top_k, source.num_layers, "--top-k")
+    ks = tuple(top_k)
     with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
     if not any(bool((t >= 0).any()) for _, _, t in with_targets):
         raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "

@@ -7,6 +7,9 @@ and the training logs share one definition and one implementation.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -75,6 +78,27 @@ class MegatronSource:
         self.loaded = None
 
 
+class _ReaderTracebacks(logging.Filter):
+    """torch.distributed.checkpoint logs each failed metadata read with its traceback on the root logger
+    ("Global metadata is not found", "Rank local metadata is not found") before raising; the CheckpointError
+    that follows names the file in one line, so those records are dropped while a checkpoint loads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{os.sep}torch{os.sep}distributed{os.sep}checkpoint{os.sep}" in
+                    record.pathname)
+
+
+@contextlib.contextmanager
+def _no_reader_tracebacks():
+    root = logging.getLogger()
+    quiet = _ReaderTracebacks()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
+
+
 def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple[Tensor, ...]:
     """Move each row's real tokens to the front (and the same positions of the masks in `others`):
     megatron's causal attention then never sees padding."""
@@ -107,7 +131,9 @@ def load_megatron_source(
     from megatron_jreg.checkpoints import CheckpointError, load_megatron_model
 
     try:
-        loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer, load_tokenizer=with_tokenizer)
+        with _no_reader_tracebacks():
+            loaded = load_megatron_model(path, dtype=dtype, tokenizer_model=tokenizer,
+                                         load_tokenizer=with_tokenizer)
     except (CheckpointError, FileNotFoundError) as e:
         raise AnalysisError(str(e)) from None
     return MegatronSource(loaded, label, include_final_norm)

@@ -94,7 +94,7 @@ def check_top_k(top_k: Sequence[int], num_layers: int, flag: str = "top_k") -> t
     bad = [k for k in ks if not 1 <= k <= num_layers]
     if bad:
         raise AnalysisError(f"{flag} {','.join(map(str, bad))}: k must be between 1 and the model's {num_layers} "
-                            "layers; pass smaller values")
+                            "decoder layers; pass values in that range")
     return ks
 
 

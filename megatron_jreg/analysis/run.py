@@ -86,7 +86,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
             except AnalysisError as e:
                 if spec.flag != "--checkpoints":
                     raise
-                log(f"[{i}/{len(specs)}] skipped {spec.path}: {e}")
+                log(f"[{i}/{len(specs)}] skipped {spec.path}: {str(e).removeprefix(f'{spec.path}: ')}")
                 continue
             results.append(result)
     except KeyboardInterrupt:

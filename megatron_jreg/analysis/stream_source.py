@@ -263,6 +263,10 @@ class StreamingSource:
         self._pass_positions = "position_ids" in inspect.signature(self.base.forward).parameters
         self._groups, self._embedding = self._plan()
         self._load(self._groups["rest"], "the modules outside the decoder layers")
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.head_missing = None if self._groups.get("head") or getattr(text_config, "tie_word_embeddings", False) \
+            else f"{folder} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
+        """Why layer removal cannot score this model (`hf_source.head_missing`), or None."""
 
     # ----------------------------------------------------------------------------------- the files
     def _target(self, name: str, meta_keys: dict) -> list[str]:
@@ -499,13 +503,11 @@ class StreamingSource:
                                 "needs one")
         if all(p.device.type != "meta" for p in head.parameters()):
             return
+        if self.head_missing:
+            raise AnalysisError(f"--model {self.folder}: layer removal needs the LM head, but {self.head_missing}")
         self._load(self._groups.get("head", []), "the LM head")
         if head.weight.device.type == "meta":
             file_key, _ = self._embedding
-            text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-            if not getattr(text_config, "tie_word_embeddings", False) or file_key is None:
-                raise AnalysisError(f"--model {self.folder}: its files hold no LM head (lm_head.*) and its embeddings "
-                                    "are not tied; layer removal needs the head")
             table = self.weights.load([file_key])[file_key]
             head.weight = nn.Parameter(table.to(device=self.device, dtype=self.dtype), requires_grad=False)
         unloaded = [n for n, p in head.named_parameters() if p.device.type == "meta"]
