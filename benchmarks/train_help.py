@@ -1,0 +1,54 @@
+"""`megatron-jreg train --help`: seconds and stderr lines, the first call (the help is built from Megatron-LM's
+parser, importing megatron.training) against the calls after it (the kept copy), side by side in one run.
+
+    python benchmarks/train_help.py                 # 3 rounds of: cold (an empty cache folder), warm
+
+Each call is a fresh process with its own XDG_CACHE_HOME; "cold" starts from an empty one, "warm" reuses the
+folder the cold call filled. Last line: cold_s=… warm_s=… warm_vs_cold=… stderr_lines=… (medians; stderr lines
+over every call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def call(cache: Path) -> tuple[float, int, int]:
+    """(seconds, stdout lines, stderr lines) of one `python -m megatron_jreg.cli train --help`."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env.pop("PYTHONWARNINGS", None)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "megatron_jreg.cli", "train", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)
+    return time.perf_counter() - start, len(proc.stdout.splitlines()), len(proc.stderr.splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    cold, warm, stderr = [], [], 0
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind, times in (("cold", cold), ("warm", warm)):
+                seconds, out_lines, err_lines = call(Path(tmp))
+                times.append(seconds)
+                stderr += err_lines
+                print(f"round {r} {kind}: {seconds:.2f} s, {out_lines} help lines, {err_lines} stderr lines",
+                      flush=True)
+    c, w = statistics.median(cold), statistics.median(warm)
+    print(f"cold_s={c:.2f} warm_s={w:.2f} warm_vs_cold={w / c:.3f} stderr_lines={stderr}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
