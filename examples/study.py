@@ -24,6 +24,7 @@ Design (fixed here, before any run; docs/study.md reports whatever comes out):
   before and after on the same held-out windows.
 
     python examples/study.py                     # the default study (docs/study.md): ~2 h on 2 cores
+    python examples/study.py --design v3 --jobs 1   # study v3 (examples/study_v3_analysis.py, issue 30)
     python examples/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
     python examples/study.py --report-only       # report from what is there
     python examples/study.py --runs sft-jreg-a1/seed-3   # only these runs (and their parents), then:
@@ -101,13 +102,19 @@ class StudyConfig:
     core_windows: int = 256  # held-out windows measured at every checkpoint
     train_windows: int = 512  # training windows measured at the final checkpoint
     eval_sequences: int = 160  # Megatron-LM's own validation at the end: this many held-out sequences
-    gate: float = 0.5  # pilot gate: final held-out ζ_L of baseline-small seed 1
+    gate: float | None = 0.5  # pilot gate: final held-out ζ_L of baseline-small seed 1; None: no pilot phase
     ignore_gate: bool = False
     sft_seeds: int = 3
     sft_steps: int = 300
     sft_batch: int = 8
     sft_lr: float = 1e-4
     quick: bool = False
+    design: str = "v2"
+    first_seed: int = 1
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
 
     @property
     def small_steps(self) -> int:
@@ -124,6 +131,11 @@ class StudyConfig:
         return arm_name(1.0 if 1.0 in self.alphas else self.alphas[0])
 
 
+# Study v3 (issue 30; its analysis is fixed in examples/study_v3_analysis.py): the 12 × 64 regime in which the
+# jump forms (examples/demo_regimes.py), fresh seeds 9..20, a 4× larger batch for baseline-large, JREG at α = 1
+# and α = 0, 6 checkpoints per run, no pilot gate (the regime was chosen on seeds 1..8), no SFT analogue.
+V3 = dict(design="v3", first_seed=9, seeds=12, model=Model(layers=12, hidden=64, heads=2, ffn=176), small_batch=4,
+          large_batch=16, large_steps=750, alphas=(1.0, 0.0), checkpoints=6, gate=None, sft_seeds=0)
 QUICK = dict(seeds=2, large_batch=4, small_batch=2, large_steps=4, alphas=(1.0,), checkpoints=2,
              model=Model(layers=4, hidden=64, heads=4, ffn=128), core_windows=8, train_windows=8, eval_sequences=4,
              gate=0.0, sft_seeds=1, sft_steps=3, sft_batch=2, quick=True)
@@ -156,11 +168,12 @@ class Run:
 def pretrain_runs(cfg: StudyConfig) -> list[Run]:
     """Seed-major, so that complete seeds finish early."""
     return [Run(a.name, s, cfg.output / "runs" / a.name / f"seed-{s}", a.batch, a.steps, a.lam, a.alpha)
-            for s in range(1, cfg.seeds + 1) for a in cfg.arms()]
+            for s in cfg.seed_list for a in cfg.arms()]
 
 
 def sft_runs(cfg: StudyConfig, pretrained: list[Run]) -> list[Run]:
-    parents = [r for r in pretrained if r.seed <= cfg.sft_seeds and r.arm in ("baseline-small", cfg.jreg_arm)]
+    parents = [r for r in pretrained
+               if r.seed < cfg.first_seed + cfg.sft_seeds and r.arm in ("baseline-small", cfg.jreg_arm)]
     return [Run(f"sft-{p.arm}", p.seed, cfg.output / "runs" / f"sft-{p.arm}" / f"seed-{p.seed}", cfg.sft_batch,
                 cfg.sft_steps, parent=p) for p in parents]
 
@@ -452,7 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None,
                    help="where everything is written (default: study_output, or study_quick with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke test of the pipeline: tiny model, a few steps")
-    p.add_argument("--seeds", type=int, help=f"training seeds 1..N (default {d.seeds})")
+    p.add_argument("--design", choices=("v2", "v3"), default="v2",
+                   help="v2: the committed study (docs/study.md); v3: issue 30's (examples/study_v3_analysis.py)")
+    p.add_argument("--seeds", type=int, help=f"training seeds: this many from the design's first (default {d.seeds}"
+                   " for v2, 12 from seed 9 for v3)")
     p.add_argument("--alphas", type=float, nargs="+",
                    help=f"α of the JREG arms at the small batch (default {' '.join(f'{a:g}' for a in d.alphas)})")
     p.add_argument("--large-steps", type=int,
@@ -473,9 +489,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> StudyConfig:
-    base = StudyConfig(output=Path("study_quick" if args.quick else "study_output"))
-    if args.quick:
-        base = replace(base, **QUICK)
+    stem = "study_output" if args.design == "v2" else f"study_{args.design}_output"
+    base = StudyConfig(output=Path(stem.replace("output", "quick") if args.quick else stem))
+    if args.design == "v3":
+        base = replace(base, **V3)
+    if args.quick:  # a tiny model and few steps; the design's arms, seeds and phases stay
+        keep = ({k: getattr(base, k) for k in ("alphas", "first_seed", "gate", "sft_seeds")}
+                if args.design == "v3" else {})
+        base = replace(base, **{**QUICK, **keep})
     chosen = {k: v for k, v in dict(seeds=args.seeds, large_steps=args.large_steps, jobs=args.jobs,
                                     gate=args.gate, sft_seeds=args.sft_seeds).items() if v is not None}
     if args.alphas is not None:
@@ -486,7 +507,7 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
             raise SystemExit(f"study.py: error: --{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
     if not 0 <= cfg.sft_seeds <= cfg.seeds:
         raise SystemExit(f"study.py: error: --sft-seeds {cfg.sft_seeds}: must lie in 0..--seeds ({cfg.seeds})")
-    if not all(math.isfinite(a) for a in cfg.alphas) or not math.isfinite(cfg.gate):
+    if not all(math.isfinite(a) for a in cfg.alphas) or (cfg.gate is not None and not math.isfinite(cfg.gate)):
         raise SystemExit("study.py: error: --alphas and --gate must be finite numbers")
     if cfg.large_steps < cfg.checkpoints:
         raise SystemExit(f"study.py: error: --large-steps {cfg.large_steps}: at least {cfg.checkpoints} "
@@ -518,6 +539,21 @@ def gate_result(cfg: StudyConfig, pilot: Run) -> dict:
     return result
 
 
+def write_report(cfg: StudyConfig, report: Path) -> None:
+    """The design's report from OUTPUT/raw (v3's: examples/study_v3_report.py, on its pre-registered analysis)."""
+    if cfg.design == "v2":
+        import study_report
+
+        study_report.write_report(cfg.output / "raw", report)
+        return
+    try:
+        import study_v3_report
+    except ImportError:  # the analysis was fixed before the runs; its report came later
+        print(f"[study] raw results in {cfg.output / 'raw'}; the v3 report: examples/study_v3_report.py", flush=True)
+        return
+    study_v3_report.write_report(cfg.output / "raw", report)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args._post is not None:
@@ -534,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     code = {**git_state(), "argv": argv_used}
     if args.report_only:
         study_report.export_raw(cfg, pretrain + sft)
-        study_report.write_report(cfg.output / "raw", report)
+        write_report(cfg, report)
         return 0
     cfg.output.mkdir(parents=True, exist_ok=True)
     ignore = cfg.output / ".gitignore"  # checkpoints (GBs) never end up in a commit, wherever --output is
@@ -556,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = pretrain[0].batch * pretrain[0].steps * SEQ_LENGTH
     print(f"[study] {len(pretrain)} pretraining runs ({cfg.seeds} seed(s) × {', '.join(a.name for a in cfg.arms())}; "
           f"{budget:,} tokens each) + {len(sft)} SFT runs, --jobs {cfg.jobs}", flush=True)
-    pilot = [r for r in pretrain if r.seed == 1 and r.arm.startswith("baseline")]
+    pilot = [r for r in pretrain if r.seed == cfg.first_seed and r.arm.startswith("baseline")
+             and cfg.gate is not None]
     phases = [("pilot", pilot), ("study", [r for r in pretrain if r not in pilot]), ("sft", sft)]
     failed: list[str] = []
     status = 0
@@ -588,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         invocation["wall_s"] = time.time() - t0
         _record_invocation(cfg, invocation)
     study_report.export_raw(cfg, pretrain + sft)
-    study_report.write_report(cfg.output / "raw", report)
+    write_report(cfg, report)
     print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'raw'}, {report}", flush=True)
     if failed:
         print(f"[study] failed: {', '.join(failed)} (logs above); run the same command again to retry them",
