@@ -49,6 +49,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -382,9 +383,6 @@ def _run(spec: dict, memory: Memory, folder: Path | None) -> dict:
     """One training run of the worker: ours or Megatron-LM's, console to its log; its exit code and peak."""
     import torch
 
-    env = spec.get("env", {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     fake = "--fake-process-group" in spec["argv"]
     if fake and torch.distributed.is_initialized():  # Megatron-LM starts its fake world only where none is
         torch.distributed.destroy_process_group()
@@ -392,7 +390,7 @@ def _run(spec: dict, memory: Memory, folder: Path | None) -> dict:
     start = time.perf_counter()
     rc = 1
     try:
-        with Redirect(Path(spec["log"])):
+        with mock.patch.dict(os.environ, spec.get("env", {})), Redirect(Path(spec["log"])):
             try:
                 rc = _ours(spec["argv"]) if spec["kind"] == "ours" else _megatron_lm(spec["argv"], folder)
             except SystemExit as e:
@@ -403,11 +401,6 @@ def _run(spec: dict, memory: Memory, folder: Path | None) -> dict:
                 traceback.print_exc()
                 rc = 1
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         if fake and torch.distributed.is_initialized():  # the next stage is another rank of another world
             torch.distributed.destroy_process_group()
     return {"name": spec["name"], "rc": rc, "seconds": time.perf_counter() - start, "peak_bytes": memory.peak(),

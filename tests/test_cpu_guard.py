@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -111,24 +112,12 @@ def test_diagnosis_on_this_machine():
 
 
 # -- training launches -------------------------------------------------------------------------------------
-def _with_env(extra: dict, argv: list[str]) -> tuple[int, str, str]:
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        return train(argv)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def suite(rank: int, world: int) -> dict:
     out = {}
     for name, env in GPU_ENVS.items():
-        out[name] = _with_env(env, TINY)
-        out[name + "+allow-cpu"] = _with_env(env, [*TINY, "--allow-cpu"])
+        for suffix, argv in (("", TINY), ("+allow-cpu", [*TINY, "--allow-cpu"])):
+            with mock.patch.dict(os.environ, env):
+                out[name + suffix] = train(argv)
     return out
 
 
