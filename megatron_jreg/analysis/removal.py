@@ -232,7 +232,7 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
         if on_pass:
             on_pass(0)
     recorder.check_unchanged()
-    return torch.stack([s.to("cpu") for s in sums])
+    return torch.stack(sums).cpu()  # one host sync per batch
 
 
 def removal_passes(num_layers: int, top_k: Sequence[int]) -> int:

@@ -581,7 +581,7 @@ class StreamingSource:
         finally:
             hook.remove()
         tokens = sum(int((t != IGNORE).sum()) for t in targets)
-        return torch.stack([torch.as_tensor(s, dtype=torch.float64).cpu() for s in sums]), tokens
+        return torch.stack(sums).double().cpu(), tokens
 
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """One batch through all layers (reads every layer once per call: use `stream_stats` for many)."""
