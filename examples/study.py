@@ -263,12 +263,49 @@ def check_spec(cfg: StudyConfig, run: Run) -> None:
 # the per-run measurement worker (one process: one import of torch and megatron-core)
 
 
-def post_process(run_dir: Path) -> int:
-    """Measure the run's checkpoints (study_measure.py) into measures.json, then post.done."""
-    import study_measure
+def measured(cfg: StudyConfig, run: Run) -> bool:
+    """Every measurement of the design is done: the series (post.done) and, for v3, layer removal."""
+    return (run.dir / "post.done").exists() and (cfg.design != "v3" or (run.dir / "removal.done").exists())
 
+
+def post_process(run_dir: Path, removal: bool = False) -> int:
+    """Measure the run's checkpoints (study_measure.py) into measures.json, then post.done; with `removal`
+    (v3) layer removal at the final checkpoint into removal.json, then removal.done."""
     spec = json.loads((run_dir / "spec.json").read_text())
     data = json.loads((run_dir.parents[2] / "data.json").read_text())
+    if not (run_dir / "post.done").exists():
+        rc = measure_series(run_dir, spec, data)
+        if rc:
+            return rc
+    if removal and not (run_dir / "removal.done").exists():
+        return measure_removal(run_dir, spec, data)
+    return 0
+
+
+def measure_removal(run_dir: Path, spec: dict, data: dict) -> int:
+    """Study v3's mechanism (examples/study_v3_analysis.py): ΔCE of skipping each decoder layer and the top
+    1, 2, 3 layers of the final checkpoint, on every held-out window (`megatron-jreg analyze`'s layer removal)."""
+    import study_measure
+
+    from megatron_jreg.analysis.removal import layer_removal
+
+    t0 = time.time()
+    final = run_dir / "checkpoints" / f"iter_{spec['steps']:07d}"
+    heldout = study_measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
+    result = layer_removal(str(final), heldout, top_k=(1, 2, 3), batch_size=32)
+    record = {"iteration": spec["steps"], "windows": len(heldout), "base_ce": result["base_ce"],
+              "single": result["delta_ce"], "top": dict(zip(map(str, result["top_k"]), result["delta_ce_top"])),
+              "layer_removal": result}
+    tmp = run_dir / "removal.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(run_dir / "removal.json")
+    (run_dir / "removal.done").write_text(json.dumps({"wall_s": time.time() - t0}) + "\n")
+    return 0
+
+
+def measure_series(run_dir: Path, spec: dict, data: dict) -> int:
+    import study_measure
+
     t0 = time.time()
     checkpoints = sorted((run_dir / "checkpoints").glob("iter_*"), key=lambda p: int(p.name.split("_")[1]))
     checkpoints = [c for c in checkpoints if int(c.name.split("_")[1]) % spec["save_interval"] == 0]
@@ -337,7 +374,7 @@ class Stop(Exception):
 def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[str]:
     """Train and measure every run not done yet; returns the names of the runs that failed."""
     trains = deque(r for r in runs if not (r.dir / "train.done").exists())
-    posts = deque(r for r in runs if (r.dir / "train.done").exists() and not (r.dir / "post.done").exists())
+    posts = deque(r for r in runs if (r.dir / "train.done").exists() and not measured(cfg, r))
     running: list[Job] = []
     failed: list[str] = []
     progress = Progress(runs, cfg.jobs)
@@ -359,6 +396,8 @@ def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[s
                 if posts:
                     run = posts.popleft()
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--_post", str(run.dir)]
+                    if cfg.design == "v3":
+                        cmd.append("--_removal")
                     log = open(run.dir / "post.log", "a", encoding="utf-8")  # noqa: SIM115 - closed on exit
                     kind, from_it = "post", 0
                 else:
@@ -485,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pretrained model), e.g. to complete a committed study: `study_report.py --merge` then "
                         "adds them to its raw files")
     p.add_argument("--_post", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_removal", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -557,7 +597,7 @@ def write_report(cfg: StudyConfig, report: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args._post is not None:
-        return post_process(args._post.resolve())
+        return post_process(args._post.resolve(), removal=args._removal)
     cfg = config_from(args)
     import study_report
 
@@ -599,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         for phase, runs in phases:
-            todo = [r for r in runs if not (r.dir / "post.done").exists()]
+            todo = [r for r in runs if not measured(cfg, r)]
             if todo:
                 print(f"[study] {phase}: {len(todo)} run(s) to do", flush=True)
                 if phase == "sft":

@@ -100,6 +100,8 @@ def export_raw(cfg, runs: list) -> Path:
                                     if valid else None),
             "measures": json.loads((run.dir / "measures.json").read_text()),
         }
+        if (run.dir / "removal.json").exists():  # study v3's layer removal at the final checkpoint
+            rec["removal"] = json.loads((run.dir / "removal.json").read_text())
         if run.sft:  # "before SFT" is the model this run started from, measured in this output folder
             parent = json.loads((run.parent.dir / "measures.json").read_text())
             rec["parent_final"] = parent["series"][-1]["heldout"]
