@@ -296,3 +296,30 @@ def test_megatron_run_folder_steps_and_an_incomplete_iteration(models, tmp_path)
     assert records[0]["layer_removal"]["delta_ce"] == records[1]["layer_removal"]["delta_ce"]  # the same weights
     _, records = analyze("--model", str(run_dir / "iter_0000010"), "--model", str(run_dir))
     assert [r["step"] for r in records] == [10, 20]
+
+
+@pytest.mark.slow
+def test_sigint_during_a_measurement_is_one_line(models, tmp_path):
+    """A real Ctrl-C (SIGINT) while the first model is measured: exit 130, the last line says so, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.cli", "analyze", "--model", str(models / "llama"),
+                             "--num-samples", "all", "--no-progress", "--output", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not any("loading" in line for line in lines):
+        line = proc.stderr.readline()
+        assert line, "analyze ended before loading the model"
+        lines.append(line)
+    time.sleep(3)  # inside the measurement of 5,153 passages
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = "".join(lines) + err
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err + out, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("megatron-jreg analyze: interrupted while measuring model 1 of 1; "
+                                            "nothing written")
+    assert not (tmp_path / "out").exists()

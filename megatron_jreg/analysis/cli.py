@@ -129,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_jreg.analysis.run import Interrupted, print_report, run_analysis
-
+    try:
+        from megatron_jreg.analysis.run import Interrupted, print_report, run_analysis
+    except KeyboardInterrupt:
+        print("\nmegatron-jreg analyze: interrupted while starting; nothing written", file=sys.stderr)
+        return 130
     try:
         cfg = AnalyzeConfig(
             models=args.model,
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        saved = f"; the {e.index - 1} model(s) measured before it are in {args.output}" if e.files else \
+        saved = f"; the {e.measured} model(s) measured before it are in {args.output}" if e.files else \
             "; nothing written"
         print(f"\nmegatron-jreg analyze: {e}{saved}", file=sys.stderr)
         return 130

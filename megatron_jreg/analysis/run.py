@@ -47,11 +47,11 @@ def _model_failures(spec):  # noqa: ANN001 - a ModelSpec
 
 
 class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the CLI with what was saved
-    """Ctrl-C during model `index` of `total`; `files` hold the models measured before it (maybe none)."""
+    """Ctrl-C during model `index` of `total`; `files` hold the `measured` models before it (maybe none)."""
 
-    def __init__(self, index: int, total: int, files: list[Path]):
+    def __init__(self, index: int, total: int, measured: int, files: list[Path]):
         super().__init__(f"interrupted while measuring model {index} of {total}")
-        self.index, self.total, self.files = index, total, files
+        self.index, self.total, self.measured, self.files = index, total, measured, files
 
 
 def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tuple[list[ModelResult], list[Path]]:
@@ -91,7 +91,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
             results.append(result)
     except KeyboardInterrupt:
         files = _write(results, cfg) if results else []
-        raise Interrupted(i, len(specs), files) from None
+        raise Interrupted(i, len(specs), len(results), files) from None
     if not results:
         raise AnalysisError(f"--checkpoints {cfg.checkpoints!r}: no checkpoint could be read (each is named above)")
     return results, _write(results, cfg)
