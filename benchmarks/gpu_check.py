@@ -18,8 +18,9 @@ in .whl/megatron-lm. Steps, each reported even when another fails:
    - tokens/s and MFU for the 170M and 1B presets: `megatron-jreg train` at λ = 0 and λ = 1 and Megatron-LM's own
      pretrain_gpt.py (λ = 0 by definition) on the same Megatron-LM arguments, in rounds whose order alternates
      (ours λ=0, ours λ=1, Megatron-LM; then the reverse), each timed over its logged intervals after the first;
-     MFU is Megatron-LM's model TFLOP/s per GPU (--log-throughput) over the device's dense bf16 peak, named
-     (`PEAKS`);
+     MFU is Megatron-LM's model FLOPs per iteration (num_floating_point_operations, its --log-throughput
+     formula) per second over the device's dense bf16 peak, named (`PEAKS`); and the lm losses of our λ = 0
+     against Megatron-LM's (the same arguments, seed and mock data);
    - peak memory λ = 1 / λ = 0 at PP = 1 (the throughput runs) and at PP = 2: each pipeline stage alone on the
      one GPU through Megatron-LM's --fake-process-group (its own memory-profiling mode: communication skipped,
      WORLD_SIZE and RANK name the stage), the larger of the two stages' ratios.
