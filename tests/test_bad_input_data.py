@@ -29,8 +29,8 @@ import pytest
 
 from megatron_jreg.data import merge, train_tokenizer
 from megatron_jreg.data import preprocess as pp
-from megatron_jreg.data.indexed import read_documents
 from megatron_jreg.data.tokenizers import build_tokenizer
+from tests._indexed import read_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 WIKI = ROOT / "examples" / "data" / "wikitext-2"

@@ -99,7 +99,7 @@ def test_output_is_byte_identical_to_megatron_lm(kind, corpus, tmp_path):
         ref = _megatron_tokenizer("huggingface", model)
         if kind == "TikTokenizer":
             size = _tiktoken_json(model, tmp_path / "tiktoken.json")
-            model, extra = str(tmp_path / "tiktoken.json"), {"vocab_size": 1000 + size}
+            model, extra = str(tmp_path / "tiktoken.json"), {"tokenizer": {"vocab_size": 1000 + size}}
             ref = _megatron_tokenizer("tiktoken", model, vocab_size=1000 + size, num_special_tokens=1000)
     cfg = PreprocessConfig(
         input=[str(path)],
@@ -170,7 +170,6 @@ MEGATRON_TOOL_OPTIONS = [
     (["--log-interval"], "log_interval", 1000),
     (["--keep-sequential-samples"], "keep_sequential_samples", False),
 ]
-RENAMED_DESTS = {"metadata_path": "tokenizer_metadata", "special_tokens": "tokenizer_special_tokens"}
 # workers: required there, one here when not given; max_documents: None converts everything and gives
 # Megatron-LM's 100,000 per --find-optimal-num-workers trial (the only place Megatron-LM reads it).
 RELAXED_DEFAULTS = {"workers": 1, "max_documents": None}
@@ -196,7 +195,7 @@ def test_every_megatron_lm_option_is_accepted_with_its_default():
     for strings, dest, default, choices in options:
         actions = {id(ours[s]) for s in strings}  # every spelling, one option
         action = ours[strings[0]]
-        assert len(actions) == 1 and action.dest == RENAMED_DESTS.get(dest, dest), strings
+        assert len(actions) == 1 and action.dest == dest, strings
         assert action.default == RELAXED_DEFAULTS.get(dest, default), strings
         assert choices is None or set(choices) <= set(action.choices), strings
     # A command line using every option parses into the configuration it names.
@@ -217,11 +216,12 @@ def test_every_megatron_lm_option_is_accepted_with_its_default():
     base = "--input a.jsonl --output-prefix out --tokenizer-type NullTokenizer".split()
     assert config_from_args(build_parser().parse_args(base + ["--max-docs", "7"])).max_documents == 7
     assert "--max-docs" not in build_parser().format_help()
-    assert cfg.tokenizer_special_tokens == ["<a>", "<b>"]
-    assert (cfg.null_tokenizer_eod_id, cfg.null_tokenizer_pad_id) == (3, 4)
+    tok = cfg.tokenizer  # Megatron-LM's tokenizer flags, by its names, for megatron-core's build_tokenizer
+    assert tok["special_tokens"] == ["<a>", "<b>"] and tok["metadata_path"] == "meta.json"
+    assert (tok["null_tokenizer_eod_id"], tok["null_tokenizer_pad_id"]) == (3, 4)
     assert cfg.keep_sequential_samples and cfg.find_optimal_num_workers
-    assert not cfg.pad_vocab_size and not cfg.tokenizer_sentencepiece_ignore_extra_whitespaces
-    assert cfg.tokenizer_hf_no_include_special_tokens and cfg.tiktoken_pattern == "v1"
+    assert not tok["pad_vocab_size"] and not tok["tokenizer_sentencepiece_ignore_extra_whitespaces"]
+    assert tok["tokenizer_hf_no_include_special_tokens"] and tok["tiktoken_pattern"] == "v1"
     # Flags that change nothing in the data, in Megatron-LM either, are named in one note each.
     notes = "\n".join(cfg.notes())
     for flag in ("--padded-vocab-size", "--no-pad-vocab-size", "--chat-template", "--vocab-file", "--tokenizer-model"):
@@ -272,8 +272,8 @@ def _bos_tokenizer(bpe: str, folder: Path) -> str:
 
 SPECIALS = ["<|im_start|>", "<tag>", "</s>", "<unk>", "the"]  # new ones, ones the model has, a plain word
 OPTION_CASES = {
-    # name: (tokenizer kind, our PreprocessConfig options, megatron-core tokenizer options, append eod)
-    "hf-special-tokens": ("hf", {"tokenizer_special_tokens": SPECIALS}, {"additional_special_tokens": SPECIALS}, True),
+    # name: (tokenizer kind, Megatron-LM's tokenizer flags by dest, megatron-core tokenizer options, append eod)
+    "hf-special-tokens": ("hf", {"special_tokens": SPECIALS}, {"additional_special_tokens": SPECIALS}, True),
     "hf-no-include-special-tokens": (
         "hf-bos",
         {"tokenizer_hf_no_include_special_tokens": True},
@@ -289,13 +289,13 @@ OPTION_CASES = {
     ),
     "sp-legacy-special-tokens": (  # Megatron-LM's legacy wrapper has no eod: no --append-eod
         "sp",
-        {"tokenizer_sentencepiece_legacy": True, "tokenizer_special_tokens": SPECIALS},
+        {"tokenizer_sentencepiece_legacy": True, "special_tokens": SPECIALS},
         {"legacy": True, "special_tokens": SPECIALS},
         False,
     ),
     "tiktoken-special-tokens-v1": (
         "tiktoken",
-        {"tokenizer_special_tokens": ["<sep>", "<cls>", "<pad>", "<mask>", "</s>", "<s>", "<unk>", "<|im_start|>"]},
+        {"special_tokens": ["<sep>", "<cls>", "<pad>", "<mask>", "</s>", "<s>", "<unk>", "<|im_start|>"]},
         {"special_tokens": ["<sep>", "<cls>", "<pad>", "<mask>", "</s>", "<s>", "<unk>", "<|im_start|>"]},
         True,
     ),
@@ -323,14 +323,10 @@ def test_tokenizer_options_are_byte_identical_to_megatron_lm(case, corpus, tmp_p
             ref = _megatron_tokenizer(
                 "tiktoken", model, vocab_size=20 + size, num_special_tokens=20, pattern="v1", **theirs
             )
-            extra = {
-                "tokenizer_type": "TikTokenizer",
-                "vocab_size": 20 + size,
-                "tiktoken_num_special_tokens": 20,
-                "tiktoken_pattern": "v1",
-            }
+            extra = {"tokenizer_type": "TikTokenizer"}
+            ours = {**ours, "vocab_size": 20 + size, "tiktoken_num_special_tokens": 20, "tiktoken_pattern": "v1"}
     summary, got_bin, got_idx = _preprocess(
-        path, tmp_path / "out", tokenizer_model=model, append_eod=eod, **extra, **ours
+        path, tmp_path / "out", tokenizer_model=model, append_eod=eod, **extra, tokenizer=ours
     )
     expected_docs = [ids + [ref.eod] if eod else ids for ids in map(ref.tokenize, texts) if ids]
     expected_bin, expected_idx = _expected_files(expected_docs, ref.vocab_size)
@@ -355,8 +351,7 @@ def test_null_tokenizer_is_byte_identical_and_skips_text_that_is_not_ids(tmp_pat
         path,
         tmp_path / "out",
         tokenizer_type="NullTokenizer",
-        vocab_size=70_000,
-        null_tokenizer_eod_id=5,
+        tokenizer={"vocab_size": 70_000, "null_tokenizer_eod_id": 5},
         append_eod=True,
     )
     ref = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=70_000, eod_id=5)
@@ -366,58 +361,27 @@ def test_null_tokenizer_is_byte_identical_and_skips_text_that_is_not_ids(tmp_pat
     assert "70000 outside 0..69999" in " ".join(summary["skipped_examples"]["not_token_ids"])
 
 
-def _megatron_partition_order(n_lines: int, partitions: int, sequential: bool) -> list[int]:
-    """Line numbers in the order Megatron-LM's --partitions writes them (its dealing loop, re-run here)."""
-    import math
-
-    parts: list[list[int]] = [[] for _ in range(partitions)]
-    index, size = 0, math.ceil(n_lines / partitions)
-    for line in range(n_lines):
-        parts[index].append(line)
-        if sequential:
-            index += (line + 1) % size == 0
-        else:
-            index = (index + 1) % partitions
-    return [line for part in parts for line in part]
-
-
-@pytest.mark.parametrize("sequential", [False, True])
-def test_partitions_give_megatron_lms_document_order(sequential, corpus, tmp_path):
-    _, texts = corpus
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for name, part in (("a.jsonl", texts[:10]), ("b.jsonl", texts[10:])):  # the dealing runs across files
-        (folder / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
-    model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 700, "hf-bpe", max_chars=200_000)
-    ref = _megatron_tokenizer("huggingface", model)
-    order = _megatron_partition_order(len(texts), 3, sequential)
-    assert (order == list(range(len(texts)))) == sequential
-    summary, got_bin, got_idx = _preprocess(
-        folder / "*.jsonl",
-        tmp_path / "out",
-        tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=model,
-        append_eod=True,
-        partitions=3,
-        keep_sequential_samples=sequential,
-        workers=2,
-        block_mb=0.01,
-    )
-    expected = _expected_files([ref.tokenize(texts[i]) + [ref.eod] for i in order], ref.vocab_size)
-    assert (got_bin, got_idx) == expected and summary["documents"] == len(texts)
-    assert not list(tmp_path.glob("out*.partial"))  # the partition datasets are gone
-
-
-def test_find_optimal_num_workers_ranks_worker_counts_and_writes_nothing(corpus, tmp_path, capsys):
+def test_partitions_keep_the_input_order_or_are_refused(corpus, tmp_path, capsys):
+    """Megatron-LM's --partitions N deals records round-robin over partition files to spread its work; here
+    --workers spreads it: with --keep-sequential-samples (contiguous partitions) the output is the input order,
+    byte for byte, with a note; without it, one line names the fix. --find-optimal-num-workers is refused too."""
     from megatron_jreg.data.preprocess import main
 
-    path, _ = corpus
+    path, texts = corpus
     model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 700, "hf-bpe", max_chars=200_000)
-    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out" / "x"), "--tokenizer-type"]
-    argv += ["HuggingFaceTokenizer", "--tokenizer-model", model, "--find-optimal-num-workers"]
-    assert main(argv + ["--workers-to-check", "1", "2", "--max-documents", "6"]) == 0
-    out = capsys.readouterr().out
-    ranking = [line for line in out.splitlines() if "workers -> avg. docs/s" in line]
-    assert len(ranking) == 2 and all("(6 documents)" in line for line in ranking)
-    assert "The most optimal num of workers is" in out
-    assert list((tmp_path / "out").iterdir()) == []  # measured only; the trials' folder is gone
+    ref = _megatron_tokenizer("huggingface", model)
+    argv = ["--input", str(path), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model,
+            "--append-eod", "--workers", "2", "--block-mb", "0.01"]
+    assert main(argv + ["--output-prefix", str(tmp_path / "out" / "x"), "--partitions", "3",
+                        "--keep-sequential-samples"]) == 0
+    assert "note: --partitions 3 with --keep-sequential-samples keeps the input order" in capsys.readouterr().err
+    expected = _expected_files([ref.tokenize(t) + [ref.eod] for t in texts], ref.vocab_size)
+    assert (Path(tmp_path / "out" / "x_text_document.bin").read_bytes(),
+            Path(tmp_path / "out" / "x_text_document.idx").read_bytes()) == expected
+    for flags, needle in ((["--partitions", "3"], "--partitions 3: "),
+                          (["--find-optimal-num-workers", "--workers-to-check", "1", "2"],
+                           "--find-optimal-num-workers: not run here")):
+        assert main(argv + ["--output-prefix", str(tmp_path / "refused" / "x"), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err and "--workers" in err
+        assert not (tmp_path / "refused").exists()

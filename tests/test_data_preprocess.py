@@ -1,4 +1,5 @@
-"""Preprocessing behaviour: round trips, FineWeb-Edu parquet filters, bad input, interruption, shards."""
+"""Preprocessing behaviour: round trips, FineWeb-Edu parquet filters, bad input, interruption (kill -9 and
+Ctrl-C), shards, sentence splitting."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import pytest
 
 from megatron_jreg.data import merge
 from megatron_jreg.data import preprocess as pp
-from megatron_jreg.data.indexed import dataset_exists, read_documents, read_index
+from megatron_jreg.data.indexed import dataset_exists, verify_dataset
 from megatron_jreg.data.manifest import read_manifest
-from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess, worker
+from megatron_jreg.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 from megatron_jreg.data.text import wikitext_articles
 from megatron_jreg.data.tokenizers import build_tokenizer
 from megatron_jreg.data.train_tokenizer import train_tokenizer
+from tests._indexed import read_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 WIKI = ROOT / "examples" / "data" / "wikitext-2"
@@ -90,13 +92,13 @@ def _bytes(prefix: Path) -> tuple[bytes, bytes]:
     return Path(f"{prefix}_text_document.bin").read_bytes(), Path(f"{prefix}_text_document.idx").read_bytes()
 
 
-def test_round_trip_any_compression_any_worker_count(bpe, tok, articles, tmp_path, monkeypatch):
+def test_round_trip_any_compression_any_worker_count(bpe, tok, articles, tmp_path):
     """Tokens read back equal direct tokenization + eod: .jsonl/.gz/.zst, 1 or 2 workers, any unit size."""
     plain = _write_jsonl(tmp_path / "a.jsonl", articles)
     summary = _run(bpe, plain, tmp_path / "plain")
     assert _docs(tmp_path / "plain") == [tok.tokenize(t) + [tok.eod] for t in articles]
     assert summary["documents"] == len(articles) and summary["tokenizer_backend"] == "tiktoken"
-    assert summary["dtype"] == "uint16" and read_index(tmp_path / "plain_text_document").dtype == np.uint16
+    assert summary["dtype"] == "uint16" and verify_dataset(tmp_path / "plain_text_document").dtype == np.uint16
     manifest = read_manifest(tmp_path / "plain_text_document")
     assert manifest["documents"] == len(articles) and manifest["tokens"] == summary["tokens"]
     assert manifest["tokenizer"]["eod"] == tok.eod and len(manifest["inputs"][0]["sha256"]) == 64
@@ -108,9 +110,6 @@ def test_round_trip_any_compression_any_worker_count(bpe, tok, articles, tmp_pat
         assert _bytes(tmp_path / suffix[-3:]) == expected
     _run(bpe, plain, tmp_path / "two", workers=2, block_mb=0.03)
     assert _bytes(tmp_path / "two") == expected
-    monkeypatch.setattr(worker, "BATCH_BYTES", 5_000)  # many tokenizer batches inside one unit
-    _run(bpe, plain, tmp_path / "batches", block_mb=4)
-    assert _bytes(tmp_path / "batches") == expected
 
 
 def _fineweb_table(texts: list[str]):
@@ -233,15 +232,16 @@ def test_bad_input_is_counted_by_reason(bpe, tok, articles, tmp_path, capsys):
 
 KILL_SCRIPT = """
 import json, os, signal, sys
-from megatron_jreg.data import indexed
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron_jreg.data.preprocess import PreprocessConfig, preprocess
-add, calls = indexed.IndexedWriter.add_documents, []
+add, calls = IndexedDatasetBuilder.add_document, []
 def add_then_die(self, *args):
     add(self, *args)
     calls.append(1)
-    if len(calls) == 3:
+    if len(calls) == 12:
+        self.data_file.flush()
         os.kill(os.getpid(), signal.SIGKILL)  # as abrupt as a node failure: no cleanup runs
-indexed.IndexedWriter.add_documents = add_then_die
+IndexedDatasetBuilder.add_document = add_then_die
 preprocess(PreprocessConfig(**json.loads(sys.argv[1])))
 """
 
@@ -273,6 +273,53 @@ def test_interrupted_run_leaves_no_complete_output_then_resumes(bpe, tok, articl
     assert summary["shards"] == {"written": [], "already_complete": [0], "not_written": []}
     assert summary["documents"] == len(articles)
     assert Path(f"{prefix}_text_document.bin").stat().st_mtime_ns == mtime
+
+
+INTERRUPT_SCRIPT = """
+import sys, time
+from megatron_jreg.data.preprocess import cli, worker
+process = worker.process_unit
+def slow(unit):  # the second file's units take long enough for Ctrl-C to land in its shard
+    if unit.path.endswith("b.jsonl"):
+        time.sleep(0.3)
+    return process(unit)
+worker.process_unit = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(bpe, tok, articles, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while shard 1 of 2 is written: one line
+    says what is kept and how to resume, exit 130, no traceback from the main process or a worker, no partial
+    files; the same command then skips shard 0 and writes shard 1."""
+    import signal
+
+    files = [_write_jsonl(tmp_path / "a.jsonl", articles[:8]), _write_jsonl(tmp_path / "b.jsonl", articles[8:])]
+    argv = ["--input", *map(str, files), "--output-prefix", str(tmp_path / "out" / "x"), "--output-shards", "2",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe, "--append-eod", "--workers", "2",
+            "--block-mb", "0.005"]
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_SCRIPT, *argv], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    before = []
+    for line in proc.stderr:
+        before.append(line)
+        if line.startswith("shard 0: wrote"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    after = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, "".join(before) + after
+    assert after.strip().splitlines() == [
+        "megatron-jreg preprocess: error: interrupted: shard 0 of 2 finished and kept; shard 1's partial files were "
+        "removed; run the same command again to resume (finished shards are skipped, an unfinished one is redone)"
+    ], after
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [f"x_00000_text_document{s}" for s in (".bin", ".idx",
+                                                                                          ".manifest.json")]
+    assert pp.main(argv) == 0
+    expected = [tok.tokenize(t) + [tok.eod] for t in articles]
+    assert _docs(out / "x_00000") + _docs(out / "x_00001") == expected
+    assert not list(out.glob("*.partial"))
 
 
 def test_output_shards_resume_and_merge(bpe, articles, tmp_path):
@@ -313,32 +360,68 @@ def test_output_shards_resume_and_merge(bpe, articles, tmp_path):
         _run(bpe, files, tmp_path / "too_many", output_shards=4)
 
 
-def test_split_sentences_trains_punkt_when_no_model_is_given(bpe, tok, articles, tmp_path, monkeypatch):
-    from megatron_jreg.data.sentences import SentenceSplitter, load_punkt_tab
+def _sequence_lengths(prefix: Path) -> list[int]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    monkeypatch.setenv("NLTK_DATA", str(tmp_path / "no_nltk_data"))
+    dataset = IndexedDataset(str(prefix))  # alive while its arrays are read: it unmaps them when dropped
+    return dataset.sequence_lengths.tolist()
+
+
+def _punkt_tab(texts: list[str], nltk_data: Path) -> None:
+    """An nltk_data folder with a punkt_tab model for English, trained on `texts` (nltk's own download is
+    not available here; what it installs has this layout)."""
+    from nltk.tokenize.punkt import PunktTrainer, save_punkt_params
+
+    trainer = PunktTrainer()
+    trainer.train("\n".join(texts), finalize=True)
+    folder = nltk_data / "tokenizers" / "punkt_tab" / "english"
+    folder.mkdir(parents=True)
+    save_punkt_params(trainer.get_params(), str(folder))
+
+
+@pytest.mark.parametrize("keep_newlines", [False, True])
+def test_split_sentences_uses_nltk_punkt_from_the_data_path(bpe, tok, articles, tmp_path, monkeypatch, keep_newlines):
+    """--split-sentences: one sequence per sentence of nltk's Punkt for --lang (Megatron-LM's splitter, pieces of
+    1,000,000 characters, eod after the last sentence); without Punkt data, one line names the fix."""
     import nltk.data
+    from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer, PunktTokenizer
 
-    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
+    from megatron_jreg.data.checks import DataError
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk_data")])  # empty, then with punkt_tab
     src = _write_jsonl(tmp_path / "a.jsonl", articles[:6])
-    summary = _run(bpe, src, tmp_path / "s", split_sentences=True, punkt_train_chars=40_000)
-    saved = summary["sentence_splitter"]["saved"]
-    assert summary["sentence_splitter"]["trained_chars"] == 40_000 and summary["level"] == "sentence"
-    splitter = SentenceSplitter(load_punkt_tab(saved))
-    index = read_index(tmp_path / "s_text_sentence")
+    with pytest.raises(DataError, match="--split-sentences: no nltk Punkt model for --lang english"):
+        _run(bpe, src, tmp_path / "none", split_sentences=True)
+    assert not list(tmp_path.glob("none*"))
+
+    _punkt_tab(articles, tmp_path / "nltk_data")
+    summary = _run(bpe, src, tmp_path / "s", split_sentences=True, keep_newlines=keep_newlines)
+    docs = _docs(tmp_path / "s", "sentence")
+    lengths = _sequence_lengths(tmp_path / "s_text_sentence")
+    assert len(lengths) > 3 * len(docs) and summary["level"] == "sentence"  # really split
+    splitter = PunktTokenizer("english")
+    if keep_newlines:  # Megatron-LM's CustomLanguageVars (tools/preprocess_data.py, core_v0.19.0), as it is there
+        class CustomLanguageVars(PunktLanguageVars):
+            _period_context_fmt = r"""
+                \S*                          # some word material
+                %(SentEndChars)s             # a potential sentence ending
+                \s*                       #  <-- THIS is what I changed
+                (?=(?P<after_tok>
+                    %(NonWord)s              # either other punctuation
+                    |
+                    (?P<next_tok>\S+)     #  <-- Normally you would have \s+ here
+                ))"""
+
+        splitter = PunktSentenceTokenizer(train_text=splitter._params, lang_vars=CustomLanguageVars())
+        newlines = [tok.detokenize(d[:-1]).count("\n") for d in docs]
+        assert sum(newlines) > 0.9 * sum(a.count("\n") for a in articles[:6])  # Punkt drops a few at quotes
     expected_docs, expected_lengths = [], []
     for text in articles[:6]:
-        sentences = [ids for ids in map(tok.tokenize, splitter.split(text)) if ids]
+        sentences = [ids for ids in map(tok.tokenize, splitter.tokenize(text)) if ids]
         sentences[-1].append(tok.eod)
         expected_docs.append([t for s in sentences for t in s])
         expected_lengths += [len(s) for s in sentences]
-    assert len(expected_lengths) > 3 * len(expected_docs)  # really split into sentences
-    assert _docs(tmp_path / "s", "sentence") == expected_docs
-    assert index.sequence_lengths.tolist() == expected_lengths
-
-    summary = _run(bpe, src, tmp_path / "given", split_sentences=True, punkt_model=saved)
-    assert summary["sentence_splitter"]["source"] == f"punkt_tab {saved}"
-    assert _docs(tmp_path / "given", "sentence") == expected_docs
+    assert docs == expected_docs and lengths == expected_lengths
 
 
 def test_configuration_errors_name_the_flag(bpe, articles, tmp_path):

@@ -19,14 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_jreg.data.checks import DataError, check_output_prefix
-from megatron_jreg.data.indexed import (
-    IndexedWriter,
-    bin_path,
-    dataset_exists,
-    idx_path,
-    remove_dataset,
-    verify_dataset,
-)
+from megatron_jreg.data.indexed import Builder, bin_path, dataset_exists, idx_path, remove_dataset, verify_dataset
 from megatron_jreg.data.manifest import (
     fingerprint,
     is_complete,
@@ -103,26 +96,28 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     dtype = indexes[0].dtype
     manifest_path(output_prefix).unlink(missing_ok=True)
     remove_dataset(output_prefix)
-    writer = IndexedWriter(output_prefix, dtype)
+    builder = Builder(output_prefix, dtype)  # Megatron-LM's tools/merge_datasets.py: add_index per input
     try:
         for p in prefixes:
-            writer.append_dataset(p)
-        writer.finalize()
+            builder.add_index(p)
+        builder.finalize()
     except BaseException:
-        writer.abort()
+        builder.abort()
         raise
     skipped: collections.Counter = collections.Counter()
     for m in manifests:
         skipped.update((m or {}).get("skipped", {}))
     known = [m for m in manifests if m is not None]
+    largest = [m.get("max_token_id") for m in known]  # read by training's vocabulary check; a scan there without
     manifest = new_manifest(
         output_prefix,
         fingerprint=fp,
         dtype=np.dtype(dtype).name,
-        documents=writer.documents,
-        sequences=writer.sequences,
-        tokens=writer.tokens,
-        max_token_id=writer.max_token_id,
+        documents=sum(i.documents for i in indexes),
+        sequences=sum(i.sequences for i in indexes),
+        tokens=sum(i.tokens for i in indexes),
+        max_token_id=max(largest) if len(known) == len(prefixes) and all(isinstance(x, int) for x in largest)
+        else None,
         tokenizer=known[0]["tokenizer"] if known else None,
         append_eod=known[0].get("append_eod") if known else None,
         level=known[0].get("level") if known else None,
@@ -135,7 +130,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
                 "idx_bytes": idx_path(p).stat().st_size,
                 "bin_sha256": file_sha256(bin_path(p)),
                 "idx_sha256": file_sha256(idx_path(p)),
-                "documents": index.num_documents,
+                "documents": index.documents,
                 "manifest": m is not None,
             }
             for p, m, index in zip(prefixes, manifests, indexes)

@@ -53,11 +53,7 @@ def shard_fingerprint(
         "json_keys": cfg.json_keys,
         "append_eod": cfg.append_eod,
         "level": cfg.level,
-        "sentences": [cfg.keep_newlines, cfg.lang, cfg.punkt_model, cfg.punkt_train_chars]
-        if cfg.split_sentences
-        else None,
+        "sentences": [cfg.keep_newlines, cfg.lang] if cfg.split_sentences else None,
         "filters": [cfg.min_int_score, cfg.min_chars, cfg.max_documents, cfg.on_error, cfg.hf_split],
     }
-    if cfg.reorders():  # only when it changes the bytes, so earlier manifests stay valid
-        described["partitions"] = cfg.reorders()
     return fingerprint(described)

@@ -1,97 +1,103 @@
-"""The work of one unit, in a worker process: parse, filter, split sentences, tokenize.
+"""The work of one unit: parse, filter, split sentences, tokenize, as Megatron-LM's `Encoder.encode` does.
 
-`init_worker` builds the tokenizer and sentence splitter once per process (`--workers` processes, one
-thread each); `process_unit` turns a unit (a JSONL block, a parquet row group, an arrow slice) into token
-arrays per `--json-keys` key and the records it skipped, by reason. The main process writes results in unit
-order, so the output does not depend on the number of workers.
+`setup` puts the tokenizer, sentence splitter, keys and filters in this module before the main process forks its
+`--workers` processes, which inherit them (Megatron-LM's tool forks its pool too, and builds the same tokenizer
+with megatron-core's `build_tokenizer` in each worker; here it is built once). `process_unit` turns a unit (a
+JSONL block, a parquet row group, an arrow slice) into the tokens of its kept documents per `--json-keys` key and
+the records it skipped, by reason. The main process writes results in unit order, so the output does not depend
+on the number of workers.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from megatron_jreg.data.checks import DataError
 from megatron_jreg.data.sources import Records, Unit, read_records
-from megatron_jreg.data.tokenizers import Tokenizer, build_tokenizer
 
-BATCH_BYTES = 4 << 20  # text tokenized per batch inside a unit
+MAX_SPLIT_CHARS = 1_000_000  # Megatron-LM hands Punkt very long documents in pieces of this many characters
 
 
 @dataclass
 class UnitResult:
-    """Tokens of one unit, per key: tokens[T], sequence_lengths[S], doc_sequences[N] (kept docs only)."""
+    """Kept documents of one unit per key: tokens[k][j] (the document's ids) and lengths[k][j] (its sequences)."""
 
     input_bytes: int
-    outputs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
-    kept_positions: np.ndarray  # [N] record ordinal of each kept document within the unit
-    doc_text_bytes: np.ndarray  # [N] UTF-8 bytes of each kept document (all keys)
+    tokens: dict[str, list[np.ndarray]]
+    lengths: dict[str, list[list[int]]]
+    kept_positions: list[int]  # record ordinal of each kept document within the unit
+    text_bytes: list[int]  # UTF-8 bytes of each kept document (all keys)
     skipped: list[tuple[int, str, str]]  # (record ordinal, reason, where)
-    records: int  # records of the unit, kept or not: ordinals of the next unit start here
 
 
-_WORKER: dict[str, Any] = {}
+STATE: dict[str, Any] = {}
 
 
-def init_worker(spec: dict, tokenizer: Tokenizer | None = None) -> None:
-    """Build the tokenizer (one thread: parallelism comes from processes) and the sentence splitter.
-
-    In a worker process `tokenizer` is None; with --workers 1 the main process passes its own.
-    """
-    if tokenizer is None:  # a worker process of our own: keep the `tokenizers` library to one thread too
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        os.environ["RAYON_NUM_THREADS"] = "1"
-        tokenizer = build_tokenizer(**spec["tokenizer"], threads=1)
-    _WORKER.clear()
-    _WORKER.update(spec)
-    _WORKER["tokenizer"] = tokenizer
-    params = spec.get("punkt_params")
-    _WORKER["splitter"] = None
-    if params is not None:  # nltk takes seconds to import: only when splitting sentences
-        from megatron_jreg.data.sentences import SentenceSplitter
-
-        _WORKER["splitter"] = SentenceSplitter(params, spec["keep_newlines"])
+def setup(**state: Any) -> None:
+    """tokenizer, eod (None without --append-eod), dtype, json_keys, min_int_score, min_chars, splitter."""
+    STATE.clear()
+    STATE.update(state)
 
 
-def _sequences(texts: list[str]) -> tuple[list[list[int]], list[int]]:
-    """Token sequences of documents and the number of sequences of each (Megatron-LM's encode step).
+def ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them and says what is kept (one line, no
+    traceback from every worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    Document level: one sequence per document. Sentence level: one per non-empty sentence. With
-    --append-eod the eod goes at the end of the document's last sequence (none for an empty document).
-    """
-    tokenizer, eod = _WORKER["tokenizer"], _WORKER["eod"]
-    splitter = _WORKER["splitter"]
+
+def sentence_splitter(lang: str, keep_newlines: bool) -> Any:
+    """nltk's Punkt for `--lang` from nltk's data path (Megatron-LM's splitter; punkt_tab, which nltk >= 3.9 reads
+    instead of the pickles Megatron-LM loads), keeping newlines with Megatron-LM's own pattern when asked."""
+    from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer, PunktTokenizer
+
+    try:
+        punkt = PunktTokenizer(lang)
+    except (LookupError, OSError, ValueError) as e:
+        raise DataError(f"--split-sentences: no nltk Punkt model for --lang {lang} ({str(e).split(chr(10))[0][:120]}); "
+                        "install nltk's punkt_tab data where NLTK_DATA points (nltk.download('punkt_tab') on a "
+                        "machine with internet)") from None
+    if not keep_newlines:
+        return punkt
+
+    class KeepNewlines(PunktLanguageVars):  # Megatron-LM's CustomLanguageVars: the whitespace stays
+        _period_context_fmt = r"""
+            \S*                          # some word material
+            %(SentEndChars)s             # a potential sentence ending
+            \s*                          #  <-- THIS is what Megatron-LM changed
+            (?=(?P<after_tok>
+                %(NonWord)s              # either other punctuation
+                |
+                (?P<next_tok>\S+)        #  <-- Normally you would have \s+ here
+            ))"""
+
+    return PunktSentenceTokenizer(train_text=punkt._params, lang_vars=KeepNewlines())
+
+
+def _encode(text: str) -> tuple[np.ndarray, list[int]]:
+    """(tokens, sequence lengths) of one document text: one sequence, or one per non-empty sentence; with
+    --append-eod the eod ends the last sequence (none for a document without tokens)."""
+    tokenizer, splitter, eod = STATE["tokenizer"], STATE["splitter"], STATE["eod"]
     if splitter is None:
-        seqs = tokenizer.tokenize_batch(texts)
-        counts = [1 if ids else 0 for ids in seqs]
-        if eod is not None:
-            for ids in seqs:
-                if ids:
-                    ids.append(eod)
-        return [ids for ids in seqs if ids], counts
-    per_doc = [splitter.split(t) for t in texts]
-    flat = tokenizer.tokenize_batch([s for doc in per_doc for s in doc])
-    seqs, counts, it = [], [], iter(flat)
-    for doc in per_doc:
-        kept = [ids for ids in itertools.islice(it, len(doc)) if ids]
-        if kept and eod is not None:
-            kept[-1].append(eod)
-        seqs.extend(kept)
-        counts.append(len(kept))
-    return seqs, counts
+        sequences = [tokenizer.tokenize(text)]
+    else:
+        pieces = (text[i : i + MAX_SPLIT_CHARS] for i in range(0, len(text), MAX_SPLIT_CHARS))
+        sequences = [tokenizer.tokenize(s) for piece in pieces for s in splitter.tokenize(piece)]
+    sequences = [ids for ids in sequences if ids]
+    if sequences and eod is not None:
+        sequences[-1].append(eod)
+    flat = sequences[0] if len(sequences) == 1 else [i for ids in sequences for i in ids]
+    return np.array(flat, dtype=STATE["dtype"]), [len(ids) for ids in sequences]
 
 
 def _filter(records: Records) -> tuple[list[int], list[int], list[tuple[int, str, str]]]:
     """Records to keep (indices), their UTF-8 sizes, and the skipped ones as (position, reason, where)."""
-    keys: list[str] = _WORKER["json_keys"]
-    min_score, min_chars = _WORKER["min_int_score"], _WORKER["min_chars"]
-    reject = getattr(_WORKER["tokenizer"], "reject", None)  # NullTokenizer: text must be ids
-    keep: list[int] = []
-    text_bytes: list[int] = []
-    skipped = list(records.bad)
+    keys: list[str] = STATE["json_keys"]
+    min_score, min_chars, reject = STATE["min_int_score"], STATE["min_chars"], STATE["tokenizer"].reject
+    keep, text_bytes, skipped = [], [], list(records.bad)
     for i, pos in enumerate(records.positions):
         texts = [records.texts[k][i] for k in keys]
         try:
@@ -105,7 +111,7 @@ def _filter(records: Records) -> tuple[list[int], list[int], list[tuple[int, str
             skipped.append((pos, "below_min_int_score", records.where[i]))
         elif sum(len(t) for t in texts) < min_chars:
             skipped.append((pos, "too_short", records.where[i]))
-        elif reject is not None and (why := next(filter(None, map(reject, texts)), None)):
+        elif why := next(filter(None, map(reject, texts)), None):
             skipped.append((pos, "not_token_ids", f"{records.where[i]} ({why})"))
         else:
             keep.append(i)
@@ -113,53 +119,24 @@ def _filter(records: Records) -> tuple[list[int], list[int], list[tuple[int, str
     return keep, text_bytes, skipped
 
 
-def _tokenize(texts: list[str], text_bytes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens[T], sequence_lengths[S], sequences per document[N] of N texts of one key.
-
-    Batches of ~BATCH_BYTES become numpy at once, so a large parquet row group never holds all its ids
-    as Python ints.
-    """
-    dtype = _WORKER["dtype"]
-    parts = []
-    start = 0
-    while start < len(texts):
-        stop, size = start, 0
-        while stop < len(texts) and (stop == start or size < BATCH_BYTES):
-            size, stop = size + text_bytes[stop], stop + 1
-        seqs, counts = _sequences(texts[start:stop])
-        lengths = np.fromiter(map(len, seqs), dtype=np.int32, count=len(seqs))
-        tokens = np.fromiter(itertools.chain.from_iterable(seqs), dtype=dtype, count=int(lengths.sum()))
-        parts.append((tokens, lengths, np.asarray(counts, dtype=np.int64)))
-        start = stop
-    if not parts:
-        return np.zeros(0, dtype), np.zeros(0, np.int32), np.zeros(0, np.int64)
-    return tuple(np.concatenate(column) for column in zip(*parts))
-
-
 def process_unit(unit: Unit) -> UnitResult:
-    """Parse, filter and tokenize one unit (runs in a worker process)."""
-    keys: list[str] = _WORKER["json_keys"]
-    records = read_records(unit, keys, want_score=_WORKER["min_int_score"] is not None)
+    """Parse, filter and tokenize one unit (in a worker process)."""
+    keys: list[str] = STATE["json_keys"]
+    records = read_records(unit, keys, want_score=STATE["min_int_score"] is not None)
     keep, text_bytes, skipped = _filter(records)
-    outputs = {k: _tokenize([records.texts[k][i] for i in keep], text_bytes) for k in keys}
+    encoded = {k: [_encode(records.texts[k][i]) for i in keep] for k in keys}
     # A document whose every key tokenizes to nothing is empty too (e.g. only characters the model drops).
-    has_tokens = np.zeros(len(keep), dtype=bool)
-    for _, _, counts in outputs.values():
-        has_tokens |= counts > 0
-    skipped += [
-        (records.positions[keep[j]], "empty", records.where[keep[j]]) for j in np.flatnonzero(~has_tokens)
-    ]
+    has_tokens = [any(len(encoded[k][j][0]) for k in keys) for j in range(len(keep))]
+    skipped += [(records.positions[i], "empty", records.where[i]) for i, ok in zip(keep, has_tokens) if not ok]
     skipped.sort()
-    kept = np.flatnonzero(has_tokens)
+    kept = [j for j, ok in enumerate(has_tokens) if ok]
     return UnitResult(
         input_bytes=unit.input_bytes,
-        outputs={
-            k: (tokens, lengths, counts[has_tokens]) for k, (tokens, lengths, counts) in outputs.items()
-        },
-        kept_positions=np.asarray([records.positions[keep[j]] for j in kept], dtype=np.int64),
-        doc_text_bytes=np.asarray([text_bytes[j] for j in kept], dtype=np.int64),
+        tokens={k: [encoded[k][j][0] for j in kept] for k in keys},
+        lengths={k: [encoded[k][j][1] for j in kept] for k in keys},
+        kept_positions=[records.positions[keep[j]] for j in kept],
+        text_bytes=[text_bytes[j] for j in kept],
         skipped=skipped,
-        records=records.count,
     )
 
 
@@ -167,16 +144,12 @@ def first_documents(result: UnitResult, n_docs: int) -> UnitResult:
     """The first `n_docs` (>= 1) kept documents of a unit (--max-documents); later records count as unread."""
     if n_docs > len(result.kept_positions):
         return result
-    last = int(result.kept_positions[n_docs - 1])
-    outputs = {}
-    for k, (tokens, lengths, counts) in result.outputs.items():
-        n_seq = int(counts[:n_docs].sum())
-        outputs[k] = (tokens[: int(lengths[:n_seq].sum())], lengths[:n_seq], counts[:n_docs])
+    last = result.kept_positions[n_docs - 1]
     return UnitResult(
         input_bytes=result.input_bytes,
-        outputs=outputs,
+        tokens={k: v[:n_docs] for k, v in result.tokens.items()},
+        lengths={k: v[:n_docs] for k, v in result.lengths.items()},
         kept_positions=result.kept_positions[:n_docs],
-        doc_text_bytes=result.doc_text_bytes[:n_docs],
+        text_bytes=result.text_bytes[:n_docs],
         skipped=[s for s in result.skipped if s[0] < last],
-        records=last + 1,
     )
