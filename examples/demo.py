@@ -5,10 +5,10 @@
 2. Two `megatron-jreg train` runs side by side (one CPU core each; Megatron-LM's own training loop), same
    seed, weights and data: a 12-layer × 64 Llama at batch 4 × 128 tokens for a 3,000-step schedule, baseline
    (λ = 0) and JREG (λ = 1, α = 1, the paper's angular penalty). The model is narrower than the study's
-   12 × 128 so that it takes 3× the steps in the same wall time: examples/demo_regimes.py compares the regimes
-   tried (docs/results/demo_regimes.txt). Whether the jump lands on the very last layer still depends on the
+   12 × 128 so that it takes 3× the steps in the same wall time: experiments/demo_regimes compares the regimes
+   tried (experiments/demo_regimes/regimes.txt). Whether the jump lands on the very last layer still depends on the
    seed at this scale: 4 of its 8 seeds, seed 1 (the demo's) among them.
-3. Both final models measured on every held-out window (examples/study_measure.py): cross-entropy, Ψ_ℓ, ζ.
+3. Both final models measured on every held-out window (examples/measure.py): cross-entropy, Ψ_ℓ, ζ.
 4. The table (printed, and written to summary.md / summary.json) and a plot of Ψ_ℓ per layer (psi.png).
 
 Everything lands in --output (default demo_output/): per run metrics.jsonl, train.log, command.txt and the
@@ -28,10 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from demo_regimes import REGIMES  # noqa: E402
-from laptop_scale import SEQ_LENGTH, child_env, data_flags, prepare_data  # noqa: E402
+from laptop_scale import DEMO_REGIME, SEQ_LENGTH, child_env, data_flags, prepare_data  # noqa: E402
 
-REGIME = REGIMES["12x64"]  # chosen by examples/demo_regimes.py (docs/results/demo_regimes.txt)
+REGIME = DEMO_REGIME
 MODEL = REGIME.model
 RUNS = {
     "baseline": ["--jreg-lambda", "0"],
@@ -99,7 +98,7 @@ def summarize(runs: dict[str, Path], data, out: Path) -> dict:
     # training runs' own logs keep them
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from study_measure import Measurer, token_windows
+    from measure import Measurer, token_windows
 
     heldout = token_windows(data.heldout_prefix, SEQ_LENGTH)
     summary = {}

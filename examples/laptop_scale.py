@@ -1,4 +1,4 @@
-"""The laptop-scale setting that `make demo`, examples/study.py and examples/sft share: data split, model, recipe.
+"""The laptop-scale setting that `make demo`, examples/sft and experiments/ share: data split, model, recipe.
 
 Data: the bundled WikiText-2 (examples/data/wikitext-2: the valid and test splits, 122 articles). Every third
 article of the test split (21 articles, ~90K tokens) is **held out**: never trained on, and every evaluation
@@ -54,6 +54,34 @@ class Model:
 
     def describe(self) -> str:
         return f"{self.layers} layers × {self.hidden}, {self.heads} heads, FFN {self.ffn}"
+
+
+@dataclass(frozen=True)
+class Regime:
+    model: Model
+    batch: int
+    train_iters: int  # the schedule's length
+    stop_at: int  # Megatron-LM's --exit-interval
+    save: int  # checkpoint (and measurement) interval
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    tied: bool = False  # one embedding matrix for input and output (Megatron-LM's default)
+    why: str = ""
+
+    def model_flags(self) -> list[str]:
+        untie = "--untie-embeddings-and-output-weights"
+        return [f for f in self.model.flags() if not (self.tied and f == untie)]
+
+    def recipe_flags(self, batch: int | None = None, train_iters: int | None = None) -> list[str]:
+        """The recipe's optimizer/schedule flags with this regime's learning rate and weight decay."""
+        flags = recipe_flags(batch or self.batch, train_iters or self.train_iters, self.lr, self.lr / 10)
+        flags[flags.index("--weight-decay") + 1] = f"{self.weight_decay:g}"
+        return flags
+
+
+DEMO_REGIME = Regime(Model(12, 64, 2, 176), 4, 3000, 3000, 500, why="3× the steps in the same wall time, full schedule")
+"""`make demo`'s model and recipe, chosen by experiments/demo_regimes (its regimes.txt): a top-of-stack jump
+forms in 7 of its 8 baseline seeds."""
 
 
 def split_articles() -> tuple[list[str], list[str]]:

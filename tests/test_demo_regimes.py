@@ -1,4 +1,4 @@
-"""examples/demo_regimes.py: the committed table (docs/results/demo_regimes.txt) is what its raw results give,
+"""experiments/demo_regimes: the committed table (experiments/demo_regimes/regimes.txt) is what its raw results give,
 every raw result's command is the one the script builds, and bad --runs/--raw are one-line errors."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "experiments" / "demo_regimes")]
 
 import demo_regimes  # noqa: E402
 from laptop_scale import Data  # noqa: E402
 
-RAW = ROOT / "docs" / "demo_regimes"
-RESULTS = ROOT / "docs" / "results" / "demo_regimes.txt"
+RAW = ROOT / "experiments" / "demo_regimes" / "raw"
+RESULTS = ROOT / "experiments" / "demo_regimes" / "regimes.txt"
 
 
 def _records() -> list[dict]:
@@ -26,8 +26,8 @@ def _records() -> list[dict]:
 def test_committed_table_is_the_raw_results():
     printed = [line for line in RESULTS.read_text(encoding="utf-8").splitlines() if not line.startswith("# ")]
     assert demo_regimes.table(_records()).splitlines() == printed, \
-        "regenerate: python benchmarks/record.py docs/results/demo_regimes.txt -- " \
-        "python examples/demo_regimes.py --raw docs/demo_regimes"
+        "regenerate: python benchmarks/record.py experiments/demo_regimes/regimes.txt -- " \
+        "python experiments/demo_regimes/demo_regimes.py --raw experiments/demo_regimes/raw"
 
 
 def test_raw_commands_are_the_scripts():
@@ -54,7 +54,7 @@ def test_the_demo_trains_the_chosen_regime():
     (["--runs", "12x96:1"], "--runs 12x96:1"),
     (["--runs", "12x64"], "--runs 12x64"),
     ([], "--runs"),
-    (["--raw", "docs/demo_regimes", "--runs", "12x64:1"], "--raw"),
+    (["--raw", "experiments/demo_regimes/raw", "--runs", "12x64:1"], "--raw"),
 ])
 def test_bad_arguments_are_one_line(argv, names, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

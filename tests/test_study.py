@@ -1,6 +1,6 @@
-"""examples/study.py: the --quick study end to end (real trainings at one token budget, measurements, SFT, raw
+"""experiments/study/study.py: the --quick study end to end (real trainings at one token budget, measurements, SFT, raw
 files, report), its resume, the pilot gate, refused settings; the report as a function of the raw files alone
-(the committed docs/study.md against docs/study/raw); the statistics against scipy."""
+(the committed experiments/study/report_v2.md against experiments/study/raw_v2); the statistics against scipy."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STUDY = ROOT / "examples" / "study.py"
-sys.path.insert(0, str(ROOT / "examples"))
+STUDY = ROOT / "experiments" / "study" / "study.py"
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "experiments" / "study")]
 
 import study  # noqa: E402
 import study_report  # noqa: E402
@@ -91,10 +91,10 @@ def test_report_is_a_function_of_the_raw_files_alone(quick, tmp_path):
 
 
 def test_committed_report_matches_its_committed_raw_results():
-    raw, report = ROOT / "docs" / "study" / "raw", ROOT / "docs" / "study.md"
+    raw, report = ROOT / "experiments" / "study" / "raw_v2", ROOT / "experiments" / "study" / "report_v2.md"
     text, _ = study_report.report_text(raw, report)
-    assert text == report.read_text(encoding="utf-8"), "regenerate: python examples/study_report.py " \
-        "--raw docs/study/raw --report docs/study.md"
+    assert text == report.read_text(encoding="utf-8"), "regenerate: python experiments/study/study_report.py " \
+        "--raw experiments/study/raw_v2 --report experiments/study/report_v2.md"
 
 
 @pytest.mark.slow
@@ -209,11 +209,12 @@ def test_paired_contrast_and_verdicts_against_scipy():
 
 
 def test_sft_doc_shows_the_committed_reports_sft_section():
-    report = (ROOT / "docs" / "study.md").read_text(encoding="utf-8")
+    report = (ROOT / "experiments" / "study" / "report_v2.md").read_text(encoding="utf-8")
     doc = (ROOT / "docs" / "sft.md").read_text(encoding="utf-8")
-    assert study_report.sft_section(report), "docs/study.md has no SFT analogue section"
+    assert study_report.sft_section(report), "experiments/study/report_v2.md has no SFT analogue section"
     assert study_report.sft_block(doc) == study_report.sft_section(report), "regenerate: python " \
-        "examples/study_report.py --raw docs/study/raw --report docs/study.md --sft-doc docs/sft.md"
+        "experiments/study/study_report.py --raw experiments/study/raw_v2 --report experiments/study/report_v2.md " \
+        "--sft-doc docs/sft.md"
 
 
 def test_runs_selects_the_named_runs_and_their_parents_and_refuses_unknown_names(tmp_path):
@@ -229,7 +230,7 @@ def test_runs_selects_the_named_runs_and_their_parents_and_refuses_unknown_names
 
 def test_merge_adds_new_runs_and_compares_reruns_of_committed_ones(tmp_path):
     committed = tmp_path / "committed"
-    shutil.copytree(ROOT / "docs" / "study" / "raw", committed)
+    shutil.copytree(ROOT / "experiments" / "study" / "raw_v2", committed)
     new = tmp_path / "new"
     new.mkdir()
     study_json = json.loads((committed / "study.json").read_text())

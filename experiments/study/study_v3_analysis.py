@@ -1,6 +1,6 @@
 """Study v3's pre-registered analysis: endpoints, the test, the family, the verdict rule, MDE and power.
 
-Fixed here and committed before the first v3 run (issue 30); `examples/study.py --design v3` trains and
+Fixed here and committed before the first v3 run (issue 30); `experiments/study/study.py --design v3` trains and
 measures, the v3 report is made from its raw files with these functions only. What v3 changes from v2
 (docs/study.md, "Earlier designs"), and why:
 

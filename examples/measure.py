@@ -1,4 +1,4 @@
-"""Held-out cross-entropy, Ψ_ℓ and ζ of a checkpoint series on the same tokens (examples/study.py's measurement).
+"""Held-out cross-entropy, Ψ_ℓ and ζ of checkpoints on the same tokens (the demo's and experiments/study's measure).
 
 Every checkpoint of every run is measured on the same token windows, so two numbers from two runs always
 differ by the model only:

@@ -1,7 +1,7 @@
 """Is a committed study run reproducible here? Re-train it from its raw file's command for the first N steps, twice
 side by side, and compare the loss curves with each other and with the committed curve.
 
-    python examples/study_reproduce.py --raw docs/study/raw/baseline-small__seed-3.json --steps 120
+    python experiments/study/study_reproduce.py --raw experiments/study/raw_v2/baseline-small__seed-3.json --steps 120
 
 The data comes from examples/laptop_scale.py (the study's own preparation, into --work); the run's command is
 replayed as recorded, with `--exit-interval N` (the schedule stays the committed run's) and without its
@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(HERE)]
 
 from laptop_scale import child_env, prepare_data  # noqa: E402
 
@@ -47,7 +48,7 @@ def curve(path: Path) -> dict[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--raw", type=Path, required=True, help="one run's raw file (docs/study/raw/<arm>__seed-<s>.json)")
+    p.add_argument("--raw", type=Path, required=True, help="one run's raw file (raw_v2/<arm>__seed-<s>.json)")
     p.add_argument("--steps", type=int, default=120, help="re-train this many steps (default 120)")
     p.add_argument("--work", type=Path, default=Path("study_reproduce"), help="data and logs (default study_reproduce)")
     args = p.parse_args(argv)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         log = open(args.work / f"rerun-{name}.log", "w")  # noqa: SIM115 - closed below
         cmd = replay_command(rec["command"], args.work.resolve(), args.steps, metrics)
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                       cwd=HERE.parent), log))
+                                       cwd=ROOT), log))
         files.append(metrics)
     for proc, log in procs:
         rc = proc.wait()

@@ -4,15 +4,17 @@ Exploratory, and labelled so: it chose the demo's model (issue 19) after the stu
 its 12 × 128 model ends with a final-layer jump in one seed of four; the study's verdicts do not use it.
 Each regime × seed is one baseline (λ = 0) `megatron-jreg train` run on the demo's data
 (examples/laptop_scale.py: same split, tokenizer, recipe), checkpoints every `save` steps, each measured on
-every held-out window (examples/study_measure.py: CE, Ψ_ℓ, ζ). The table gives ζ_L at every checkpoint, the
+every held-out window (examples/measure.py: CE, Ψ_ℓ, ζ). The table gives ζ_L at every checkpoint, the
 final ζ_L−1, the layer with the upper half's largest Ψ and the CE, and per regime how many seeds end with
 ζ_L ≥ 1.
 
-    python examples/demo_regimes.py --output regimes_output --runs 12x64:1 12x64:2 12x128:1   # train, measure
-    python examples/demo_regimes.py --raw docs/demo_regimes          # the table from the committed raw results
+    # train and measure:
+    python experiments/demo_regimes/demo_regimes.py --output regimes_output --runs 12x64:1 12x64:2 12x128:1
+    # the table from the committed raw results:
+    python experiments/demo_regimes/demo_regimes.py --raw experiments/demo_regimes/raw
 
 Resumable: a run whose raw result exists is not trained again. Raw results (one small JSON per run, with its
-command and commit): --output/raw, copied to docs/demo_regimes.
+command and commit): --output/raw, copied to experiments/demo_regimes/raw (the table: regimes.txt).
 """
 
 from __future__ import annotations
@@ -22,46 +24,23 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(HERE.parent / "study")]
 
-from laptop_scale import SEQ_LENGTH, Model, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
+from laptop_scale import DEMO_REGIME, SEQ_LENGTH, Model, Regime, child_env, data_flags, prepare_data  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Regime:
-    model: Model
-    batch: int
-    train_iters: int  # the schedule's length
-    stop_at: int  # Megatron-LM's --exit-interval
-    save: int  # checkpoint (and measurement) interval
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    tied: bool = False  # one embedding matrix for input and output (Megatron-LM's default)
-    why: str = ""
-
-    def model_flags(self) -> list[str]:
-        untie = "--untie-embeddings-and-output-weights"
-        return [f for f in self.model.flags() if not (self.tied and f == untie)]
-
-    def recipe_flags(self, batch: int | None = None, train_iters: int | None = None) -> list[str]:
-        """The recipe's optimizer/schedule flags with this regime's learning rate and weight decay."""
-        flags = recipe_flags(batch or self.batch, train_iters or self.train_iters, self.lr, self.lr / 10)
-        flags[flags.index("--weight-decay") + 1] = f"{self.weight_decay:g}"
-        return flags
-
-
-WIDE, NARROW = Model(12, 128, 4, 352), Model(12, 64, 2, 176)
+WIDE, NARROW = Model(12, 128, 4, 352), DEMO_REGIME.model
 REGIMES = {
     "12x128": Regime(WIDE, 4, 2000, 1000, 250, why="the demo until issue 19's fix: the study's model and seed-1 "
                      "run, stopped at step 1,000 of 2,000"),
     "12x128-lr3e-3": Regime(WIDE, 4, 2000, 1000, 250, lr=3e-3, why="faster learning in the same steps"),
     "12x128-wd0": Regime(WIDE, 4, 2000, 1000, 250, weight_decay=0.0, why="weights free to grow"),
     "12x128-batch2": Regime(WIDE, 2, 4000, 2000, 500, why="the paper's (ii): twice the steps, same tokens"),
-    "12x64": Regime(NARROW, 4, 3000, 3000, 500, why="3× the steps in the same wall time, full schedule"),
+    "12x64": DEMO_REGIME,
     "12x64-tied": Regime(NARROW, 4, 3000, 3000, 500, tied=True,
                          why="the output reads the input's embedding space, so the top must leave it"),
 }
@@ -87,7 +66,7 @@ def measure(run_dir: Path, regime: Regime, heldout) -> list[dict]:
     import logging
     import warnings
 
-    from study_measure import Measurer
+    from measure import Measurer
 
     warnings.filterwarnings("ignore")  # megatron-core's CPU notes at every load; the run's train.log keeps them
     logging.getLogger("megatron").setLevel(logging.ERROR)
@@ -113,7 +92,7 @@ def run(out: Path, name: str, seed: int) -> Path:
     if rc:
         raise SystemExit(f"[regimes] {name} seed {seed}: training failed ({rc}), see {run_dir / 'train.log'}")
     wall = time.time() - start
-    from study_measure import token_windows
+    from measure import token_windows
 
     series = measure(run_dir, regime, token_windows(data.heldout_prefix, SEQ_LENGTH))
     record = {"regime": name, "seed": seed, "spec": asdict(regime), "train_wall_s": round(wall, 1), **code,

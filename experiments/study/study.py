@@ -1,6 +1,6 @@
-"""`python examples/study.py`: a laptop-scale study designed to confirm or refute the paper's claims.
+"""`python experiments/study/study.py`: a laptop-scale study designed to confirm or refute the paper's claims.
 
-Design (fixed here, before any run; docs/study.md reports whatever comes out):
+Design (fixed here, before any run; experiments/study/report_v2.md reports whatever comes out):
 - Arms at one **fixed token budget** (the paper's §3.4 compares 20K with 200K steps by changing the batch size):
   `baseline-large` (global batch 40, N steps), `baseline-small` (batch 4, 10·N steps) and `jreg-a1` (JREG
   λ = 1, α = 1, angular, at the small batch); `--alphas` adds JREG arms at the small batch. Every arm of a seed
@@ -8,7 +8,7 @@ Design (fixed here, before any run; docs/study.md reports whatever comes out):
 - Model: a 12-layer Llama (12 × 128), so that α means what it means for the paper's 12-layer 170M
   (α = 1 puts 0.58 of the weight on the top layer, as for the paper's 170M model). Data: WikiText-2 split by
   article (examples/laptop_scale.py); every evaluation reads the held-out articles.
-- Measurement (examples/study_measure.py): held-out cross-entropy, Ψ_ℓ and ζ of every checkpoint on the same
+- Measurement (examples/measure.py): held-out cross-entropy, Ψ_ℓ and ζ of every checkpoint on the same
   tokens; the final checkpoint also on training windows (the train–held-out gap).
 - Endpoints (ENDPOINTS, study_report.py): primary (ii) ζ_L(baseline-small) − ζ_L(baseline-large) > 0,
   (iii) ζ_L(jreg-a1) − ζ_L(baseline-small) < 0, (iv) held-out CE(jreg-a1) − CE(baseline-small) < 0; one-sided
@@ -23,13 +23,15 @@ Design (fixed here, before any run; docs/study.md reports whatever comes out):
   and jreg-a1 models are fine-tuned with λ = 0 on the vendored chat data (Megatron-LM's `--sft`); ζ and Ψ
   before and after on the same held-out windows.
 
-    python examples/study.py                     # the default study (docs/study.md): ~2 h on 2 cores
-    python examples/study.py --design v3 --jobs 1   # study v3 (examples/study_v3_analysis.py, issue 30)
-    python examples/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
-    python examples/study.py --report-only       # report from what is there
-    python examples/study.py --runs sft-jreg-a1/seed-3   # only these runs (and their parents), then:
-    python examples/study_report.py --raw docs/study/raw --merge study_output/raw --report docs/study.md
-    python examples/study_report.py --raw study_output/raw --report docs/study.md   # from committed raw files
+    python experiments/study/study.py                     # study v2 (report_v2.md): ~2 h on 2 cores
+    python experiments/study/study.py --design v3 --jobs 2   # study v3 (study_v3_analysis.py, docs/study.md)
+    python experiments/study/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
+    python experiments/study/study.py --report-only       # report from what is there
+    python experiments/study/study.py --runs sft-jreg-a1/seed-3   # only these runs (and their parents), then:
+    python experiments/study/study_report.py --raw experiments/study/raw_v2 --merge study_output/raw \
+        --report experiments/study/report_v2.md
+    # the v2 report from its committed raw files:
+    python experiments/study/study_report.py --raw experiments/study/raw_v2 --report experiments/study/report_v2.md
 
 Resumable: finished runs are skipped (train.done / post.done); an interrupted training continues from its
 last checkpoint (Megatron-LM's exact resume). Ctrl-C / SIGTERM makes every training save and stop; run the
@@ -37,7 +39,7 @@ same command again to go on. Other settings on an existing --output are refused.
 
 Output folder: data/ (tokenizer, datasets, chat data), runs/<arm>/seed-<s>/ (command.txt, train.log,
 metrics.jsonl, checkpoints/, measures.json, attempts.jsonl), raw/ (one small JSON per run: what the report is
-made from, and what docs/study/raw holds), gate.json, invocations.jsonl, report.md, study_*.png.
+made from, and what experiments/study/raw_v2 holds), gate.json, invocations.jsonl, report.md, study_*.png.
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's megatron_jreg and laptop_scale.py, whatever is installed
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(HERE)]  # this checkout's megatron_jreg, laptop_scale.py
 
 from laptop_scale import SEQ_LENGTH, Data, Model, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
 
-CHAT = HERE / "sft" / "data" / "wikitext_chat.jsonl"
+CHAT = ROOT / "examples" / "sft" / "data" / "wikitext_chat.jsonl"
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Arm:
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """What the study trains and measures. The defaults are the committed study (docs/study.md)."""
+    """What the study trains and measures. The defaults are the committed study (experiments/study/report_v2.md)."""
 
     output: Path
     seeds: int = 4
@@ -131,8 +133,8 @@ class StudyConfig:
         return arm_name(1.0 if 1.0 in self.alphas else self.alphas[0])
 
 
-# Study v3 (issue 30; its analysis is fixed in examples/study_v3_analysis.py): the 12 × 64 regime in which the
-# jump forms (examples/demo_regimes.py), fresh seeds 9..20, a 4× larger batch for baseline-large, JREG at α = 1
+# Study v3 (issue 30; its analysis is fixed in experiments/study/study_v3_analysis.py): the 12 × 64 regime in which the
+# jump forms (experiments/demo_regimes), fresh seeds 9..20, a 4× larger batch for baseline-large, JREG at α = 1
 # and α = 0, 6 checkpoints per run, no pilot gate (the regime was chosen on seeds 1..8), no SFT analogue.
 V3 = dict(design="v3", first_seed=9, seeds=12, model=Model(layers=12, hidden=64, heads=2, ffn=176), small_batch=4,
           large_batch=16, large_steps=750, alphas=(1.0, 0.0), checkpoints=6, gate=None, sft_seeds=0)
@@ -269,7 +271,7 @@ def measured(cfg: StudyConfig, run: Run) -> bool:
 
 
 def post_process(run_dir: Path, removal: bool = False) -> int:
-    """Measure the run's checkpoints (study_measure.py) into measures.json, then post.done; with `removal`
+    """Measure the run's checkpoints (examples/measure.py) into measures.json, then post.done; with `removal`
     (v3) layer removal at the final checkpoint into removal.json, then removal.done."""
     spec = json.loads((run_dir / "spec.json").read_text())
     data = json.loads((run_dir.parents[2] / "data.json").read_text())
@@ -283,15 +285,15 @@ def post_process(run_dir: Path, removal: bool = False) -> int:
 
 
 def measure_removal(run_dir: Path, spec: dict, data: dict) -> int:
-    """Study v3's mechanism (examples/study_v3_analysis.py): ΔCE of skipping each decoder layer and the top
+    """Study v3's mechanism (experiments/study/study_v3_analysis.py): ΔCE of skipping each decoder layer and the top
     1, 2, 3 layers of the final checkpoint, on every held-out window (`megatron-jreg analyze`'s layer removal)."""
-    import study_measure
+    import measure
 
     from megatron_jreg.analysis.removal import layer_removal
 
     t0 = time.time()
     final = run_dir / "checkpoints" / f"iter_{spec['steps']:07d}"
-    heldout = study_measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
+    heldout = measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
     result = layer_removal(str(final), heldout, top_k=(1, 2, 3), batch_size=32)
     record = {"iteration": spec["steps"], "windows": len(heldout), "base_ce": result["base_ce"],
               "single": result["delta_ce"], "top": dict(zip(map(str, result["top_k"]), result["delta_ce_top"])),
@@ -304,7 +306,7 @@ def measure_removal(run_dir: Path, spec: dict, data: dict) -> int:
 
 
 def measure_series(run_dir: Path, spec: dict, data: dict) -> int:
-    import study_measure
+    import measure
 
     t0 = time.time()
     checkpoints = sorted((run_dir / "checkpoints").glob("iter_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -312,10 +314,10 @@ def measure_series(run_dir: Path, spec: dict, data: dict) -> int:
     if not checkpoints or int(checkpoints[-1].name.split("_")[1]) != spec["steps"]:
         print(f"{run_dir}: no final checkpoint at step {spec['steps']}", file=sys.stderr)
         return 1
-    heldout = study_measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
+    heldout = measure.token_windows(Path(data["heldout_prefix"]), SEQ_LENGTH)
     core = heldout[: spec["core_windows"]]
-    train = study_measure.token_windows(Path(data["train_prefix"]), SEQ_LENGTH, limit=spec["train_windows"])
-    series = study_measure.measure_series(checkpoints, core, heldout, train)
+    train = measure.token_windows(Path(data["train_prefix"]), SEQ_LENGTH, limit=spec["train_windows"])
+    series = measure.measure_series(checkpoints, core, heldout, train)
     tmp = run_dir / "measures.json.tmp"
     tmp.write_text(json.dumps({"windows": {"core": len(core), "heldout": len(heldout), "train": len(train)},
                                "series": series}, indent=1) + "\n")
@@ -492,7 +494,7 @@ def git_state() -> dict:
         r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
         return r.stdout.rstrip("\n") if r.returncode == 0 else ""
 
-    dirty = git("status", "--porcelain", "--", "examples", "megatron_jreg")
+    dirty = git("status", "--porcelain", "--", "examples", "experiments", "megatron_jreg")
     return {"commit": git("rev-parse", "HEAD").strip() or None,
             "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
@@ -505,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where everything is written (default: study_output, or study_quick with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke test of the pipeline: tiny model, a few steps")
     p.add_argument("--design", choices=("v2", "v3"), default="v2",
-                   help="v2: the committed study (docs/study.md); v3: issue 30's (examples/study_v3_analysis.py)")
+                   help="v2: the committed study of report_v2.md; v3: issue 30's (study_v3_analysis.py, docs/study.md)")
     p.add_argument("--seeds", type=int, help=f"training seeds: this many from the design's first (default {d.seeds}"
                    " for v2, 12 from seed 9 for v3)")
     p.add_argument("--alphas", type=float, nargs="+",
@@ -580,7 +582,7 @@ def gate_result(cfg: StudyConfig, pilot: Run) -> dict:
 
 
 def write_report(cfg: StudyConfig, report: Path) -> None:
-    """The design's report from OUTPUT/raw (v3's: examples/study_v3_report.py, on its pre-registered analysis)."""
+    """The design's report from OUTPUT/raw (v3's: study_v3_report.py, on its pre-registered analysis)."""
     if cfg.design == "v2":
         import study_report
 
@@ -589,7 +591,8 @@ def write_report(cfg: StudyConfig, report: Path) -> None:
     try:
         import study_v3_report
     except ImportError:  # the analysis was fixed before the runs; its report came later
-        print(f"[study] raw results in {cfg.output / 'raw'}; the v3 report: examples/study_v3_report.py", flush=True)
+        print(f"[study] raw results in {cfg.output / 'raw'}; the v3 report: experiments/study/study_v3_report.py",
+              flush=True)
         return
     study_v3_report.write_report(cfg.output / "raw", report)
 
