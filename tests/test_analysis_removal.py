@@ -88,6 +88,16 @@ def test_layer_removal_equals_hook_reference_in_memory_and_streamed(llama, windo
     assert layer_removal(llama, windows)["top_k"] == [1, 2, 3]
 
 
+def test_layer_removal_of_a_gguf_file_equals_the_reference(llama, windows, tmp_path):
+    """The same model written as a GGUF file (F32, untied: its output.weight is the LM head)."""
+    from megatron_jreg.analysis.removal import layer_removal
+    from tests.test_analysis_gguf import write_llama_gguf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    path = write_llama_gguf(model, transformers.AutoTokenizer.from_pretrained(llama), tmp_path / "llama.gguf")
+    assert_matches(layer_removal(path, windows, top_k=TOP_K, batch_size=5), reference(llama, windows))
+
+
 def test_layer_removal_of_a_loaded_model_leaves_it_unchanged(llama, windows):
     """A transformers model passed in: same figures, and afterwards no layer answers from a recording."""
     import torch
