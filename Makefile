@@ -25,7 +25,7 @@ test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not multirank" tests
 
 lint: venv
-	$(PY) -m ruff check megatron_jreg tools tests benchmarks examples
+	$(PY) -m ruff check megatron_jreg tools tests benchmarks examples experiments
 	$(VENV)/bin/lint-imports
 
 demo: venv
