@@ -9,7 +9,7 @@ The math, fp32 whatever the input dtype, per row t (ε = NORM_EPS: a row shorter
     angular  d = 2·atan2(c, s)/π ∈ [0, 1]      cosine  d = 1 − cos = 2c²/(c² + s²) ∈ [0, 2]
     zero vector: d = 0.5 (angular) / 1 (cosine) with no gradient; a non-finite row: d = NaN
 
-The forward also returns the per-row (|a|, |b|, c², s²) [T] (16 bytes a token), so the backward needs no
+The forward also returns the per-row (|a|², |b|², c², s²) [T] (16 bytes a token), so the backward needs no
 reduction, only one elementwise pass:
 
     cos = (s² − c²)/(s² + c²),  sin = 2cs/(s² + c²)
@@ -20,11 +20,12 @@ row whose upstream gradient is 0 (a masked token) gets exactly 0, even if its st
 
 Three ways to run it, chosen per call from the tensors' device (`backend_for`), or forced with
 MEGATRON_JREG_KERNEL=triton|compiled|torch:
-- "triton" (CUDA): `jreg_triton`'s two kernels, each row whole in registers: 2 launches per layer call.
+- "triton" (CUDA, h ≤ jreg_triton.MAX_WIDTH): `jreg_triton`'s two kernels, each row whole in registers:
+  2 launches per layer call.
 - "compiled" (CPU, from COMPILE_MIN_ELEMENTS elements): the torch bodies below compiled by torch.compile
   (inductor's C++/OpenMP), which fuses each row's passes into one loop over the rows. The first call in a
-  process compiles (or loads inductor's on-disk cache); if compiling fails (no C++ compiler, Dynamo
-  disabled) it warns once and uses "torch".
+  process compiles (or loads inductor's on-disk cache); if compiling fails (no C++ compiler, say) it warns
+  once and uses "torch" from then on.
 - "torch": the same bodies run eagerly, in row chunks that bound the fp32 temporaries (one chunk below
   COMPILE_MIN_ELEMENTS, where this is as fast as the compiled call and compiles nothing).
 Figures (ops per call, time against a plain copy of the bytes, compile cost): benchmarks/jreg_op.py,
@@ -47,40 +48,51 @@ ENV = "MEGATRON_JREG_KERNEL"
 _CHUNK_ELEMENTS = 1 << 22  # the eager path's fp32 temporaries are bounded to this many elements per chunk
 COMPILE_MIN_ELEMENTS = _CHUNK_ELEMENTS  # CPU calls from this size compile (measured: benchmarks/jreg_op.py)
 _SIN_FLOOR = 1e-12  # sin θ below this is 0: b̂ = ±â there and the direction b̂ − â·cos is exactly 0
+_TINY = 1e-30  # keeps c² + s² (≈ 4, 0 only for two zero rows) off 0 in divisions
+
+
+def _row_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+    """|a|², |b|², c², s² [T] (fp32) of rows a, b[T, h]; see the module docstring.
+
+    Written so that inductor fuses each row's two passes (squares, then â ± b̂) into one loop over the rows:
+    the norms are recomputed from the sums where used, and d is left to `_displacement` (a [T] epilogue in
+    the same graph keeps inductor's C++ from fusing the passes)."""
+    a, b = a.float(), b.float()
+    sa, sb = (a * a).sum(-1), (b * b).sum(-1)
+    ua = a * (1.0 / sa.sqrt().clamp_min(NORM_EPS)).unsqueeze(-1)
+    ub = b * (1.0 / sb.sqrt().clamp_min(NORM_EPS)).unsqueeze(-1)
+    return sa, sb, (ua - ub).square().sum(-1), (ua + ub).square().sum(-1)
+
+
+def _displacement(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, angular: bool) -> Tensor:
+    """d [T] from the row sums: 2·atan2(c, s)/π or 2c²/(c² + s²); 0.5 / 1 for a zero vector."""
+    zero = (sa.sqrt() <= NORM_EPS) | (sb.sqrt() <= NORM_EPS)
+    if angular:
+        return torch.where(zero, 0.5, torch.atan2(c2.sqrt(), s2.sqrt()) * (2.0 / math.pi))
+    return torch.where(zero, 1.0, 2.0 * c2 / (c2 + s2).clamp_min(_TINY))
 
 
 def _forward_body(a: Tensor, b: Tensor, angular: bool) -> tuple[Tensor, ...]:
-    """d, |a|, |b|, c², s² [T] (fp32) of rows a, b[T, h]; see the module docstring."""
-    a, b = a.float(), b.float()
-    na, nb = (a * a).sum(-1).sqrt(), (b * b).sum(-1).sqrt()
-    ua = a * (1.0 / na.clamp_min(NORM_EPS)).unsqueeze(-1)
-    ub = b * (1.0 / nb.clamp_min(NORM_EPS)).unsqueeze(-1)
-    c2 = (ua - ub).square().sum(-1)
-    s2 = (ua + ub).square().sum(-1)
-    zero = (na <= NORM_EPS) | (nb <= NORM_EPS)
-    if angular:
-        d = torch.where(zero, 0.5, torch.atan2(c2.sqrt(), s2.sqrt()) * (2.0 / math.pi))
-    else:
-        d = torch.where(zero, 1.0, 2.0 * c2 / (c2 + s2))
-    return d, na, nb, c2, s2
+    sums = _row_sums(a, b)
+    return _displacement(*sums, angular), *sums
 
 
-def _backward_body(a: Tensor, b: Tensor, grad: Tensor, na: Tensor, nb: Tensor, c2: Tensor, s2: Tensor,
+def _backward_body(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
                    angular: bool) -> tuple[Tensor, Tensor]:
     """∂/∂a, ∂/∂b [T, h] (dtypes of a, b) of Σ_t grad[t]·d[t]; see the module docstring."""
-    zero = (na <= NORM_EPS) | (nb <= NORM_EPS)
-    k = torch.where(zero, 0.0, grad.float())
-    cos = (s2 - c2) / (s2 + c2)
+    na, nb = sa.sqrt(), sb.sqrt()
+    k = grad.float()
+    # zero vectors and tokens without upstream gradient (masked) get exactly 0, whatever their state holds
+    off = ((na <= NORM_EPS) | (nb <= NORM_EPS) | (k == 0)).unsqueeze(-1)
+    both = (s2 + c2).clamp_min(_TINY)  # ≈ 4; 0 only when both rows are zero
+    cos = ((s2 - c2) / both).unsqueeze(-1)
     if angular:
-        sin = 2.0 * (c2 * s2).sqrt() / (s2 + c2)
-        k = k / (math.pi * sin.clamp_min(_SIN_FLOOR))
-    ka = (-k / na.clamp_min(NORM_EPS)).unsqueeze(-1)
-    kb = (-k / nb.clamp_min(NORM_EPS)).unsqueeze(-1)
-    ua = a.float() * (1.0 / na.clamp_min(NORM_EPS)).unsqueeze(-1)
-    ub = b.float() * (1.0 / nb.clamp_min(NORM_EPS)).unsqueeze(-1)
-    cos = cos.unsqueeze(-1)
-    grad_a = torch.where(ka == 0, 0.0, ka * (ub - ua * cos))
-    grad_b = torch.where(kb == 0, 0.0, kb * (ua - ub * cos))
+        k = k / (math.pi * (2.0 * (c2 * s2).sqrt() / both).clamp_min(_SIN_FLOOR))  # 1/(π·sin θ)
+    ra, rb = 1.0 / na.clamp_min(NORM_EPS), 1.0 / nb.clamp_min(NORM_EPS)
+    ka, kb = (-k * ra).unsqueeze(-1), (-k * rb).unsqueeze(-1)
+    ua, ub = a.float() * ra.unsqueeze(-1), b.float() * rb.unsqueeze(-1)
+    grad_a = torch.where(off, 0.0, ka * (ub - ua * cos))
+    grad_b = torch.where(off, 0.0, kb * (ua - ub * cos))
     return grad_a.to(a.dtype), grad_b.to(b.dtype)
 
 
@@ -93,12 +105,12 @@ def _chunked_forward(a: Tensor, b: Tensor, angular: bool) -> tuple[Tensor, ...]:
     return tuple(outs)
 
 
-def _chunked_backward(a: Tensor, b: Tensor, grad: Tensor, na: Tensor, nb: Tensor, c2: Tensor, s2: Tensor,
+def _chunked_backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
                       angular: bool) -> tuple[Tensor, Tensor]:
     grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
     for lo, hi in _row_chunks(*a.shape):
         rows = slice(lo, hi)
-        grad_a[rows], grad_b[rows] = _backward_body(a[rows], b[rows], grad[rows], na[rows], nb[rows], c2[rows],
+        grad_a[rows], grad_b[rows] = _backward_body(a[rows], b[rows], grad[rows], sa[rows], sb[rows], c2[rows],
                                                     s2[rows], angular)
     return grad_a, grad_b
 
@@ -109,22 +121,20 @@ def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
 
 
 class _Compiled:
-    """torch.compile'd forward and backward bodies, built on first use; None once compiling has failed."""
+    """torch.compile'd bodies, built on first use; `failed` says why once compiling has failed."""
+
+    BODIES: dict[str, Callable] = {"row_sums": _row_sums, "displacement": _displacement, "backward": _backward_body}
 
     def __init__(self) -> None:
         self.fns: dict[str, Callable] = {}
         self.failed: str | None = None
 
-    def __call__(self, name: str, *args: object) -> tuple[Tensor, ...] | None:
+    def __call__(self, name: str, *args: object) -> Tensor | tuple[Tensor, ...] | None:
         if self.failed is not None:
             return None
-        if name not in self.fns:
-            body = _forward_body if name == "forward" else _backward_body
-            self.fns[name] = torch.compile(body, fullgraph=True)
-        tensors = [x for x in args if isinstance(x, Tensor)]
-        for t in tensors:  # one compiled graph for every number of tokens
-            torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
+            if name not in self.fns:  # a second number of tokens recompiles once, for any number (dynamic)
+                self.fns[name] = torch.compile(self.BODIES[name], fullgraph=True)
             return self.fns[name](*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager bodies
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
@@ -136,19 +146,26 @@ class _Compiled:
 _COMPILED = _Compiled()
 
 
+def forced_backend() -> str | None:
+    """The backend MEGATRON_JREG_KERNEL names (None: unset or auto); ValueError naming the variable otherwise."""
+    forced = os.environ.get(ENV, "").strip()
+    if forced in ("", "auto"):
+        return None
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV}={forced!r}: use one of auto, {', '.join(BACKENDS)} (or leave it unset)")
+    return forced
+
+
 def backend_for(t: Tensor) -> str:
     """The backend a call on rows t[T, h] takes: MEGATRON_JREG_KERNEL if set, else triton on CUDA, compiled on CPU
     from COMPILE_MIN_ELEMENTS elements (smaller calls take the eager path in one chunk, as fast as the compiled
-    one there, without its compile), torch elsewhere or where the fast one cannot run."""
-    forced = os.environ.get(ENV, "").strip()
-    if forced and forced != "auto":
-        if forced not in BACKENDS:
-            raise ValueError(f"{ENV}={forced!r}: use one of auto, {', '.join(BACKENDS)}")
+    one there, without its compile), torch elsewhere or once compiling has failed."""
+    forced = forced_backend()
+    if forced is not None:
         return forced
     if t.is_cuda and t.shape[-1] <= _triton_max_width():
         return "triton"
-    if (t.device.type == "cpu" and t.numel() >= COMPILE_MIN_ELEMENTS and _COMPILED.failed is None
-            and not torch._dynamo.config.disable):
+    if t.device.type == "cpu" and t.numel() >= COMPILE_MIN_ELEMENTS and _COMPILED.failed is None:
         return "compiled"
     return "torch"
 
@@ -162,28 +179,28 @@ def _triton_max_width() -> int:
 
 
 def forward(a: Tensor, b: Tensor, angular: bool, backend: str | None = None) -> tuple[Tensor, ...]:
-    """d, |a|, |b|, c², s² [T] (fp32) of the rows of a, b[T, h] (same shape, any float dtype, no autograd)."""
+    """d, |a|², |b|², c², s² [T] (fp32) of the rows of a, b[T, h] (same shape, any float dtype, no autograd)."""
     backend = backend or backend_for(a)
     if backend == "triton":
         from megatron_jreg import jreg_triton
 
-        return jreg_triton.forward(a, b, angular, NORM_EPS)
+        return jreg_triton.forward(a, b, angular, NORM_EPS, _TINY)
     if backend == "compiled":
-        out = _COMPILED("forward", a, b, angular)
-        if out is not None:
-            return out
+        sums = _COMPILED("row_sums", a, b)
+        d = _COMPILED("displacement", *sums, angular) if sums is not None else None
+        if d is not None:
+            return d, *sums
     return _chunked_forward(a, b, angular)
 
 
 def backward(a: Tensor, b: Tensor, grad: Tensor, rows: tuple[Tensor, ...], angular: bool,
              backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """∂/∂a, ∂/∂b of Σ_t grad[t]·d[t], from a, b[T, h], grad[T] and the forward's rows = (|a|, |b|, c², s²)."""
+    """∂/∂a, ∂/∂b of Σ_t grad[t]·d[t], from a, b[T, h], grad[T] and the forward's rows = (|a|², |b|², c², s²)."""
     backend = backend or backend_for(a)
     if backend == "triton":
         from megatron_jreg import jreg_triton
 
-        return jreg_triton.backward(a, b, grad, *rows, angular, NORM_EPS, _SIN_FLOOR)
-    grad = grad.contiguous()  # sum's backward hands an expanded [T] view
+        return jreg_triton.backward(a, b, grad, *rows, angular, NORM_EPS, _TINY, _SIN_FLOOR)
     if backend == "compiled":
         out = _COMPILED("backward", a, b, grad, *rows, angular)
         if out is not None:

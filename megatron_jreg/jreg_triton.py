@@ -25,7 +25,7 @@ def _atan_ratio(c, s):
     """atan2(c, s) for c, s ≥ 0, in fp32 (Cephes' atanf polynomial after reducing to |y| ≤ tan(π/8))."""
     hi = tl.maximum(c, s)
     lo = tl.minimum(c, s)
-    x = lo / tl.maximum(hi, 1e-30)
+    x = lo / tl.maximum(hi, 1e-30)  # c = s = 0 (two zero rows) gives 0
     big = x > 0.41421356237309503
     y = tl.where(big, (x - 1.0) / (x + 1.0), x)
     z = y * y
@@ -35,8 +35,9 @@ def _atan_ratio(c, s):
 
 
 @triton.jit
-def _forward_kernel(a_ptr, b_ptr, d_ptr, na_ptr, nb_ptr, c2_ptr, s2_ptr, rows_total, width, stride_a, stride_b,
-                    EPS: tl.constexpr, ANGULAR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _forward_kernel(a_ptr, b_ptr, d_ptr, sa_ptr, sb_ptr, c2_ptr, s2_ptr, rows_total, width, stride_a, stride_b,
+                    EPS: tl.constexpr, TINY: tl.constexpr, ANGULAR: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_H)
     live_rows = rows < rows_total
@@ -44,8 +45,10 @@ def _forward_kernel(a_ptr, b_ptr, d_ptr, na_ptr, nb_ptr, c2_ptr, s2_ptr, rows_to
     r64 = rows.to(tl.int64)[:, None]
     a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    na = tl.sqrt(tl.sum(a * a, axis=1))
-    nb = tl.sqrt(tl.sum(b * b, axis=1))
+    sa = tl.sum(a * a, axis=1)
+    sb = tl.sum(b * b, axis=1)
+    na = tl.sqrt(sa)
+    nb = tl.sqrt(sb)
     ua = a * (1.0 / tl.maximum(na, EPS))[:, None]
     ub = b * (1.0 / tl.maximum(nb, EPS))[:, None]
     diff = ua - ub
@@ -56,43 +59,43 @@ def _forward_kernel(a_ptr, b_ptr, d_ptr, na_ptr, nb_ptr, c2_ptr, s2_ptr, rows_to
     if ANGULAR:
         d = tl.where(zero, 0.5, _atan_ratio(tl.sqrt(c2), tl.sqrt(s2)) * (2.0 / _PI))
     else:
-        d = tl.where(zero, 1.0, 2.0 * c2 / (c2 + s2))
+        d = tl.where(zero, 1.0, 2.0 * c2 / tl.maximum(c2 + s2, TINY))
     tl.store(d_ptr + rows, d, mask=live_rows)
-    tl.store(na_ptr + rows, na, mask=live_rows)
-    tl.store(nb_ptr + rows, nb, mask=live_rows)
+    tl.store(sa_ptr + rows, sa, mask=live_rows)
+    tl.store(sb_ptr + rows, sb, mask=live_rows)
     tl.store(c2_ptr + rows, c2, mask=live_rows)
     tl.store(s2_ptr + rows, s2, mask=live_rows)
 
 
 @triton.jit
-def _backward_kernel(a_ptr, b_ptr, g_ptr, na_ptr, nb_ptr, c2_ptr, s2_ptr, ga_ptr, gb_ptr, rows_total, width,
+def _backward_kernel(a_ptr, b_ptr, g_ptr, sa_ptr, sb_ptr, c2_ptr, s2_ptr, ga_ptr, gb_ptr, rows_total, width,
                      stride_a, stride_b, stride_g, stride_ga, stride_gb,
-                     EPS: tl.constexpr, SIN_FLOOR: tl.constexpr, ANGULAR: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     EPS: tl.constexpr, TINY: tl.constexpr, SIN_FLOOR: tl.constexpr, ANGULAR: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_H)
     live_rows = rows < rows_total
     inside = live_rows[:, None] & (cols[None, :] < width)
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(g_ptr + rows.to(tl.int64) * stride_g, mask=live_rows, other=0.0).to(tl.float32)
-    na = tl.load(na_ptr + rows, mask=live_rows, other=1.0)
-    nb = tl.load(nb_ptr + rows, mask=live_rows, other=1.0)
+    na = tl.sqrt(tl.load(sa_ptr + rows, mask=live_rows, other=1.0))
+    nb = tl.sqrt(tl.load(sb_ptr + rows, mask=live_rows, other=1.0))
     c2 = tl.load(c2_ptr + rows, mask=live_rows, other=0.0)
     s2 = tl.load(s2_ptr + rows, mask=live_rows, other=4.0)
-    zero = (na <= EPS) | (nb <= EPS)
-    k = tl.where(zero, 0.0, g)
-    cos = (s2 - c2) / (s2 + c2)
+    off = (na <= EPS) | (nb <= EPS) | (g == 0)  # zero vectors, masked tokens: exactly 0
+    both = tl.maximum(s2 + c2, TINY)
+    cos = (s2 - c2) / both
+    k = g
     if ANGULAR:
-        sin = 2.0 * tl.sqrt(c2 * s2) / (s2 + c2)
-        k = k / (_PI * tl.maximum(sin, SIN_FLOOR))
+        k = k / (_PI * tl.maximum(2.0 * tl.sqrt(c2 * s2) / both, SIN_FLOOR))
     ra = 1.0 / tl.maximum(na, EPS)
     rb = 1.0 / tl.maximum(nb, EPS)
     ka = -k * ra
     kb = -k * rb
     ua = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=inside, other=0.0).to(tl.float32) * ra[:, None]
     ub = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=inside, other=0.0).to(tl.float32) * rb[:, None]
-    ga = tl.where(ka[:, None] == 0, 0.0, ka[:, None] * (ub - ua * cos[:, None]))
-    gb = tl.where(kb[:, None] == 0, 0.0, kb[:, None] * (ua - ub * cos[:, None]))
+    ga = tl.where(off[:, None], 0.0, ka[:, None] * (ub - ua * cos[:, None]))
+    gb = tl.where(off[:, None], 0.0, kb[:, None] * (ua - ub * cos[:, None]))
     tl.store(ga_ptr + r64 * stride_ga + cols[None, :], ga.to(ga_ptr.dtype.element_ty), mask=inside)
     tl.store(gb_ptr + r64 * stride_gb + cols[None, :], gb.to(gb_ptr.dtype.element_ty), mask=inside)
 
@@ -109,27 +112,27 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def forward(a: Tensor, b: Tensor, angular: bool, eps: float) -> tuple[Tensor, ...]:
-    """d, |a|, |b|, c², s² [T] (fp32) of rows a, b[T, h]; h ≤ MAX_WIDTH; rows with norm ≤ eps are zero vectors."""
+def forward(a: Tensor, b: Tensor, angular: bool, eps: float, tiny: float) -> tuple[Tensor, ...]:
+    """d, |a|², |b|², c², s² [T] (fp32) of rows a, b[T, h]; h ≤ MAX_WIDTH; rows with norm ≤ eps are zero vectors."""
     a, b = _rows_contiguous(a), _rows_contiguous(b)
     rows, width = a.shape
     outs = [torch.empty(rows, dtype=torch.float32, device=a.device) for _ in range(5)]
     if rows:
         grid, meta = _launch(rows, width)
-        _forward_kernel[grid](a, b, *outs, rows, width, a.stride(0), b.stride(0), EPS=eps, ANGULAR=angular,
-                                 **meta)
+        _forward_kernel[grid](a, b, *outs, rows, width, a.stride(0), b.stride(0), EPS=eps, TINY=tiny,
+                                 ANGULAR=angular, **meta)
     return tuple(outs)
 
 
-def backward(a: Tensor, b: Tensor, grad: Tensor, na: Tensor, nb: Tensor, c2: Tensor, s2: Tensor, angular: bool,
-             eps: float, sin_floor: float) -> tuple[Tensor, Tensor]:
+def backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, angular: bool,
+             eps: float, tiny: float, sin_floor: float) -> tuple[Tensor, Tensor]:
     """∂/∂a, ∂/∂b [T, h] (dtypes of a, b) of Σ_t grad[t]·d[t]; grad[T] may be an expanded view (stride 0)."""
     a, b = _rows_contiguous(a), _rows_contiguous(b)
     rows, width = a.shape
     grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
     if rows:
         grid, meta = _launch(rows, width)
-        _backward_kernel[grid](a, b, grad, na, nb, c2, s2, grad_a, grad_b, rows, width, a.stride(0), b.stride(0),
-                               grad.stride(0), grad_a.stride(0), grad_b.stride(0), EPS=eps, SIN_FLOOR=sin_floor,
-                               ANGULAR=angular, **meta)
+        _backward_kernel[grid](a, b, grad, sa, sb, c2, s2, grad_a, grad_b, rows, width, a.stride(0), b.stride(0),
+                               grad.stride(0), grad_a.stride(0), grad_b.stride(0), EPS=eps, TINY=tiny,
+                               SIN_FLOOR=sin_floor, ANGULAR=angular, **meta)
     return grad_a, grad_b

@@ -55,7 +55,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
-from megatron_jreg import jreg
+from megatron_jreg import jreg, jreg_kernels
 from megatron_jreg.compat import device as _device
 from megatron_jreg.errors import UsageError
 
@@ -88,6 +88,10 @@ class JregConfig:
             raise UsageError(f"--jreg-alpha must be a finite number (got {self.alpha})")
         if self.distance not in jreg.DISTANCES:
             raise UsageError(f"--jreg-distance must be one of {', '.join(jreg.DISTANCES)} (got {self.distance!r})")
+        try:
+            jreg_kernels.forced_backend()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(self.layers))
             if not self.layers or not all(isinstance(x, int) and x >= 1 for x in self.layers):

@@ -47,6 +47,17 @@ def test_bad_values_are_refused_naming_the_flag(kwargs, message):
     assert message in str(e.value)
 
 
+def test_an_unknown_kernel_in_the_environment_is_refused_with_the_config(monkeypatch):
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.plugin import JregConfig
+
+    monkeypatch.setenv("MEGATRON_JREG_KERNEL", "cuda")
+    with pytest.raises(UsageError, match=r"^MEGATRON_JREG_KERNEL='cuda': use one of auto, triton, compiled, torch"):
+        JregConfig()
+    monkeypatch.setenv("MEGATRON_JREG_KERNEL", "torch")
+    assert JregConfig(lam=1.0).lam == 1.0
+
+
 def test_layers_beyond_the_model_are_refused_once_its_depth_is_known():
     from megatron_jreg.errors import UsageError
     from megatron_jreg.plugin import JregConfig

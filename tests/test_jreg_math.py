@@ -1,7 +1,13 @@
-"""The JREG math against plain formulas written directly from the definitions."""
+"""The JREG math against plain formulas written directly from the definitions, float64.
+
+The per-token displacement runs on one of jreg_kernels' backends: the tests taking the `kernel` fixture run on
+each — the eager torch path, the Triton kernels through TRITON_INTERPRET=1 (on CPU tensors) and the
+torch.compile'd C++ (slow: it compiles).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import TYPE_CHECKING
 
@@ -12,6 +18,24 @@ if TYPE_CHECKING:
 
 # jreg.DISTANCES, written out so that collecting this file does not import torch (test_distances_are_all_tested).
 DISTANCES = ("angular", "cosine")
+KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                                     reason="triton is not installed")),
+           pytest.param("compiled", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Forces jreg_kernels' backend for the test. "triton" runs the kernels in Triton's interpreter, which must be
+    on before triton is first imported: it runs where TRITON_INTERPRET=1 was set at the start (the subprocess of
+    test_jreg_kernels.py's test_triton_kernels_in_the_interpreter)."""
+    import os
+
+    from megatron_jreg import jreg_kernels
+
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter: run with TRITON_INTERPRET=1 (test_triton_kernels_in_the_interpreter does)")
+    monkeypatch.setenv(jreg_kernels.ENV, request.param)
+    return request.param
 
 
 def test_distances_are_all_tested():
@@ -30,7 +54,7 @@ def reference_displacement(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch
 
 
 @pytest.mark.parametrize("kind", DISTANCES)
-def test_displacement_values_and_gradients_match_reference(kind):
+def test_displacement_values_and_gradients_match_reference(kind, kernel):
     import torch
 
     from megatron_jreg import jreg
@@ -52,7 +76,7 @@ def test_displacement_values_and_gradients_match_reference(kind):
 
 
 @pytest.mark.parametrize("kind", DISTANCES)
-def test_identical_and_parallel_vectors_give_zero_and_finite_gradient(kind):
+def test_identical_and_parallel_vectors_give_zero_and_finite_gradient(kind, kernel):
     import torch
 
     from megatron_jreg import jreg
@@ -69,7 +93,7 @@ def test_identical_and_parallel_vectors_give_zero_and_finite_gradient(kind):
         a.grad = None
 
 
-def test_antiparallel_vectors_angular_is_one_with_finite_gradient():
+def test_antiparallel_vectors_angular_is_one_with_finite_gradient(kernel):
     import torch
 
     from megatron_jreg import jreg
@@ -77,41 +101,116 @@ def test_antiparallel_vectors_angular_is_one_with_finite_gradient():
     a = torch.randn(4, 8, requires_grad=True)
     b = (-2.0 * a.detach()).requires_grad_(True)
     d = jreg.token_displacement(a, b, "angular")
-    # Exact near 0 (where JREG drives Ψ); near π the angle is taken from 4 − |â − b̂|², good to ~3e-4.
-    torch.testing.assert_close(d, torch.ones(4), atol=1e-3, rtol=0)
+    # |â + b̂| is summed elementwise like |â − b̂|: exact at π as at 0.
+    torch.testing.assert_close(d, torch.ones(4), atol=1e-6, rtol=0)
     d.sum().backward()
     assert torch.isfinite(a.grad).all()
+    assert (a.grad.norm(dim=-1) <= 1.0 / a.detach().norm(dim=-1) + 1e-4).all()
+
+
+@pytest.mark.parametrize("kind", DISTANCES)
+def test_near_zero_and_near_pi_angles_are_accurate(kind, kernel):
+    """Small and near-antiparallel angles, where arccos(cos) and 1 − cos lose their digits, to the fp64 truth."""
+    import torch
+
+    from megatron_jreg import jreg
+
+    torch.manual_seed(5)
+    a = torch.randn(6, 64, dtype=torch.float64)
+    u = torch.randn(6, 64, dtype=torch.float64)
+    u -= (u * a).sum(-1, keepdim=True) / (a * a).sum(-1, keepdim=True) * a  # ⟂ a
+    u *= a.norm(dim=-1, keepdim=True) / u.norm(dim=-1, keepdim=True)
+    theta = torch.tensor([1e-3, 3e-3, 1e-2, math.pi - 1e-2, math.pi - 3e-3, 1.0], dtype=torch.float64)
+    b = torch.cos(theta)[:, None] * a + torch.sin(theta)[:, None] * u
+    d = jreg.token_displacement(a.float(), b.float(), kind).double()
+    truth = theta / math.pi if kind == "angular" else 1 - torch.cos(theta)
+    # fp32 inputs: the rounding of the inputs themselves moves the angle by ~1e-7
+    torch.testing.assert_close(d, truth, rtol=1e-3, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind,value", [("angular", 0.5), ("cosine", 1.0)])
-def test_zero_vectors_are_orthogonal_with_zero_gradient(kind, value):
+def test_zero_vectors_are_orthogonal_with_zero_gradient(kind, value, kernel):
     import torch
 
     from megatron_jreg import jreg
 
     z = torch.zeros(3, 8, requires_grad=True)
     b = torch.randn(3, 8, requires_grad=True)
+    b.data[2] = 0.0  # both rows zero
     d = jreg.token_displacement(z, b, kind)
     torch.testing.assert_close(d, torch.full((3,), value))
     d.sum().backward()
     assert torch.equal(z.grad, torch.zeros_like(z)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
-def test_bf16_inputs_computed_in_fp32_with_bf16_gradients():
+@pytest.mark.parametrize("kind", DISTANCES)
+def test_bf16_inputs_computed_in_fp32_with_bf16_gradients(kind, kernel):
     import torch
 
     from megatron_jreg import jreg
 
     torch.manual_seed(1)
-    a32, b32 = torch.randn(16, 2, 64), torch.randn(16, 2, 64)
-    a = a32.bfloat16().requires_grad_(True)
-    b = b32.bfloat16().requires_grad_(True)
-    psi = jreg.displacement(a, b)
-    assert psi.dtype == torch.float32
-    ref = reference_displacement(a.detach().float(), b.detach().float(), "angular").mean()
-    torch.testing.assert_close(psi.double(), ref, rtol=1e-5, atol=1e-6)
-    psi.backward()
-    assert a.grad.dtype == torch.bfloat16 and torch.isfinite(a.grad.float()).all()
+    a = torch.randn(16, 2, 64).bfloat16().requires_grad_(True)
+    b = torch.randn(16, 2, 64).bfloat16().requires_grad_(True)
+    weights = torch.rand(16, 2)
+    d = jreg.token_displacement(a, b, kind)
+    assert d.dtype == torch.float32
+    (d * weights).sum().backward()
+    # fp64 truth of the same (bf16-exact) inputs: the values to fp32 precision, the gradients to bf16's rounding
+    a64 = a.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    ref = reference_displacement(a64, b64, kind)
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(d.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert a.grad.dtype == torch.bfloat16 and b.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(a.grad.double(), a64.grad, rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", DISTANCES)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # Triton's interpreter: inf · 0
+def test_non_finite_states_give_nan_and_masked_ones_nothing(kind, kernel):
+    """A real token whose state is inf/NaN has a NaN displacement (not the zero vector's 0.5); behind the mask
+    it changes neither the sum nor any gradient."""
+    import torch
+
+    from megatron_jreg import jreg
+
+    torch.manual_seed(3)
+    a, b = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    a[1, 0, 3] = float("inf")
+    b[2, 1] = float("nan")
+    d = jreg.token_displacement(a, b, kind)
+    broken = torch.zeros(5, 2, dtype=torch.bool)
+    broken[1, 0] = broken[2, 1] = True
+    assert d[broken].isnan().all() and d[~broken].isfinite().all()
+    assert jreg.displacement(a, b, kind=kind).isnan()
+    clean_a, clean_b = a.clone(), b.clone()
+    clean_a[broken], clean_b[broken] = 1.0, 1.0
+    for x, y in ((a, b), (clean_a, clean_b)):
+        x.requires_grad_(True)
+        y.requires_grad_(True)
+        jreg.displacement_total(x, y, ~broken, kind).backward()
+    torch.testing.assert_close(a.grad, clean_a.grad)
+    torch.testing.assert_close(b.grad, clean_b.grad)
+    assert torch.equal(a.grad[broken], torch.zeros_like(a.grad[broken]))
+
+
+def test_upstream_gradient_may_be_expanded_or_strided(kernel):
+    """sum's backward hands an expanded [T] gradient; a where's a dense one: both give the same gradients."""
+    import torch
+
+    from megatron_jreg import jreg
+
+    torch.manual_seed(4)
+    a = torch.randn(7, 24, requires_grad=True)
+    b = torch.randn(7, 24, requires_grad=True)
+    jreg.token_displacement(a, b).sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    torch.autograd.backward(jreg.token_displacement(a, b), torch.ones(14)[::2])
+    torch.testing.assert_close(a.grad, ga)
+    torch.testing.assert_close(b.grad, gb)
 
 
 def test_mask_averages_over_real_tokens_only():
@@ -132,6 +231,8 @@ def test_mask_averages_over_real_tokens_only():
     torch.testing.assert_close(jreg.displacement(a2, b, mask), jreg.displacement(a, b, mask))
     total, count = jreg.displacement_sum(a, b, mask)
     assert count.item() == 10
+    torch.testing.assert_close(total, jreg.displacement_total(a, b, mask))
+    assert jreg.displacement_sum(a, b)[1].item() == 12 and jreg.displacement_sum(a, b)[1].dtype == torch.float32
 
 
 def test_layer_weights_are_softmax_of_alpha_times_layer():
