@@ -7,9 +7,13 @@ interleaved rounds (the machine may be shared). Both outputs are compared byte f
 
     throughput_ratio=<ours / megatron> ours_mb_s=<..> megatron_mb_s=<..>
 
+With `--compare-with DIR` (a folder holding another version's `megatron_jreg` package, e.g. `git archive REV
+megatron_jreg | tar -x -C DIR`) that version runs in the same rounds too, and the last line adds
+`vs_compared=<ours / it>`: a change's speed measured side by side with the code before it.
+
 Megatron-LM is not a dependency: pass its checkout with --megatron-lm; without one the benchmark says so
-and exits 0. `--flags` adds Megatron-LM flags to both command lines (e.g. `--flags "--partitions 2
---tokenizer-special-tokens <x>"`), which checks byte identity for them on a large input. By default the
+and exits 0. `--flags` adds Megatron-LM flags to both command lines (e.g. `--flags "--tokenizer-special-tokens
+<x>"`), which checks byte identity for them on a large input. By default the
 input is FineWeb-Edu-sized documents (WikiText-2 sections, ~3 KB) repeated to --mb MB and the tokenizer a
 byte-level BPE trained on WikiText-2 (--vocab-size).
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_jreg.data.indexed import read_index  # noqa: E402
+from megatron_jreg.data.indexed import verify_dataset  # noqa: E402
 from megatron_jreg.data.text import wikitext_articles  # noqa: E402
 from megatron_jreg.data.train_tokenizer import train_tokenizer  # noqa: E402
 
@@ -80,9 +84,9 @@ def processing_seconds(name: str, log: str, docs: int) -> float | None:
     Megatron-LM prints `Processed N documents (D docs/s, ...)` every --log-interval documents, timed from
     the start of processing; with the interval set to the document count it prints once, at the end.
     Ours prints `done: ... in Ts` timed from the first unit submitted (worker start-up included). None when
-    Megatron-LM printed no such line (with --partitions each partition counts its own documents).
+    Megatron-LM printed no such line.
     """
-    if name == "megatron":
+    if name == "megatron":  # ours and the compared version print the same done line
         match = re.findall(rf"Processed {docs} documents \(([0-9.e+]+) docs/s", log)
         return docs / float(match[-1]) if match else None
     return float(re.findall(r"\bin ([0-9.]+)s \(", log)[-1])
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workdir", default=None, help="where inputs/outputs go (default: a temp dir)")
-    p.add_argument("--flags", default="", help="more Megatron-LM flags for both tools, e.g. '--partitions 2'")
+    p.add_argument("--compare-with", default=None, help="folder with another version's megatron_jreg package")
+    p.add_argument("--flags", default="", help="more Megatron-LM flags for both tools, e.g. '--split-sentences'")
     args = p.parse_args(argv)
 
     tool = Path(args.megatron_lm or "") / "tools" / "preprocess_data.py"
@@ -149,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             menv,
         ),
     }
+    if args.compare_with:
+        compared = {**env, "PYTHONPATH": str(Path(args.compare_with).resolve())}
+        tools["compared"] = lambda i, o: (tools["ours"](i, o)[0], compared)
     size = source.stat().st_size
     with open(source, "rb") as f:
         docs = sum(1 for _ in f)
@@ -163,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {r + 1} {name:8s}: {size / 1e6 / seconds:6.2f} MB/s ({seconds:5.1f}s processing, "
                 f"{wall:5.1f}s wall with start-up, {cpu:5.1f} CPU-s)"
             )
-    tokens = int(read_index(work / "ours_text_document").sequence_lengths.sum())
+    tokens = verify_dataset(work / "ours_text_document").tokens
     identical = all(
-        (work / f"ours_text_document{s}").read_bytes() == (work / f"megatron_text_document{s}").read_bytes()
-        for s in (".bin", ".idx")
+        (work / f"ours_text_document{s}").read_bytes() == (work / f"{name}_text_document{s}").read_bytes()
+        for s in (".bin", ".idx") for name in tools
     )
     rates = {name: (size / 1e6 / t, tokens / t) for name, t in best.items()}
     for name, (mb_s, tok_s) in rates.items():
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"outputs byte-identical: {identical}")
     ratio = rates["ours"][0] / rates["megatron"][0]
     ours, megatron = rates["ours"][0], rates["megatron"][0]
-    print(f"throughput_ratio={ratio:.2f} ours_mb_s={ours:.2f} megatron_mb_s={megatron:.2f}")
+    vs = f" vs_compared={ours / rates['compared'][0]:.2f}" if "compared" in rates else ""
+    print(f"throughput_ratio={ratio:.2f} ours_mb_s={ours:.2f} megatron_mb_s={megatron:.2f}{vs}")
     return 0
 
 

@@ -28,7 +28,8 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".js
 TEXT_SUFFIXES = (".txt",)  # plain text: only for tokenizer training (one sample per line)
 SUPPORTED_SUFFIXES = (".parquet", ".arrow", *JSONL_SUFFIXES)
 
-# Reasons a record is skipped (errors; --on-error fail stops at the first) ...
+# Reasons a record is skipped that are errors (--on-error fail stops at the first); the others are filters
+# (below_min_int_score, too_short) or nothing to read (empty, blank_line).
 ERROR_REASONS = (
     "malformed_json",
     "missing_key",
@@ -39,8 +40,6 @@ ERROR_REASONS = (
     "unreadable_file",  # nothing of the file could be read
     "corrupt_stream",  # a .gz/.zst that ends early or is corrupt: complete lines before it are kept
 )
-# ... and reasons that are filters or empty input (never an error).
-FILTER_REASONS = ("empty", "blank_line", "below_min_int_score", "too_short")
 
 
 @dataclass(frozen=True)
