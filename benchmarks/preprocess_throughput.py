@@ -5,7 +5,10 @@ input MB / processing time, where processing time is each tool's own first-to-la
 log (start-up excluded: Megatron-LM spends ~10 s importing torch and megatron), best of --repeats
 interleaved rounds (the machine may be shared). Both outputs are compared byte for byte. Ends with:
 
-    throughput_ratio=<ours / megatron> ours_mb_s=<..> megatron_mb_s=<..>
+    throughput_ratio=<ours / megatron> ours_mb_s=<..> megatron_mb_s=<..> fast_path_ratio=<..>
+
+`fast_path_ratio` is what the tiktoken fast path for byte-level BPE earns: its tokenize rate over megatron-core's
+own HuggingFaceTokenizer.tokenize (what a worker would run without it), one process, same ids checked.
 
 With `--compare-with DIR` (a folder holding another version's `megatron_jreg` package, e.g. `git archive REV
 megatron_jreg | tar -x -C DIR`) that version runs in the same rounds too, and the last line adds
@@ -90,6 +93,33 @@ def processing_seconds(name: str, log: str, docs: int) -> float | None:
         match = re.findall(rf"Processed {docs} documents \(([0-9.e+]+) docs/s", log)
         return docs / float(match[-1]) if match else None
     return float(re.findall(r"\bin ([0-9.]+)s \(", log)[-1])
+
+
+def fast_path(tokenizer: str, source: Path, megabytes: float, repeats: int) -> tuple[float, float]:
+    """(MB/s of the tiktoken fast path, MB/s of megatron-core's own HuggingFaceTokenizer.tokenize) on the first
+    `megabytes` of the input's texts, one process, best of `repeats`; the ids must be equal."""
+    from megatron_jreg.data.tokenizers import build_tokenizer
+
+    texts, size = [], 0
+    with open(source, encoding="utf-8") as f:
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            size += len(texts[-1].encode())
+            if size >= megabytes * 1e6:
+                break
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer)
+    if tok.backend != "tiktoken":
+        raise RuntimeError(f"{tokenizer}: no fast path ({tok.backend})")
+    best = {}
+    for _ in range(repeats):
+        for name, encode in (("fast", tok.tokenize), ("megatron-core", tok.megatron.tokenize)):
+            start = time.perf_counter()
+            ids = [encode(t) for t in texts]
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+            best[f"{name} ids"] = ids
+    if best["fast ids"] != [list(i) for i in best["megatron-core ids"]]:
+        raise RuntimeError("the fast path gave other ids than megatron-core's tokenizer")
+    return size / 1e6 / best["fast"], size / 1e6 / best["megatron-core"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ratio = rates["ours"][0] / rates["megatron"][0]
     ours, megatron = rates["ours"][0], rates["megatron"][0]
     vs = f" vs_compared={ours / rates['compared'][0]:.2f}" if "compared" in rates else ""
-    print(f"throughput_ratio={ratio:.2f} ours_mb_s={ours:.2f} megatron_mb_s={megatron:.2f}{vs}")
+    fast, core = fast_path(str(tokenizer), source, 4.0, args.repeats)
+    print(f"tokenize, one process: tiktoken fast path {fast:.2f} MB/s, megatron-core's tokenizer {core:.2f} MB/s "
+          "(same ids)")
+    print(f"throughput_ratio={ratio:.2f} ours_mb_s={ours:.2f} megatron_mb_s={megatron:.2f}{vs} "
+          f"fast_path_ratio={fast / core:.2f}")
     return 0
 
 
