@@ -87,6 +87,42 @@ class WeightsError(ModelFileError):
     """A safetensors file or index that cannot be read as it describes itself; the message names the file."""
 
 
+class NonFiniteWeights(ModelFileError):
+    """A loaded model whose weights hold NaN or ±inf: every score and answer computed from it would be NaN
+    (evaluate printing accuracy 0, generate writing empty answers), so the loaders refuse it."""
+
+
+_FIXES = {  # the dtype the weights were loaded in -> what to do about ±inf that only the narrow type made
+    "float16": "values beyond float16's range (±65504) become inf: load in bfloat16 or float32 (--dtype)",
+    "bfloat16": "values beyond bfloat16's range become inf: load in float32 (--dtype float32)",
+}
+
+
+def check_finite_weights(named: Iterable[tuple[str, Any]], where: str) -> None:
+    """Refuse (NonFiniteWeights, one line naming the first bad tensor and how many are bad) weights that hold
+    NaN or ±inf. `named`: (name, tensor) pairs, e.g. `model.named_parameters()`; one pass over the weights."""
+    import torch
+
+    bad: list[tuple[str, int, int, torch.dtype]] = []
+    for name, tensor in named:
+        if tensor.is_floating_point():
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            if nan or inf:
+                bad.append((name, nan, inf, tensor.dtype))
+    if not bad:
+        return
+    name, nan, inf, dtype = bad[0]
+    dtype_name = str(dtype).removeprefix("torch.")
+    what = ", ".join(f"{n:,} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+    others = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    if not any(b[1] for b in bad) and dtype_name in _FIXES:
+        fix = f"the file holds inf, or {_FIXES[dtype_name]}"
+    else:
+        fix = "the model diverged or the file is damaged: use an earlier checkpoint or download the model again"
+    raise NonFiniteWeights(f"{where}: weight {name} holds {what} in {dtype_name}{others}; nothing computed from "
+                           f"it would be a number: {fix}")
+
+
 class NotRegularFile(OSError):
     """A path that is a FIFO, device or socket where a regular file is expected (reading it could block)."""
 

@@ -6,7 +6,10 @@ GPTModel is rebuilt with Megatron-LM's own config functions (`core_transformer_c
 `gpt_config_from_args`) at TP=1/PP=1 with the local layer spec; dist_checkpointing reshards whatever
 layout it was saved at. Checkpoints trained with Transformer Engine layers store the pre-norm weights
 inside TE's fused linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms.
-Every weight of the model must come from the checkpoint (missing or unexpected keys are named).
+Every weight of the model must come from the checkpoint (missing or unexpected keys are named), and weights
+holding NaN/inf are refused here, once for analyze, evaluate, generate and convert (model_files.check_finite_weights).
+What megatron-core and torch print on every CPU load (no Transformer Engine/Apex, GPTModel's deprecation, the
+one-process checkpoint reader) concerns none of those commands: `quiet_megatron` keeps it off the console.
 
 Ψ of a loaded model is analysis's (analysis/megatron_source.py), through the plugin that logs it in training.
 """
@@ -14,10 +17,15 @@ Every weight of the model must come from the checkpoint (missing or unexpected k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
+import logging
 import os
 import random
+import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +42,7 @@ from megatron_jreg.checkpoints.files import (
     resolve,
     verify_integrity,
 )
+from megatron_jreg.model_files import check_finite_weights
 
 # Transformer Engine fuses each pre-norm into the linear after it; the local spec keeps it separate.
 _TE_TO_LOCAL = {
@@ -79,16 +88,48 @@ class MegatronModel:
         return out[..., : self.vocab_size].float()
 
 
+# Warnings megatron-core and torch give on every one-process CPU load of a checkpoint, by how they start: the
+# fallbacks for absent Transformer Engine/Apex, DCP reading without a process group, deprecations aimed at
+# megatron-core's developers. Loggers likewise: torch's "No CUDA runtime is found", GPTModel's deprecation,
+# the legacy async-save strategy (convert's save).
+_NOISE_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                   "Only transformer-engine>=", "torch.distributed is disabled, unavailable or uninitialized",
+                   "The argument order of load has been changed", "Please use DTensor instead",
+                   "Overriding default arguments for")
+_NOISE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model",
+                  "megatron.core.dist_checkpointing.strategies.torch")
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Import, build, load or save megatron-core models without its CPU-fallback and deprecation notices
+    (`_NOISE_WARNINGS`, `_NOISE_LOGGERS` below ERROR); every other warning still shows."""
+    loggers = [logging.getLogger(name) for name in _NOISE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        for text in _NOISE_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(text))
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
 def read_args(ckpt: Path) -> argparse.Namespace:
     """The Megatron-LM args saved in a checkpoint's common state (loaded with weights_only)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.safe_globals import register_safe_globals
+    with quiet_megatron():
+        from megatron.core import dist_checkpointing
+        from megatron.core.safe_globals import register_safe_globals
 
-    install_safe_checkpoint_reader()
-    register_safe_globals()
-    init_process_group()
+        install_safe_checkpoint_reader()
+        register_safe_globals()
+        init_process_group()
     try:
-        common = dist_checkpointing.load_common_state_dict(str(ckpt))
+        with quiet_megatron():
+            common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for broken files
@@ -164,6 +205,11 @@ def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Na
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, weights uninitialized from any checkpoint."""
+    with quiet_megatron():
+        return _build_model(args, dtype)
+
+
+def _build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
@@ -229,14 +275,23 @@ class Checkpoint:
     def load_model(self, dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None,
                    load_tokenizer: bool = True) -> MegatronModel:
         """The weights in a one-process TP=1/PP=1 model, whatever layout they were saved at; load_tokenizer=False
-        skips the run's tokenizer (e.g. exporting weights whose tokenizer has moved)."""
+        skips the run's tokenizer (e.g. exporting weights whose tokenizer has moved). Weights holding NaN/inf
+        (in `dtype`) are refused (model_files.NonFiniteWeights)."""
+        ckpt, args = self.directory, self.args
+        with quiet_megatron():
+            tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
+            model = build_model(args, dtype)
+            if torch.cuda.is_available():
+                model = model.cuda()
+            self._load_weights(model)
+        check_finite_weights(model.named_parameters(), f"{ckpt}")
+        model.eval()
+        return MegatronModel(model, args, self.iteration, ckpt, tokenizer)
+
+    def _load_weights(self, model: torch.nn.Module) -> None:
         from megatron.core import dist_checkpointing
 
-        ckpt, args = self.directory, self.args
-        tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
-        model = build_model(args, dtype)
-        if torch.cuda.is_available():
-            model = model.cuda()
+        ckpt = self.directory
         request = _request(model, ckpt)
         try:
             loaded = dist_checkpointing.load({"model": request}, str(ckpt))
@@ -250,8 +305,6 @@ class Checkpoint:
         if missing or result.unexpected_keys:
             raise CheckpointError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected "
                                   f"{result.unexpected_keys[:5]})")
-        model.eval()
-        return MegatronModel(model, args, self.iteration, ckpt, tokenizer)
 
 
 def load_megatron_model(
@@ -296,4 +349,5 @@ def _init_model_parallel(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-__all__ = ["Checkpoint", "MegatronModel", "build_model", "load_megatron_model", "read_args", "tokenizer_from_args"]
+__all__ = ["Checkpoint", "MegatronModel", "build_model", "load_megatron_model", "quiet_megatron", "read_args",
+           "tokenizer_from_args"]
