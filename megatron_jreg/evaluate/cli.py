@@ -9,13 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_jreg.checkpoints.files import CheckpointError
 from megatron_jreg.data.text import DEFAULT_LAMBADA
-from megatron_jreg.errors import ModelFileError
+from megatron_jreg.errors import JregError
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
-from megatron_jreg.evaluate.lambada import LambadaFileError
 from megatron_jreg.evaluate.models import DTYPES
-from megatron_jreg.evaluate.tasks import PAPER_TASKS, TaskError
+from megatron_jreg.evaluate.tasks import PAPER_TASKS
 from megatron_jreg.hub import force_offline
 from megatron_jreg.usage import example
 
@@ -45,23 +43,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tasks",
         default="lambada",
-        help=f"comma-separated: lambada (built-in) and lm-eval tasks, e.g. {','.join(PAPER_TASKS)}",
+        help=f"comma-separated: lambada (built-in) and lm-eval tasks, e.g. {','.join(PAPER_TASKS)} "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--lambada-file",
         type=Path,
         default=DEFAULT_LAMBADA,
-        help='LAMBADA JSONL, one {"text": ...} a line (default: the vendored test set)',
+        help='LAMBADA JSONL, one {"text": ...} a line (default: the vendored test set, 5,153 passages)',
     )
-    p.add_argument("--limit", type=int, help="evaluate the first N examples of each task")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, metavar="N", help="evaluate the first N examples of each task (default: all)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences per forward pass; scores do not depend on it, memory and speed do (default: %(default)s)",
+    )
     p.add_argument("--max-length", type=int, help="context window for --hf (default: the model's)")
     p.add_argument("--device", help="torch device for --hf (default: cuda when available, else cpu)")
     p.add_argument(
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights dtype for --hf; auto = the checkpoint's on GPU, float32 on CPU",
+        help="weights dtype for --hf; auto = the checkpoint's on GPU, float32 on CPU (default: %(default)s)",
     )
     p.add_argument(
         "--task-data",
@@ -79,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder of extra lm-eval task YAMLs, e.g. tasks over local files (repeatable)",
     )
     p.add_argument(
-        "--seed", type=int, help="training seed of the model, stored so `compare` pairs runs by it"
+        "--seed", type=int, help="training seed of the model, stored so `compare` pairs runs by it (default: none)"
     )
     p.add_argument(
         "--bootstrap-iters",
         type=int,
         default=100000,
-        help="lm-eval bootstrap draws for stderrs without a closed form (perplexity)",
+        help="lm-eval bootstrap draws for stderrs without a closed form (perplexity) (default: %(default)s)",
     )
     p.add_argument(
         "--num-fewshot",
@@ -93,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="examples in each lm-eval task's prompt (default: each task's own; the built-in lambada is zero-shot)",
     )
-    p.add_argument("--output", type=Path, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--output", type=Path, metavar="FILE", help="write the results as JSON (default: print only)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: when stderr is a terminal)")
     return p
 
 
@@ -116,6 +123,7 @@ def parse_config(argv: list[str] | None) -> EvaluateConfig:
         seed=args.seed,
         bootstrap_iters=args.bootstrap_iters,
         num_fewshot=args.num_fewshot,
+        progress=args.progress,
     )
 
 
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         results = evaluate(cfg)
-    except (ConfigError, TaskError, LambadaFileError, ModelFileError, CheckpointError, FileNotFoundError) as e:
+    except (JregError, FileNotFoundError) as e:  # flags, tasks, files, the model, non-finite logits
         print(f"megatron-jreg evaluate: error: {e}", file=sys.stderr)
         return 2
     for task, counts in results.skipped.items():

@@ -46,6 +46,7 @@ class EvaluateConfig:
     seed: int | None = None  # training seed of the model, recorded so `compare` can pair runs
     bootstrap_iters: int = 100000  # lm-eval's default; only bootstrapped metrics (perplexity) use it
     num_fewshot: int | None = None  # lm-eval tasks: examples in each prompt (None: each task's default)
+    progress: bool | None = None  # bars on stderr; None: when stderr is a terminal
 
     def __post_init__(self) -> None:
         if (self.hf is None) == (self.load is None):

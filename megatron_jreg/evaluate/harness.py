@@ -7,7 +7,9 @@ Hugging Face folder or, once `load_megatron_lm` exists, on a megatron checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -37,18 +39,25 @@ def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
 class HarnessLM(LM):
     """An lm-eval `LM` backed by a `CausalLM` (single process: every request is answered here)."""
 
-    def __init__(self, model: CausalLM, batch_size: int = 8) -> None:
+    def __init__(self, model: CausalLM, batch_size: int = 8, progress: bool = True) -> None:
         super().__init__()
         self.model = model
         self.batch_size = batch_size
+        self.progress = progress  # a bar per request type on stderr, as lm-eval's own models show (unless disabled)
 
     @property
     def max_length(self) -> int:
         return self.model.max_length
 
+    def _bar(self, total: int, kind: str, disable_tqdm: bool):  # noqa: ANN202 - a tqdm bar
+        from megatron_jreg.evaluate.progress import progress_bar
+
+        return progress_bar(total, f"lm-eval {kind}", "request", self.progress and not disable_tqdm)
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [encode_pair(self.model, *request.args) for request in requests]
-        results = [(s.logprob, s.greedy) for s in score(self.model, pairs, self.batch_size)]
+        with self._bar(len(pairs), "loglikelihood", disable_tqdm) as bar:
+            results = [(s.logprob, s.greedy) for s in score(self.model, pairs, self.batch_size, bar.update)]
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
         return results
@@ -63,7 +72,9 @@ class HarnessLM(LM):
                 windows.append(window)
                 owner.append(index)
         totals = [0.0] * len(requests)
-        for index, scored in zip(owner, score(self.model, windows, self.batch_size)):
+        with self._bar(len(windows), "loglikelihood_rolling", disable_tqdm) as bar:
+            scores = score(self.model, windows, self.batch_size, bar.update)
+        for index, scored in zip(owner, scores):
             totals[index] += scored.logprob
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
@@ -71,13 +82,29 @@ class HarnessLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs = []
-        for request in requests:
-            context, gen_kwargs = request.args
-            stop, max_new = _generation_settings(gen_kwargs)
-            text = generate_greedy(self.model, context, stop, max_new)
-            self.cache_hook.add_partial("generate_until", request.args, text)
-            outputs.append(text)
+        with self._bar(len(requests), "generate_until", disable_tqdm) as bar:
+            for request in requests:
+                context, gen_kwargs = request.args
+                stop, max_new = _generation_settings(gen_kwargs)
+                text = generate_greedy(self.model, context, stop, max_new)
+                self.cache_hook.add_partial("generate_until", request.args, text)
+                outputs.append(text)
+                bar.update(1)
         return outputs
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval records the working folder's commit by running `git describe`, whose "fatal: not a git
+    repository" lands on the console outside a repository; its own fallback that reads .git/ instead
+    (`get_commit_from_path`) records the same commit silently. Scoped to one evaluation."""
+    from unittest import mock
+
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    with mock.patch.object(evaluator, "get_git_commit_hash", lambda: get_commit_from_path(os.getcwd())):
+        yield
 
 
 def run_harness(
@@ -88,17 +115,19 @@ def run_harness(
     batch_size: int = 8,
     bootstrap_iters: int = 100000,
     num_fewshot: int | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """lm-eval's `simple_evaluate` on `model` (its seeds and metrics; each task's few-shot default
     unless `num_fewshot` is given); raw output."""
     import lm_eval
 
-    return lm_eval.simple_evaluate(
-        model=HarnessLM(model, batch_size),
-        tasks=list(specs),
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        bootstrap_iters=bootstrap_iters,
-        log_samples=False,
-    )
+    with quiet_git_hash():
+        return lm_eval.simple_evaluate(
+            model=HarnessLM(model, batch_size, progress),
+            tasks=list(specs),
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=False,
+        )

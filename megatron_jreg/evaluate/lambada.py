@@ -116,11 +116,17 @@ def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
     }
 
 
-def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8) -> list[Scored]:
-    """Per-passage target scores, in passage order."""
-    return score(lm, [encode_pair(lm, *split_passage(p)) for p in passages], batch_size)
+def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False) -> list[Scored]:
+    """Per-passage target scores, in passage order; `progress`: a bar of passages on stderr."""
+    from megatron_jreg.evaluate.progress import progress_bar
+
+    pairs = [encode_pair(lm, *split_passage(p)) for p in passages]
+    with progress_bar(len(pairs), "lambada", "passage", progress) as bar:
+        return score(lm, pairs, batch_size, bar.update)
 
 
-def evaluate_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8) -> dict[str, float | None]:
+def evaluate_lambada(
+    lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False
+) -> dict[str, float | None]:
     """LAMBADA metrics of `lm` on `passages` (full passages; the last word is the target)."""
-    return lambada_metrics(score_lambada(lm, passages, batch_size))
+    return lambada_metrics(score_lambada(lm, passages, batch_size, progress))

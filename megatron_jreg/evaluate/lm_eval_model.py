@@ -140,6 +140,23 @@ class MegatronJregLM(HarnessLM):
         return {"megatron_jreg_model": self.source}
 
 
+def missing_task_data() -> list[str]:
+    """One line per task of lm-eval's command line (sys.argv) whose dataset is not on this machine, checked
+    as `megatron-jreg evaluate` checks them (tasks.check_datasets), before any model is loaded. Groups, task
+    YAML paths and names lm-eval does not know are left to lm-eval itself."""
+    from lm_eval._cli import HarnessCLI
+
+    from megatron_jreg.evaluate.tasks import check_datasets, task_manager, task_plans
+
+    args = HarnessCLI().parse_args()  # argparse only; lm-eval parses the same sys.argv again
+    if getattr(args, "command", None) != "run" or not getattr(args, "tasks", None):
+        return []
+    names = list(dict.fromkeys(t.strip() for task in args.tasks for t in task.split(",") if t.strip()))
+    include = [Path(args.include_path)] if getattr(args, "include_path", None) else []
+    manager = task_manager(names, include)
+    return check_datasets(task_plans(manager, [n for n in names if n in manager.all_subtasks], {}))
+
+
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's own command line, offline, with `--model megatron-jreg` registered."""
     from megatron_jreg.hub import force_offline
@@ -147,11 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     force_offline()
     from lm_eval.__main__ import cli_evaluate
 
+    from megatron_jreg.evaluate.harness import quiet_git_hash
+
     saved = sys.argv  # lm-eval's CLI reads sys.argv; the caller's is restored (Megatron-LM re-reads it later)
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
     try:
-        cli_evaluate()
-    except (ModelArgsError, ModelFileError, FileNotFoundError) as e:
+        if problems := missing_task_data():
+            print("megatron-jreg lm-eval: error: these lm-eval tasks have no data on this machine (nothing is "
+                  "downloaded at run time):\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
+        with quiet_git_hash():
+            cli_evaluate()
+    except (JregError, FileNotFoundError) as e:  # bad model_args, model files, non-finite logits
         print(f"megatron-jreg lm-eval: error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)

@@ -15,11 +15,30 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.dtypes import WEIGHT_DTYPES
-from megatron_jreg.errors import ModelFileError, one_line
-from megatron_jreg.model_files import check_model_folder, declared_context
+from megatron_jreg.errors import JregError, ModelFileError, one_line
+from megatron_jreg.model_files import check_finite_weights, check_model_folder, declared_context
 
 DTYPES = ("auto", *WEIGHT_DTYPES)  # auto: the checkpoint's own (float32 on CPU)
 DEFAULT_MAX_LENGTH = 2048
+BIG_TOKENIZER_BYTES = 32 << 20  # a tokenizer.json this large takes transformers minutes to load: said first
+
+
+class NonFiniteOutput(JregError, ValueError):
+    """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer; so
+    evaluate and generate stop with one line instead (the weights were finite: the activations overflowed)."""
+
+
+def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Raise NonFiniteOutput unless every value of `logits` is finite; `dtype`: the model's weights', for the fix."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    if dtype in (torch.float16, torch.bfloat16):
+        fix = (f"its activations overflow {str(dtype).removeprefix('torch.')}: load it with --dtype float32"
+               + (" or bfloat16 (float16 ends at ±65504)" if dtype == torch.float16 else ""))
+    else:
+        fix = "its activations overflow even in float32: the model is broken (analyze shows at which layer)"
+    raise NonFiniteOutput(f"the model's logits are NaN/inf on {what}: {fix}; nothing computed from them would be "
+                          "a number")
 
 @runtime_checkable
 class CausalLM(Protocol):
@@ -73,6 +92,7 @@ class HFCausalLM:
         self.vocab_size = min(len(tokenizer), int(out_features))
         self.max_length = max_length
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=special))
@@ -127,6 +147,7 @@ def load_hf_lm(
         torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
+    _note_big_tokenizer(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -143,8 +164,28 @@ def load_hf_lm(
             f"--hf {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the folder needs the "
             "model's config.json and weight files"
         ) from None
+    check_finite_weights(model.named_parameters(), f"--hf {path}")
     window = max_length or context_length(config, tokenizer.model_max_length)
     return HFCausalLM(model.to(device), tokenizer, window)
+
+
+def _note_big_tokenizer(path: Path) -> None:
+    """One line before a tokenizer that takes transformers minutes to load (e.g. 1.5M added tokens: 308 s), so
+    the silence is explained; the added tokens are counted only in a file that large."""
+    import json
+    import sys
+
+    file = path / "tokenizer.json"
+    size = file.stat().st_size if file.is_file() else 0
+    if size < BIG_TOKENIZER_BYTES:
+        return
+    try:
+        added = len(json.loads(file.read_text(encoding="utf-8")).get("added_tokens") or [])
+    except (OSError, ValueError, AttributeError):
+        added = 0
+    what = f"{added:,} added tokens, " if added else ""
+    print(f"note: --hf {path}: loading its tokenizer ({what}{size / 2**20:,.0f} MB of tokenizer.json) takes "
+          "transformers minutes", file=sys.stderr, flush=True)
 
 
 class MegatronCausalLM:
@@ -164,6 +205,7 @@ class MegatronCausalLM:
         self.vocab_size = loaded.vocab_size
         self.max_length = loaded.seq_length
         self.iteration = int(loaded.iteration)  # the checkpoint's, also when the latest was asked for
+        self.dtype = next(loaded.model.parameters()).dtype
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.tokenize(text))

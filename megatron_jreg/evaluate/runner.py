@@ -9,6 +9,7 @@ from megatron_jreg import hub
 from megatron_jreg.evaluate.config import EvaluateConfig
 from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
 from megatron_jreg.evaluate.models import CausalLM, load_hf_lm, load_megatron_lm
+from megatron_jreg.evaluate.progress import show_progress
 from megatron_jreg.evaluate.results import EvalResults, add_harness
 from megatron_jreg.evaluate.tasks import TaskError, check_datasets, task_manager, task_plans
 from megatron_jreg.hub import force_offline
@@ -69,15 +70,17 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
             "lm_eval": _package_version("lm-eval") if plans else None,
         },
     )
+    progress = show_progress(cfg.progress)
     if "lambada" in cfg.tasks:
-        results.add("lambada", evaluate_lambada(model, passages, cfg.batch_size), len(passages))
+        results.add("lambada", evaluate_lambada(model, passages, cfg.batch_size, progress), len(passages))
         if skipped:
             results.skipped["lambada"] = dict(sorted(skipped.items()))
     if plans:
         from megatron_jreg.evaluate.harness import run_harness
 
         raw = run_harness(
-            model, [p.spec for p in plans], manager, cfg.limit, cfg.batch_size, cfg.bootstrap_iters, cfg.num_fewshot
+            model, [p.spec for p in plans], manager, cfg.limit, cfg.batch_size, cfg.bootstrap_iters, cfg.num_fewshot,
+            progress,
         )
         if raw is not None:  # None on the ranks of a multi-process run that do not report
             add_harness(results, raw)

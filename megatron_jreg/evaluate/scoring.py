@@ -12,12 +12,12 @@ and the harness numbers of the same model are the same numbers:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from megatron_jreg.evaluate.models import CausalLM
+from megatron_jreg.evaluate.models import CausalLM, check_finite_logits
 
 Pair = tuple[list[int], list[int]]
 
@@ -60,15 +60,21 @@ def _fit(lm: CausalLM, ctx: list[int], cont: list[int]) -> tuple[list[int], list
     return window[:-1], cont[len(cont) - n_scored :]
 
 
-def score(lm: CausalLM, pairs: Sequence[Pair], batch_size: int = 8) -> list[Scored]:
+def score(
+    lm: CausalLM, pairs: Sequence[Pair], batch_size: int = 8, progress: Callable[[int], object] | None = None
+) -> list[Scored]:
     """Score each continuation given its context; results in the order of `pairs`.
 
     Batches are formed from length-sorted requests (least padding) and right-padded with `lm.eod`; the
-    model is causal, so a row's scores do not depend on what it is batched with.
+    model is causal, so a row's scores do not depend on what it is batched with. `progress(n)` is told
+    after each batch how many requests it finished (a tqdm bar's `update`). Logits that are not finite
+    where a continuation is scored stop the run (NonFiniteOutput): they would score as wrong, silently.
     """
     fitted = [_fit(lm, ctx, cont) for ctx, cont in pairs]
     results = [Scored(0.0, True, 0)] * len(fitted)  # kept for requests with nothing to score
     todo = sorted((i for i, (_, target) in enumerate(fitted) if target), key=lambda i: -len(fitted[i][0]))
+    if progress is not None and len(todo) < len(fitted):
+        progress(len(fitted) - len(todo))
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         tokens = torch.full((len(batch), len(fitted[batch[0]][0])), lm.eod, dtype=torch.long)
@@ -77,11 +83,15 @@ def score(lm: CausalLM, pairs: Sequence[Pair], batch_size: int = 8) -> list[Scor
         logits = lm.logits(tokens)
         for row, i in enumerate(batch):
             inp, target = fitted[i]
-            logp = logits[row, len(inp) - len(target) : len(inp), : lm.vocab_size].log_softmax(-1)
+            scored = logits[row, len(inp) - len(target) : len(inp), : lm.vocab_size]
+            check_finite_logits(scored, getattr(lm, "dtype", torch.float32), f"request {i + 1} of {len(pairs)}")
+            logp = scored.log_softmax(-1)
             target_t = torch.tensor(target, dtype=torch.long, device=logp.device)
             token_logp = logp.gather(-1, target_t[:, None])[:, 0]
             greedy = bool((logp.argmax(-1) == target_t).all())
             results[i] = Scored(float(token_logp.double().sum()), greedy, len(target))
+        if progress is not None:
+            progress(len(batch))
     return results
 
 
@@ -113,8 +123,9 @@ def generate_greedy(lm: CausalLM, context: str, stop: Sequence[str], max_new_tok
     ids = lm.encode(context)[-(lm.max_length - max_new_tokens) :] or [lm.prefix_token]
     new: list[int] = []
     for _ in range(max_new_tokens):
-        logits = lm.logits(torch.tensor([ids + new], dtype=torch.long))
-        token = int(logits[0, -1, : lm.vocab_size].argmax())
+        logits = lm.logits(torch.tensor([ids + new], dtype=torch.long))[0, -1, : lm.vocab_size]
+        check_finite_logits(logits, getattr(lm, "dtype", torch.float32), "a generation request")
+        token = int(logits.argmax())
         if token == lm.eod:
             break
         new.append(token)

@@ -47,11 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     force_offline()  # before anything imports a Hugging Face library
-    from megatron_jreg.checkpoints.files import CheckpointError
-    from megatron_jreg.data.checks import DataError
-    from megatron_jreg.errors import ModelFileError
-    from megatron_jreg.generate.config import ConfigError, GenerateConfig
-    from megatron_jreg.generate.questions import PromptFileError, read_answers, read_questions
+    from megatron_jreg.errors import JregError
+    from megatron_jreg.generate.config import GenerateConfig
+    from megatron_jreg.generate.questions import read_answers, read_questions
     from megatron_jreg.generate.runner import generate
 
     args = build_parser().parse_args(argv)
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
             load_template(cfg.chat_template)
         summary = generate(cfg)
-    except (ConfigError, PromptFileError, DataError, ModelFileError, CheckpointError) as e:
+    except JregError as e:  # flags, question/answer files, the model, non-finite logits
         print(f"megatron-jreg generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(summary.describe())

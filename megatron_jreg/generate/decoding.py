@@ -76,12 +76,13 @@ class HFDecoder:
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._cache = None
         self._device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=tokens.to(self._device), use_cache=True, **{self._cache_arg: self._cache},
                          **self._last_only)
-        self._cache = out.get("cache", out.get("past_key_values"))
+        self._cache = out[self._cache_arg]  # by the name this transformers uses (the other one logs a deprecation)
         return out.logits[:, -1].float().cpu()
 
 
@@ -95,6 +96,7 @@ class MegatronDecoder:
         self.model = model
         self.context = StaticInferenceContext(batch, length)
         self._device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,10 @@ def complete(
     full context `window`, or `stopped(row, generated_ids)` says so (e.g. a stop text appeared).
 
     open_decoder(batch, length): a `Decoder` for `batch` rows of at most `length` positions. Logit columns
-    from `vocab_size` on (megatron's padded vocabulary) never win; `pad_id` feeds finished rows."""
+    from `vocab_size` on (megatron's padded vocabulary) never win; `pad_id` feeds finished rows. Logits that are
+    not finite stop the run (NonFiniteOutput): decoded they would end every answer at once, silently."""
+    from megatron_jreg.evaluate.models import check_finite_logits
+
     out = [Completion([], "length") for _ in prompts]
     generators = generators or [None] * len(prompts)
     batch = [i for i, p in enumerate(prompts) if len(p) < window]
@@ -141,8 +146,9 @@ def complete(
     running = set(batch)
     while running:
         generating = [k for k, i in enumerate(batch) if i in running and pos >= len(prompts[i])]
-        chosen = dict(zip(generating, next_tokens(logits[generating, :vocab_size], sampling,
-                                                  [generators[batch[k]] for k in generating])))
+        scores = logits[generating, :vocab_size]
+        check_finite_logits(scores, getattr(decoder, "dtype", torch.float32), f"position {pos} of an answer")
+        chosen = dict(zip(generating, next_tokens(scores, sampling, [generators[batch[k]] for k in generating])))
         feed = []
         for k, i in enumerate(batch):
             token = prompts[i][pos] if i in running and pos < len(prompts[i]) else chosen.get(k, pad_id)

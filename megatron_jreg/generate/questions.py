@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,10 +117,12 @@ def answer_record(question: Question, model_id: str, turns: list[str], answer_id
 
 
 def write_answers(path: Path, records: list[dict]) -> None:
-    """All `records`, one JSON line each, written under a temporary name in the same folder and renamed."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    """All `records`, one JSON line each, written under a temporary name in the same folder and renamed. The
+    file is created by a plain open, so it gets the mode the umask gives (0644 under umask 022, readable by a
+    judge job's account), not mkstemp's owner-only 0600."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()

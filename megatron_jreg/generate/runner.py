@@ -15,7 +15,6 @@ turn k + 1 is asked.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.evaluate.progress import progress_bar, show_progress
 from megatron_jreg.generate.config import ConfigError, GenerateConfig
 from megatron_jreg.generate.decoding import Decoder, HFDecoder, MegatronDecoder, Sampling, complete
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
@@ -201,13 +201,6 @@ def answer_batch(
     return answers
 
 
-def _progress(cfg: GenerateConfig, total: int):  # noqa: ANN202 - a tqdm bar
-    from tqdm import tqdm
-
-    show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    return tqdm(total=total, unit="question", desc="generate", disable=not show, file=sys.stderr)
-
-
 def generate(cfg: GenerateConfig) -> GenerateSummary:
     """Answer every question of cfg.prompts not yet in cfg.output; the file is rewritten after each batch."""
     questions = read_questions(Path(cfg.prompts))
@@ -223,7 +216,7 @@ def generate(cfg: GenerateConfig) -> GenerateSummary:
         return sorted(done.values(), key=lambda r: (order.get(r["question_id"], len(order)), str(r["question_id"])))
 
     start = time.perf_counter()
-    with _progress(cfg, len(todo)) as bar:
+    with progress_bar(len(todo), "generate", "question", show_progress(cfg.progress)) as bar:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
             for question, turns in zip(batch, answer_batch(model, batch, cfg, summary)):
