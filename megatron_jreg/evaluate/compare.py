@@ -5,6 +5,8 @@
 
 Inputs are `evaluate --output` files or lm-eval's own results files. Runs are paired by their "seed" field;
 a file without one is refused unless --pair-by-order says the two arms list their seeds in the same order.
+With one file per arm the table shows the two scores side by side and no test ("n/a": a t-test needs two
+seeds per arm).
 Each task's score is one metric ("acc" unless --metric / --task-metric say otherwise), better higher or
 lower as lm-eval's `higher_is_better` in the files says, else as its name says (perplexity, loss, bits per
 byte: lower). The "average" row is the paired t-test (stats.py) on each seed's mean over the compared tasks.
@@ -22,7 +24,7 @@ from pathlib import Path
 from scipy import stats
 
 from megatron_jreg.evaluate.results import EvalResults
-from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided
+from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided, untested
 from megatron_jreg.usage import example
 
 AVERAGE = "average"
@@ -168,8 +170,8 @@ def compare_runs(
         b = [float(runs[base].results[task][metric]) for base, _ in pairs]
         j = [float(runs[jr].results[task][metric]) for _, jr in pairs]
         per_task[task] = (b, j)
-        rows[task] = Row(metric, _mean(b), _mean(j), paired_one_sided(j, b, confidence, higher), source)
-    if len(rows) > 1:
+        rows[task] = Row(metric, _mean(b), _mean(j), _test(j, b, confidence, higher), source)
+    if len(rows) > 1 and len(pairs) > 1:
         adjusted = holm([row.test.p_value for row in rows.values()])
         rows = {task: replace(row, p_holm=p) for (task, row), p in zip(rows.items(), adjusted)}
         notes.append(
@@ -191,10 +193,17 @@ def compare_runs(
             "/".join(sorted({rows[t].metric for t in average_of})),
             _mean(avg_b),
             _mean(avg_j),
-            paired_one_sided(avg_j, avg_b, confidence, higher),
+            _test(avg_j, avg_b, confidence, higher),
             "tasks",
         )
     return Comparison(rows, skipped, average_of, notes)
+
+
+def _test(jreg: list[float], baseline: list[float], confidence: float, higher: bool) -> PairedTest:
+    """The paired t-test, or for one seed per arm the difference alone (`stats.untested`)."""
+    if len(jreg) == 1:
+        return untested(jreg[0], baseline[0], confidence, higher)
+    return paired_one_sided(jreg, baseline, confidence, higher)
 
 
 def _mean(values: list[float]) -> float:
@@ -206,6 +215,8 @@ def _level(confidence: float) -> str:
 
 
 def _verdict(test: PairedTest) -> str:
+    if not test.tested:
+        return "n/a (1 seed per arm)"
     if not test.defined:
         return "undefined (no spread)"
     return "JREG better" if test.significant else "JREG worse" if test.worse else "not significant"
@@ -230,7 +241,12 @@ def format_rows(comparison: Comparison) -> str:
         table.append([*cells, bound, _verdict(t)])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    if AVERAGE in rows:
+    if AVERAGE in rows and not rows[AVERAGE].test.tested:
+        avg = rows[AVERAGE].test
+        lines.append(f"Average over {len(comparison.average_of)} task(s), 1 seed per arm: mean difference "
+                     f"{_value(avg.mean_diff, '+')} ({'higher' if avg.higher_is_better else 'lower'} is better); "
+                     "no significance test (it needs at least 2 seeds per arm, better 3)")
+    elif AVERAGE in rows:
         avg = rows[AVERAGE].test
         direction, side = ("higher", "lower") if avg.higher_is_better else ("lower", "upper")
         lines.append(
@@ -285,6 +301,7 @@ def rows_to_json(comparison: Comparison, pairing: str) -> dict:
                 "p_holm": None if r.p_holm is None else _finite(r.p_holm),
                 "lower_bound" if r.test.higher_is_better else "upper_bound": _finite(r.test.bound),
                 "confidence": r.test.confidence,
+                "tested": r.test.tested,
                 "defined": r.test.defined,
                 "jreg_better": r.test.significant,
                 "jreg_worse": r.test.worse,
@@ -375,9 +392,12 @@ def check_settings(runs: dict[Path, EvalResults]) -> None:
 
 
 def _few_seeds_warning(n: int, confidence: float) -> str | None:
-    """One line when n < 3 pairs: on 1 degree of freedom a t-test has almost no power."""
+    """One line when n < 3 pairs: on 1 degree of freedom a t-test has almost no power, on none there is no test."""
     if n >= 3:
         return None
+    if n == 1:
+        return ("megatron-jreg compare: note: one seed per arm: the scores side by side, without a significance "
+                "test (it needs at least 2 seeds per arm; use at least 3)")
     critical = float(stats.t.ppf(confidence, n - 1))
     return (
         f"megatron-jreg compare: warning: only {n} seed pairs: with {n - 1} degree of freedom a one-sided "
@@ -401,15 +421,14 @@ def main(argv: list[str] | None = None) -> int:
         check_scores(runs, overrides, metric)
         check_settings(runs)
         pairs, pairing = pair_runs(args.baseline, args.jreg, runs, args.pair_by_order)
-        if len(pairs) < 2:
-            raise ValueError(f"a t-test needs at least 2 seeds per arm, got {len(pairs)}")
         comparison = compare_runs(pairs, runs, overrides, metric, args.confidence, directions)
     except ValueError as e:
         print(f"megatron-jreg compare: error: {e}", file=sys.stderr)
         return 2
     if warning := _few_seeds_warning(len(pairs), args.confidence):
         print(warning, file=sys.stderr)
-    print(f"{len(pairs)} seed pairs, paired by {pairing}" + (" (--pair-by-order)" if pairing == "order" else ""))
+    print(f"{len(pairs)} seed pair{'s' * (len(pairs) > 1)}, paired by {pairing}"
+          + (" (--pair-by-order)" if pairing == "order" else ""))
     if comparison.skipped:
         print(f"left out (missing from some file or without the metric): {', '.join(comparison.skipped)}")
     print(format_rows(comparison))

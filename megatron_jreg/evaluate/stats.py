@@ -58,6 +58,11 @@ class PairedTest:
         return not math.isnan(self.t)
 
     @property
+    def tested(self) -> bool:
+        """False for one seed per arm (`untested`): there is no test, only the difference."""
+        return self.n >= 2
+
+    @property
     def significant(self) -> bool:
         """JREG better at level 1 - confidence (False when the test is undefined)."""
         return self.p_value < 1.0 - self.confidence
@@ -111,6 +116,15 @@ def paired_one_sided(
     else:
         p, p_worse, bound = lower_tail, upper_tail, mean + margin
     return PairedTest(n, mean, sd, t, p, p_worse, p_two, bound, confidence, higher_is_better)
+
+
+def untested(jreg: float, baseline: float, confidence: float = 0.95, higher_is_better: bool = True) -> PairedTest:
+    """One seed per arm: the difference, side by side, and no test (t, p and bound NaN; `tested` False):
+    a t-test has no degrees of freedom on one pair."""
+    _check_scores("JREG", [jreg])
+    _check_scores("baseline", [baseline])
+    nan = math.nan
+    return PairedTest(1, float(jreg) - float(baseline), nan, nan, nan, nan, nan, nan, confidence, higher_is_better)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
