@@ -90,14 +90,9 @@ def _report(verification, notes: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports: --help and usage errors stay instant
-    from megatron_jreg.errors import JregError, exit_code
+    from megatron_jreg.errors import run_command
 
-    try:
-        cfg = ConvertConfig.from_args(args)
-        return convert(cfg)
-    except (JregError, FileNotFoundError) as e:
-        print(f"megatron-jreg convert: error: {e}", file=sys.stderr)
-        return exit_code(e)
+    return run_command("megatron-jreg convert", lambda: convert(ConvertConfig.from_args(args)))
 
 
 def convert(cfg: ConvertConfig) -> int:

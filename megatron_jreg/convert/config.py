@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class ConvertConfig:
         if self.direction not in DIRECTIONS:
             raise UsageError(f"convert: direction {self.direction!r}: choose one of {', '.join(DIRECTIONS)}")
         object.__setattr__(self, "output", Path(self.output))
+        self._check_output()
         threshold = self.verify_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
             raise UsageError(f"--verify-threshold {threshold}: must be a positive finite number")
@@ -61,6 +63,19 @@ class ConvertConfig:
             self._check_export()
         else:
             self._check_import()
+
+    def _check_output(self) -> None:
+        """The output folder is new (or empty) and its parent writable: the result is staged beside it and
+        renamed, so a refusal here costs nothing, while one at the end would cost the whole conversion."""
+        out = self.output
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise UsageError(f"--output {out} exists and is not empty: remove it or choose another folder")
+        parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
+        if not parent.is_dir():
+            raise UsageError(f"--output {out}: {parent} is a file, not a folder; choose another output path")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--output {out}: cannot write in {parent} (permission denied); choose a folder you "
+                             "can write to")
 
     def _check_export(self) -> None:
         if self.load is None:
@@ -82,6 +97,9 @@ class ConvertConfig:
     def _check_import(self) -> None:
         if not self.hf:
             raise UsageError("hf-to-mcore needs --hf HF_DIR")
+        if Path(self.hf).is_file():
+            raise UsageError(f"--hf {self.hf}: a file; give the Hugging Face model folder that holds it (config.json "
+                             f"and weights), e.g. --hf {Path(self.hf).parent}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")

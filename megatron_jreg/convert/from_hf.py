@@ -6,7 +6,9 @@ weights and the `args` Megatron-LM would have for this model — built from the 
 flags by Megatron-LM's own parser and validation — and no optimizer, RNG or iteration, so training
 starts from these weights at iteration 0. dist_checkpointing stores every tensor by global key and
 shape, so the checkpoint is written once, by this process, from a TP=1/PP=1 GPTModel and loads at the
-requested TP/PP (the vocabulary is padded for it, as Megatron-LM pads it at training time).
+requested TP/PP (the vocabulary is padded for it, as Megatron-LM pads it at training time). Its
+`integrity.json` (SHA-256 of every file, Megatron-LM's `--verify-integrity` manifest) is written as a
+training save's is, so the first load verifies it like any checkpoint of the project.
 """
 
 from __future__ import annotations
@@ -65,16 +67,36 @@ def _load_parameters(gpt: torch.nn.Module, mapped: dict[str, torch.Tensor]) -> N
 
 
 def save_release_checkpoint(output: Path, model: torch.nn.Module, args: argparse.Namespace, provenance: dict) -> Path:
-    """Write `model`'s weights and `args` as a Megatron-LM release checkpoint under `output`."""
+    """Write `model`'s weights and `args` as a Megatron-LM release checkpoint under `output`, with the
+    SHA-256 manifest of its files (checkpoints.files.write_integrity)."""
     from megatron.core import dist_checkpointing
+
+    from megatron_jreg.checkpoints.files import write_integrity
+    from megatron_jreg.checkpoints.model import quiet_megatron
 
     ckpt = output / "release"
     ckpt.mkdir(parents=True)
     state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 0}
-    dist_checkpointing.save(state, str(ckpt))
+    with quiet_megatron():
+        dist_checkpointing.save(state, str(ckpt))
     (ckpt / "megatron_jreg.json").write_text(json.dumps(provenance, indent=2))
+    write_integrity(ckpt)
     (output / "latest_checkpointed_iteration.txt").write_text("release")
     return ckpt
+
+
+def machine_flags() -> list[str]:
+    """The `train` flags this machine needs whatever the model: Megatron-LM's default layer spec is Transformer
+    Engine's, so without TE the local one, and on a GPU without TE its default-on fused kernels off (the rules
+    of training.model.check_transformer_impl, which refuses a run without them)."""
+    from megatron_jreg.layer_spec import have_transformer_engine
+
+    if have_transformer_engine():
+        return []
+    flags = ["--transformer-impl", "local"]
+    if torch.cuda.is_available():
+        flags += ["--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion"]
+    return flags
 
 
 def hf_to_mcore(
@@ -92,7 +114,8 @@ def hf_to_mcore(
     Everything that can refuse (architecture, layout, unknown tensors) runs before anything is written;
     the checkpoint appears at `output` only after its logits matched the Hugging Face model's.
     """
-    from megatron_jreg.checkpoints.model import build_model, load_megatron_model
+    from megatron_jreg.checkpoints.model import build_model, load_megatron_model, quiet_megatron
+    from megatron_jreg.model_files import check_finite_weights
     from megatron_jreg.training.arguments import model_args
 
     single_process()
@@ -103,8 +126,10 @@ def hf_to_mcore(
     layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",
               str(pipeline_model_parallel_size), "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
     flags = arch.megatron_flags() + tokenizer + layout
-    args = model_args(flags, arch.vocab_size, tensor_model_parallel_size * pipeline_model_parallel_size)
+    with quiet_megatron():
+        args = model_args(flags, arch.vocab_size, tensor_model_parallel_size * pipeline_model_parallel_size)
     state = hf_io.load_weights(folder)
+    check_finite_weights(state.items(), f"--hf {folder}")
     dtype = hf_io.checkpoint_dtype(hf_cfg, state)
     args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     mapped = llama.hf_to_megatron(state, arch, args.padded_vocab_size)
@@ -127,7 +152,7 @@ def hf_to_mcore(
                                           depth=arch.num_layers)
         else:
             notes.append(why)
-    extra = ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
+    extra = (["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []) + machine_flags()
     if tokens_in_tokenizer is None:
         extra += ["--vocab-size", str(arch.vocab_size)]
     if tokens_in_tokenizer is not None and tokens_in_tokenizer != arch.vocab_size:
