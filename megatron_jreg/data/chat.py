@@ -48,7 +48,7 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -245,25 +245,46 @@ def own_template(tokenizer) -> str | None:  # noqa: ANN001
     return template or None
 
 
-def write_tokenizer_with_template(source: Path, output: Path, template: str, pad_token: str | None = None) -> Path:
-    """A copy of the tokenizer folder `source` at `output` whose chat template is `template` (and pad token
-    `pad_token`, when given), written under a temporary name and renamed. Other templates of the source
-    (`additional_chat_templates/`, a `chat_template` entry in tokenizer_config.json) are left out, so the
-    copy has one."""
-    from transformers.utils.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
+def _partial(path: Path) -> Path:
+    """A fresh temporary name beside `path`, renamed to it once complete."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
+
+
+def tokenizer_files(folder: Path, tokenizer) -> list[str]:  # noqa: ANN001 - a transformers tokenizer
+    """The files of `folder` that make up `tokenizer` (loaded from it), by the names its class reads and
+    `save_pretrained` writes: tokenizer.json, tokenizer_config.json, special_tokens_map.json, added_tokens.json
+    and the class's own vocabulary files (tokenizer.model, vocab.json, merges.txt, ...), never the model's
+    weights or config. Chat templates are left out (the copy gets its own)."""
+    from transformers.tokenization_utils_base import (
+        ADDED_TOKENS_FILE,
+        FULL_TOKENIZER_FILE,
+        SPECIAL_TOKENS_MAP_FILE,
+        TOKENIZER_CONFIG_FILE,
+    )
+
+    names = {ADDED_TOKENS_FILE, FULL_TOKENIZER_FILE, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE}
+    names |= {v for v in getattr(tokenizer, "vocab_files_names", {}).values() if isinstance(v, str)}
+    return sorted(name for name in names if (folder / name).is_file())
+
+
+def write_tokenizer_with_template(source: Path, output: Path, tokenizer, template: str,  # noqa: ANN001
+                                  pad_token: str | None = None) -> Path:
+    """A copy of the tokenizer `tokenizer` (loaded from the folder `source`: only its files, `tokenizer_files`) at
+    `output` whose chat template is `template` (and pad token `pad_token`, when given), written under a
+    temporary name and renamed. Other templates of the source (`additional_chat_templates/`, a `chat_template`
+    entry in tokenizer_config.json) are left out, so the copy has one."""
+    from transformers.utils.hub import CHAT_TEMPLATE_FILE
 
     if output.exists():
         if not (output / MARKER).is_file():
             raise DataError(f"--tokenizer-output {output}: exists and was not written by prepare-chat; remove it or "
                             "choose another folder")
     check_output_folder(output.parent, f"--tokenizer-output {output}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    tmp = _partial(output)
+    tmp.mkdir()  # a plain mkdir and copies: the modes the umask gives (mkdtemp's folder would be owner-only)
     try:
-        for item in source.iterdir():
-            if item.name in (CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MARKER) or item.name.startswith("."):
-                continue
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
+        for name in tokenizer_files(source, tokenizer):
+            shutil.copyfile(source / name, tmp / name)
         config_path = tmp / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         config.pop("chat_template", None)
@@ -372,7 +393,7 @@ def _setup_tokenizer(cfg: ChatConfig, summary: ChatSummary):  # noqa: ANN202 - a
         summary.tokenizer = str(source)
     else:
         vocabulary = len(tokenizer)
-        folder = write_tokenizer_with_template(source, cfg.tokenizer_folder(), template, pad)
+        folder = write_tokenizer_with_template(source, cfg.tokenizer_folder(), tokenizer, template, pad)
         tokenizer = load_hf_tokenizer(folder, "--tokenizer-output")
         if own_template(tokenizer) != template:
             raise DataError(f"--tokenizer-output {folder}: transformers does not read the written chat template back")
@@ -400,9 +421,9 @@ def prepare_chat(cfg: ChatConfig) -> ChatSummary:
         hf = _setup_tokenizer(cfg, summary)
         targets, specials = ChatTargets(hf), _special_texts(hf)
     out = Path(cfg.output)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    tmp = _partial(out)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:  # a plain open: the mode the umask gives, as every output
             for record, where in iter_records(files, summary):
                 messages, reason, detail = check_messages(record)
                 if messages is None:
