@@ -7,6 +7,10 @@ loss's backward, and JREG's hooks when λ = 1 (`JregPlugin`, exactly as in train
 allocated bytes on a GPU; on CPU (no allocator statistics) the bytes of distinct storages autograd
 saves for backward, i.e. the activations a step keeps alive, which is what JREG could add to.
 
+On CPU the step is dominated by matmuls slow enough to hide JREG's memory-bound op, so a CPU time_ratio says
+nothing about the GPU cost: the op itself against its memory floor is benchmarks/jreg_op.py's, on either
+device, and the GPU check (benchmarks/gpu_check.sh) measures the step there.
+
 `--micro-batch-size auto` finds the largest micro-batch whose λ = 1 step fits the memory budget
 (`find_micro_batch`, ~4 probes): by default 90 % of the GPU's memory less what training adds per parameter beyond
 this benchmark (fp32 main gradients, fp32 main weights and Adam's two moments: 14 bytes).

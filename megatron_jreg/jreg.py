@@ -13,13 +13,13 @@ Notation (layers ℓ = 1..L; h_0 = embeddings, h_L = last layer output *before* 
     L_cos    = Σ_ℓ w_ℓ Ψ_ℓ ;   loss = L_CE + λ · L_cos
 
 Everything is computed in fp32 whatever the activation dtype, by one fused kernel per direction
-(`jreg_kernels`: Triton on CUDA, torch.compile'd C++ on CPU, eager torch elsewhere). The per-token
-displacement is a custom autograd function that saves references to the two hidden states plus four
-per-token fp32 figures and recomputes the rest in backward. Where the layers keep those hidden states
-anyway (norms that save their input: Transformer Engine's, apex's, torch's in fp32) it adds no activation
+(`jreg_kernels`: Triton on CUDA, torch.compile'd C++ on CPU, eager torch elsewhere; benchmarks/jreg_op.py).
+The per-token displacement is a custom autograd function that saves references to the two hidden states plus
+four fp32 figures per token, and reads the states once more in backward. Where the layers keep those states
+anyway (norms that save their input: Transformer Engine's, apex's, torch's in fp32) that adds no activation
 memory; a torch norm that saves an fp32 upcast of a bf16 input leaves JREG's references as the only holders
-of the bf16 states, and the last layer of a pipeline stage has its output (which Megatron-LM frees once it
-is sent) kept until JREG's backward has read it (benchmarks/jreg_op.py --pp-memory measures both).
+of the bf16 states. At PP > 1 the output of a stage's last layer, which Megatron-LM frees once it is sent,
+stays until JREG's backward has read it: measured per microbatch by tests/test_jreg_hot_path.py (PP = 2).
 
 A hidden state that is not finite gives a NaN displacement (never 0.5), so Ψ and ζ of a broken step are NaN.
 """

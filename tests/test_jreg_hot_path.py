@@ -215,6 +215,78 @@ def _sanity_check_the_guard() -> list[str]:
     return caught
 
 
+def _saved_per_microbatch(lam: float, microbatches: int) -> tuple[float, object, object]:
+    """Mean bytes of the distinct storages autograd saves for backward per microbatch on this rank (PP = 2, 1F1B)."""
+    import statistics
+    from collections import defaultdict
+
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tests._layouts import BATCH, SEQ, Layout, forward_step, global_batch, setup
+
+    tokens, labels = global_batch()
+    mbs = BATCH // microbatches
+    batches = [(tokens[i * mbs:(i + 1) * mbs], labels[i * mbs:(i + 1) * mbs]) for i in range(microbatches)]
+    config, ddp, plugin = setup(Layout("pp2-memory", pp=2, lam=lam, microbatches=microbatches))
+    saved: dict[int, dict[int, int]] = defaultdict(dict)
+    current = [-1]
+
+    def counted_step(data_iterator, model):
+        current[0] += 1
+        return forward_step(data_iterator, model)
+
+    def pack(t):
+        if current[0] >= 0:
+            saved[current[0]][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for chunk in ddp:
+        chunk.zero_grad_buffer()
+    plugin.start_step(microbatches, record=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        get_forward_backward_func()(forward_step_func=counted_step, data_iterator=iter(batches), model=ddp,
+                                    num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=mbs,
+                                    forward_only=False)
+    return statistics.mean(sum(v.values()) for v in saved.values()), config, plugin
+
+
+def pp2_saved_bytes(rank: int, world: int) -> dict:
+    """Saved bytes per microbatch on this pipeline stage (PP = 2, 4 microbatches), without JREG (λ = 0) and with
+    it, and the sizes of what JREG's backward reads."""
+    from megatron.core import parallel_state as ps
+
+    from tests._layouts import BATCH, SEQ
+
+    microbatches = 4
+    out: dict = {}
+    for lam in (0.0, 1.0):
+        out[lam], config, plugin = _saved_per_microbatch(lam, microbatches)
+    tokens = BATCH // microbatches * SEQ
+    out.update(stage=ps.get_pipeline_model_parallel_rank(), layers=len(plugin.layers), tokens=tokens,
+               stage_output=tokens * config.hidden_size * 4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    return run_ranks(pp2_saved_bytes, 2)
+
+
+def test_pp2_jreg_keeps_only_what_its_backward_reads(pp2):
+    """Per microbatch in flight, JREG adds its four [T] fp32 figures per layer and, on a stage that sends its output
+    on (Megatron-LM frees it once sent), that output: its backward reads it. Nothing else (fp32 model: the norms
+    keep every other layer's input anyway)."""
+    for r in pp2:
+        extra = r[1.0] - r[0.0]
+        rows = r["layers"] * 16 * r["tokens"]
+        expected = rows + (r["stage_output"] if r["stage"] == 0 else 0)
+        print(f"PP stage {r['stage'] + 1}: saved per microbatch λ=0 {r[0.0]:.0f} B, λ=1 {r[1.0]:.0f} B, "
+              f"JREG +{extra:.0f} B = {r['layers']} layers × 16 B × {r['tokens']} tokens"
+              + (f" + the stage output {r['stage_output']} B" if r["stage"] == 0 else ""))
+        assert extra == expected
+
+
 @pytest.fixture(scope="module")
 def suite():
     return run_ranks(sync_and_fault_suite, 1)[0]
