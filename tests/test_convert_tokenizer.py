@@ -146,3 +146,25 @@ def test_resolve_source_names_the_fix(files, tmp_path):
         with pytest.raises(ConversionError, match=needle) as e:
             call()
         assert "--no-tokenizer" in str(e.value) or "contradict" in str(e.value)
+
+
+def test_a_transformers_5_save_exports_under_a_class_both_majors_load(files, tmp_path):
+    """transformers 5's save_pretrained names its fast tokenizer `TokenizersBackend`, a class 4.x does not know;
+    the copy of such a tokenizer says `PreTrainedTokenizerFast` (the same class in 5.x), as docs/convert.md says
+    (issue 33: the docs said so while SmolLM2's export kept `TokenizersBackend`)."""
+    from transformers import AutoTokenizer
+
+    from megatron_jreg.convert.tokenizer import TokenizerSource, check_written, write_tokenizer
+
+    AutoTokenizer.from_pretrained(files["hf"]).save_pretrained(tmp_path / "v5")
+    if json.loads((tmp_path / "v5" / "tokenizer_config.json").read_text())["tokenizer_class"] != "TokenizersBackend":
+        pytest.skip("this transformers does not save as TokenizersBackend")
+    source = TokenizerSource("HuggingFaceTokenizer", str(tmp_path / "v5"), where="v5")
+    tok = source.build()
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tokenizer(tok, source, out, context_length=96)
+    check_written(tok, source, out, vocab_size=10**6)  # loads, and gives the run's ids
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    docs = " ".join((WIKI.parents[3] / "docs" / "convert.md").read_text(encoding="utf-8").split())
+    assert "a copied one that said `TokenizersBackend`" in docs and "`PreTrainedTokenizerFast`" in docs

@@ -2,7 +2,9 @@
 `megatron-jreg train` accepts.
 
     --tokenizer-type          written as
-    HuggingFaceTokenizer      its files, copied (a run's extra special tokens or no-BOS setting: rebuilt)
+    HuggingFaceTokenizer      its files, copied (a run's extra special tokens or no-BOS setting: rebuilt);
+                              a `TokenizersBackend` class (transformers 5's save) written as
+                              `PreTrainedTokenizerFast`, the same class in 5.x and one 4.x loads
     SentencePieceTokenizer    transformers' own SentencePiece conversion (`TokenizersBackend` from the
     (GPTSentencePiece, Llama2) model's proto: its normalizer, dummy prefix, byte fallback and merges) as
                               tokenizer.json, plus the .model as tokenizer.model; text such as "<s>" stays
@@ -41,6 +43,7 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )
 _NO_TOKENIZER = "or pass --no-tokenizer to export the weights without a tokenizer"
+V5_ONLY_CLASS = "TokenizersBackend"  # transformers 5's name of PreTrainedTokenizerFast, unknown to 4.x
 
 
 @dataclass
@@ -297,6 +300,8 @@ def write_tokenizer(tok: Tokenizer, source: TokenizerSource, folder: Path, conte
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) if (
             folder / "tokenizer_config.json").is_file() else {}
         updates: dict[str, Any] = {"model_max_length": context_length}
+        if config.get("tokenizer_class") == V5_ONLY_CLASS:  # what transformers 5's save_pretrained writes
+            updates["tokenizer_class"] = "PreTrainedTokenizerFast"  # the same class there, and 4.x knows the name
         if not config.get("pad_token") and pad:
             updates["pad_token"] = pad
         if not config.get("eos_token") and eos:
