@@ -4,7 +4,7 @@ and against the naive way of measuring it, side by side on the same batches.
     python benchmarks/analyze_removal.py [--model DIR] [--num-samples 8] [--max-length 128] [--rounds 2]
 
 Variants, each over the same padded LAMBADA batches, alternated over `--rounds` rounds (the median is kept):
-- forward: one forward pass of the causal LM per batch, logits included (the unit of cost);
+- forward: one forward pass of the causal LM per batch, logits included (the unit of cost; the mean of three);
 - removal: `removal.removal_totals` in memory: the model, the L variants without one layer (each reusing the
   recorded outputs of the layers below the skipped one) and the top k = 1, 2, 3 variants;
 - naive: the same L + 1 + 3 cross-entropies from full forward passes with hooks that return a skipped layer's
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {"forward": [], "removal": [], "naive": []}
         with torch.no_grad():
             for _ in range(args.rounds):
-                seconds, _ = timed(lambda: [source.logits(ids, mask) for ids, mask, _ in batches])
-                times["forward"].append(seconds)
+                seconds, _ = timed(lambda: [source.logits(ids, mask) for _ in range(3) for ids, mask, _ in batches])
+                times["forward"].append(seconds / 3)
                 seconds, totals = timed(lambda: removal_totals(source, batches, TOP_K))
                 times["removal"].append(seconds)
                 seconds, naive = timed(lambda: naive_sums(source, batches))
