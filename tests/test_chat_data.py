@@ -187,6 +187,39 @@ def test_simple_template_written_into_a_tokenizer_copy(tmp_path, tokenizer_dir, 
     assert not (tmp_path / "c2_tokenizer").exists()
 
 
+def test_tokenizer_copy_holds_the_tokenizer_files_only_readable_by_others(tmp_path, tokenizer_dir, capsys):
+    """A model folder given as --tokenizer (where Hugging Face users keep their tokenizer): the copy holds what a
+    tokenizer-only `save_pretrained` would, not the weights (was: every file, a 514 MB model.safetensors of a
+    135M model), and the copy and the chat file get the modes the umask gives, as every other output (were
+    owner-only: a teammate's or a judge job's account could not read them on a shared disk)."""
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = shutil.copytree(tokenizer_dir, tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)  # stands in for the weights
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "generation_config.json").write_text("{}")
+    src = write_lines(tmp_path / "chat.jsonl", [json.dumps(r) for r in GOOD])
+    out = tmp_path / "clean.jsonl"
+    old = os.umask(0o022)
+    try:
+        assert main(["--input", str(src), "--output", str(out), "--tokenizer", str(model)]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    copy = tmp_path / "clean_tokenizer"
+    assert sorted(p.name for p in copy.iterdir()) == ["chat_template.jinja", MARKER, "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert AutoTokenizer.from_pretrained(str(copy), local_files_only=True).apply_chat_template(
+        GOOD[0]["messages"], tokenize=False).startswith("<|user|>\n")
+    assert (copy.stat().st_mode & 0o777) == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in copy.iterdir()} == dict.fromkeys(
+        [p.name for p in copy.iterdir()], 0o644)
+    assert (out.stat().st_mode & 0o777) == 0o644
+
+
 def test_tokenizer_checks_skip_what_would_train_wrong(tmp_path, reserved_tokenizer_dir):
     template = tmp_path / "strict.jinja"
     template.write_text(SIMPLE_TEMPLATE.replace(

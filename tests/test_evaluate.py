@@ -382,10 +382,12 @@ def empty_datasets_cache(tmp_path, monkeypatch) -> Path:
 
 
 def test_evaluate_end_to_end_offline(
-    model_dir, passages_file, tmp_path, empty_datasets_cache, monkeypatch, capsys
+    model_dir, passages_file, tmp_path, empty_datasets_cache, monkeypatch, capfd
 ):
     """One run: built-in LAMBADA, the same LAMBADA as an lm-eval task over the JSONL, SciQ from the datasets
-    cache, ARC-Easy from a local repository copy, all through lm-eval's simple_evaluate with our adapter."""
+    cache, ARC-Easy from a local repository copy, all through lm-eval's simple_evaluate with our adapter; run
+    outside a git repository, with progress bars: one per task kind, and no "fatal: not a git repository"
+    (lm-eval ran `git describe` to record the working folder's commit)."""
     from megatron_jreg.evaluate import cli
     from megatron_jreg.evaluate.results import EvalResults
 
@@ -418,7 +420,9 @@ def test_evaluate_end_to_end_offline(
         "3",
         "--output",
         str(out),
+        "--progress",
     ]
+    monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 0
 
     saved = EvalResults.read(out)
@@ -435,8 +439,29 @@ def test_evaluate_end_to_end_offline(
         metrics = saved.results[task]
         assert set(metrics) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
         assert 0 <= metrics["acc"] <= 1 and metrics["acc_stderr"] is not None
-    table = capsys.readouterr().out
+    table, err = capfd.readouterr()
     assert "lambada_local  acc" in table and "arc_easy       acc_norm" in table
+    assert "fatal" not in err and "not a git repository" not in err, err
+    assert "lambada: 100%" in err and "20/20" in err  # the built-in task's bar, by passage
+    assert "lm-eval loglikelihood: 100%" in err  # lm-eval's requests, by request
+
+
+def test_help_gives_every_default_and_a_note_explains_a_slow_tokenizer(model_dir, monkeypatch, capsys):
+    """`--help` says what each flag defaults to (--batch-size had no help at all); a tokenizer.json that takes
+    transformers minutes to load (1.5M added tokens: 308 s without a line) is announced first (the size that
+    counts as slow lowered here to the tiny model's)."""
+    from megatron_jreg.evaluate import cli, models
+
+    parser = cli.build_parser()
+    choices = {"hf", "load", "task_data", "include_path", "help"}  # the model (one of two) and repeatable additions
+    undocumented = [a.dest for a in parser._actions if a.dest not in choices and "default" not in (a.help or "")]
+    assert undocumented == []
+    text = " ".join(parser.format_help().split())
+    assert "memory and speed do (default: 8)" in text and "(default: lambada)" in text
+    monkeypatch.setattr(models, "BIG_TOKENIZER_BYTES", 1)
+    models.load_hf_lm(model_dir, "cpu", "float32")
+    err = capsys.readouterr().err
+    assert f"note: --hf {model_dir}: loading its tokenizer (1 added tokens," in err and "takes transformers" in err
 
 
 def test_missing_datasets_stop_before_the_model_loads(

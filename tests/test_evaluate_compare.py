@@ -359,3 +359,24 @@ def test_compare_refuses_unpaired_inputs(tmp_path, capsys):
     d = [_write(tmp_path / f"d{s}.json", s, 0.3, 0.6, samples=100 if s else 90) for s in range(3)]
     assert compare.main(["--baseline", *a, "--jreg", *d]) == 2
     assert f"lambada was scored with different numbers of examples ({a[0]}: 100" in capsys.readouterr().err
+
+
+def test_one_file_per_arm_is_a_side_by_side_table_without_a_test(tmp_path, capsys):
+    """A first look at one seed per arm: both scores, the difference and its direction per task, the test
+    marked n/a (was: refused, "a t-test needs at least 2 seeds per arm"); the JSON says it was not tested."""
+    base = _write(tmp_path / "b.json", 1, 0.40, 0.61, ppl=30.0)
+    jreg = _write(tmp_path / "j.json", 1, 0.45, 0.60, ppl=20.0)
+    out = tmp_path / "cmp.json"
+    rc, printed, err = _run(["--baseline", base, "--jreg", jreg, "--output", str(out)], capsys)
+    assert rc == 0, err
+    assert "one seed per arm" in err and "at least 2 seeds per arm" in err
+    lines = {line.split()[0]: line for line in printed.splitlines() if line.split()}
+    assert "0.4000" in lines["lambada"] and "0.4500" in lines["lambada"] and "+0.0500" in lines["lambada"]
+    assert "-0.0100" in lines["boolq"] and all(lines[t].endswith("n/a (1 seed per arm)") for t in ("lambada", "boolq"))
+    assert "Average over 2 task(s), 1 seed per arm: mean difference +0.0200" in printed
+    assert "no significance test" in printed and "Holm" not in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["lambada"]["tested"] is False and rows["lambada"]["p_value"] is None
+    assert rows["lambada"]["mean_diff"] == pytest.approx(0.05) and not rows["lambada"]["jreg_better"]
+    rc, printed, _ = _run(["--baseline", base, "--jreg", jreg, "--metric", "perplexity"], capsys)
+    assert rc == 0 and "lower" in printed and "-10.0000" in printed

@@ -104,6 +104,28 @@ def test_greedy_equals_step_by_step_argmax_and_fastchat_format(hf_model, tmp_pat
     assert any(t for turns in turns_of(out).values() for t in turns)  # not all empty: a real comparison
 
 
+def test_answer_file_is_readable_by_others_and_no_deprecation_is_printed(hf_model, tmp_path, capfd):
+    """The answer file gets the mode the umask gives (0644 under 022; was mkstemp's 0600, unreadable by a judge
+    job's account on a shared disk), and transformers' cache-name deprecation line is gone (generate read the
+    cache under its old name)."""
+    import logging
+    import os
+
+    import transformers.utils.logging  # noqa: F401 - defines Logger.warning_once
+
+    logging.Logger.warning_once.cache_clear()  # a deprecation already shown by an earlier test would show no more
+    prompts = write_questions(tmp_path / "question.jsonl", QUESTIONS[:2])
+    out = tmp_path / "a.jsonl"
+    old = os.umask(0o022)
+    try:
+        assert run("--hf", hf_model, "--prompts", prompts, "--output", out, "--max-new-tokens", 3) == 0
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == 0o644
+    err = capfd.readouterr().err
+    assert "deprecated" not in err.lower(), err
+
+
 def test_resume_answers_only_missing_questions(hf_model, tmp_path, capsys):
     prompts = write_questions(tmp_path / "question.jsonl")
     out = tmp_path / "a.jsonl"
