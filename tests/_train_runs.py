@@ -11,6 +11,8 @@ import functools
 import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 # Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0) with the sizes shrunk and mock
@@ -60,6 +62,24 @@ TINY = (
     "--global-batch-size 4 --train-iters 4 --lr 1e-3 --lr-warmup-iters 1 --log-interval 1 --eval-interval 4 "
     "--eval-iters 2 --jreg-lambda 1 --jreg-alpha 1 --init-mode layout-independent --no-progress"
 ).split()
+
+
+_HOLDER = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.pwrite(fd, json.dumps({"host": "node7", "pid": os.getpid(), "started": "2026-01-01T00:00:00"}).encode(), 0)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(lock: Path) -> subprocess.Popen:
+    """Another process holding a --save folder's lock file as a training run does (its record names host node7);
+    the caller ends it."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
 
 
 def train(argv: list[str]) -> tuple[int, str, str]:
@@ -145,9 +165,26 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
         TINY + ["--load", f"{tmp}/tp2-ckpt", "--skip-train", "--metrics-file", f"{tmp}/one-from-tp2.jsonl"]
     )[0]
     out["crash"] = crash_during_save(tmp)
-    nan = ["--lr", "1e6", "--clip-grad", "0", "--adam-eps", "1e-30", "--train-iters", "20", "--save", f"{tmp}/nan",
-           "--save-interval", "1", "--eval-interval", "100"]
-    out["nan"] = train(TINY + nan)
+    diverge = ["--lr", "1e6", "--clip-grad", "0", "--adam-eps", "1e-30", "--eval-interval", "100"]
+    out["nan"] = train(TINY + diverge + ["--train-iters", "20", "--save", f"{tmp}/nan", "--save-interval", "1"])
+    out["nan-nosave"] = train(TINY + diverge + ["--train-iters", "20"])
+    # NaN weights, Megatron-LM's NaN check off: training goes on, the saves of NaN weights do not happen
+    out["nan-weights"] = train(TINY + diverge + [
+        "--train-iters", "6", "--no-check-for-nan-in-loss-and-grad", "--save", f"{tmp}/nan-weights", "--save-interval",
+        "1", "--metrics-file", f"{tmp}/nan-weights.jsonl"])
+    # --metrics-file across a resume: 6 iterations straight vs 3 + resume + 3, at --log-interval 1 and 2
+    six = ["--train-iters", "6", "--eval-interval", "100"]
+    out["straight6"] = train(TINY + six + ["--metrics-file", f"{tmp}/straight6.jsonl"])[0]
+    for interval in (1, 2):
+        split = TINY + six + ["--log-interval", str(interval), "--save", f"{tmp}/split{interval}", "--save-interval",
+                              "3", "--metrics-file", f"{tmp}/split{interval}.jsonl"]
+        out[f"split{interval}"] = (train(split + ["--exit-interval", "3"])[0],
+                                   train(split + ["--load", f"{tmp}/split{interval}"])[0])
+    # the legacy torch format (Megatron-LM's manifest refused it: every run crashed)
+    legacy = ["--ckpt-format", "torch", "--save", f"{tmp}/legacy", "--save-interval", "2",
+              "--metrics-file", f"{tmp}/legacy.jsonl"]
+    out["legacy"] = (train(TINY + legacy + ["--exit-interval", "2"])[0],
+                     train(TINY + legacy + ["--load", f"{tmp}/legacy"]))
     return out
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests._train_runs import hold_lock
 
 
 def _iteration(root: Path, it: int, files: dict[str, bytes] | None = None) -> Path:
@@ -98,30 +98,13 @@ def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
         verify_integrity(ckpt)
 
 
-_HOLDER = """
-import fcntl, json, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-os.pwrite(fd, json.dumps({"host": "node7", "pid": os.getpid(), "started": "2026-01-01T00:00:00"}).encode(), 0)
-print("locked", flush=True)
-time.sleep(600)
-"""
-
-
-def _holder(lock: Path) -> subprocess.Popen:
-    """Another process holding --save's lock as a run does (its record names host node7)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
 def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_leaves_no_stale_lock(tmp_path, capsys):
     from megatron_jreg.errors import UsageError
     from megatron_jreg.training.run_folder import LOCK, SaveLock
 
     save = tmp_path / "run"
     save.mkdir()
-    proc = _holder(save / LOCK)
+    proc = hold_lock(save / LOCK)
     try:
         with pytest.raises(UsageError) as e:
             SaveLock.acquire(str(save))
@@ -150,7 +133,7 @@ def test_the_lock_is_released_when_its_holder_process_ends_however_it_ends(tmp_p
 
     save = tmp_path / "run"
     save.mkdir()
-    proc = _holder(save / LOCK)
+    proc = hold_lock(save / LOCK)
     proc.terminate()
     proc.wait()
     deadline = time.monotonic() + 30  # a guard, not a timing claim
@@ -200,11 +183,11 @@ def test_metrics_file_after_a_resume_holds_one_row_per_iteration(tmp_path, capsy
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     metrics = MetricsFile(str(path), active=True)
     metrics.open(3)
-    metrics.write({"iteration": 4, "lm_loss": float("nan")})
+    metrics.write({"iteration": 4, "lm_loss": float("nan"), "psi": [0.5, float("inf")], "lr": 0.1})
     metrics.close()
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["iteration"] for r in kept] == [1, 2, 3, 4] and kept[-1]["lm_loss"] is None
-    assert kept[-1]["nonfinite"] == ["lm_loss"]
+    assert kept[-1]["psi"] == [0.5, None] and kept[-1]["nonfinite"] == ["lm_loss", "psi"]
     moved = [json.loads(line) for line in Path(f"{path}.replaced").read_text().splitlines()]
     assert moved == rows[3:]
     assert "3 row(s) after iteration 3" in capsys.readouterr().out

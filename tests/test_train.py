@@ -1,10 +1,14 @@
 """`megatron-jreg train` is Megatron-LM's pretrain_gpt.py with JREG: its losses, its checkpoints, plus ours."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,10 +100,7 @@ def test_tensorboard_has_megatron_lm_scalars_and_jreg(runs):
                                             ("dp2-resumed", "dp2-distopt")])
 def test_resume_continues_exactly(runs, name, reference):
     """Plain and distributed optimizer, and a checkpoint without megatron-jreg's files (as Megatron-LM
-    writes them): iterations 3-4 after the resume equal the uninterrupted run's.
-
-    lm_loss is Megatron-LM's console window, which its first line of a run does not reset: at --log-interval 1
-    the line after the first covers two iterations (2 = {1, 2} in both runs; after the resume 4 = {3, 4})."""
+    writes them): iterations 3-4 after the resume equal the uninterrupted run's, row for row."""
     one, two = runs["one"], runs["two"]
     assert one["exit"] == one["resume"] == one["mlm-exit"] == one["mlm-resume"] == 0
     assert two["distopt-exit"] == 0 and two["distopt-resume"] == 0
@@ -107,8 +108,31 @@ def test_resume_continues_exactly(runs, name, reference):
     got = train_losses(runs["tmp"] / f"{name}.jsonl")
     assert [it for it, _, _ in got] == [1, 2, 3, 4]  # 1-2 before the exit, 3-4 after the resume
     for it, lm, j in got:
-        window = (ref[3][0] + ref[4][0]) / 2 if it == 4 else ref[it][0]
-        assert lm == pytest.approx(window, rel=1e-6) and j == pytest.approx(ref[it][1], rel=1e-6)
+        assert lm == pytest.approx(ref[it][0], rel=1e-6) and j == pytest.approx(ref[it][1], rel=1e-6)
+
+
+def test_metrics_file_of_a_resumed_run_equals_the_uninterrupted_run(runs):
+    """Issue 32's check: --log-interval 1, 6 iterations straight vs 3 + resume + 3, every row equal; at
+    --log-interval 2 the row of iteration 4 covers iterations 3 and 4, across the resume (its window kept in the
+    checkpoint), as Megatron-LM's float32 sum of the two."""
+    import numpy as np
+
+    one = runs["one"]
+    assert one["straight6"] == 0 and one["split1"] == (0, 0) and one["split2"] == (0, 0)
+    straight = {r["iteration"]: r for r in records(runs["tmp"] / "straight6.jsonl") if "lm_loss" in r}
+    split = [r for r in records(runs["tmp"] / "split1.jsonl") if "lm_loss" in r]
+    assert sorted(straight) == [r["iteration"] for r in split] == [1, 2, 3, 4, 5, 6]
+    for row in split:
+        for key in ("lm_loss", "grad_norm", "lr", "consumed_samples", "jreg_loss", "psi"):
+            assert row[key] == straight[row["iteration"]][key], (row["iteration"], key)
+    windows = {1: [1], 2: [1, 2], 4: [3, 4], 6: [5, 6]}  # after a fresh run's extra first row, not reset
+    every2 = {r["iteration"]: r["lm_loss"] for r in records(runs["tmp"] / "split2.jsonl") if "lm_loss" in r}
+    assert sorted(every2) == sorted(windows)
+    for it, members in windows.items():
+        total = np.float32(0)
+        for m in members:
+            total = np.float32(total + np.float32(straight[m]["lm_loss"]))
+        assert every2[it] == float(total) / len(members), it
 
 
 def test_megatron_lm_checkpoint_layout(runs):
@@ -144,12 +168,73 @@ def test_crash_during_save_leaves_previous_checkpoint_current(runs):
     assert crash["resume"] == 0 and crash["tracker_after"] == 4
 
 
+def _nonfinite_tensors(ckpt: Path) -> list[str]:
+    """Names of the tensors of a torch_dist checkpoint that hold NaN/Inf (read through torch's own converter),
+    leaving out the rerun state machine's record of the NaN result it stopped on (its own diagnostics)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def tensors(obj, prefix=""):
+        if isinstance(obj, torch.Tensor):
+            yield prefix, obj
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                yield from tensors(value, f"{prefix}.{key}")
+        elif isinstance(obj, list | tuple):
+            for i, value in enumerate(obj):
+                yield from tensors(value, f"{prefix}.{i}")
+
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(ckpt, f"{folder}/state.pt")
+        state = torch.load(f"{folder}/state.pt", weights_only=False)  # our own test checkpoint
+    found = list(tensors(state))
+    assert found
+    return [name for name, t in found if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            and not name.startswith(".rerun_state_machine")]
+
+
 def test_nan_stops_with_iteration_and_last_checkpoint(runs):
     rc, out, err = runs["one"]["nan"]
     assert rc in (16, 17)  # Megatron-LM's rerun machine: checkpoint-and-resume to disambiguate, or confirmed
     text = out + err
     assert "NaN/Inf loss or gradient at iteration" in text and "last good checkpoint:" in text
-    assert "nan (iteration" in text and f"exit {rc}" in text
+    assert "nan (iteration" in text and f"exit {rc}" in text and "Traceback" not in text
+    for ckpt in sorted((runs["tmp"] / "nan").glob("iter_*")):  # what "resume with --load" loads is finite
+        assert _nonfinite_tensors(ckpt) == [], ckpt
+
+
+def test_nan_without_save_is_one_line(runs):
+    """Megatron-LM's NaN exit saves a checkpoint even without --save (a TypeError traceback after the line)."""
+    rc, out, err = runs["one"]["nan-nosave"]
+    text = out + err
+    assert rc in (16, 17) and "Traceback" not in text, text[-3000:]
+    assert "last good checkpoint: none" in text and "no --save, so nothing to resume from" in text
+
+
+def test_non_finite_weights_are_never_saved(runs):
+    """With Megatron-LM's NaN check off, training goes on from NaN weights: those saves do not happen (one line
+    each), the tracker keeps the last finite checkpoint, and the metrics file says which values were NaN."""
+    rc, out, err = runs["one"]["nan-weights"]
+    root = runs["tmp"] / "nan-weights"
+    skipped = [line for line in (out + err).splitlines() if "not saved:" in line]
+    last = int((root / "latest_checkpointed_iteration.txt").read_text())
+    assert rc == 0 and skipped and last < 6 and "Traceback" not in out + err, (out + err)[-3000:]
+    assert "weight tensor(s) hold NaN/Inf (first: module." in skipped[0]
+    assert f"still names iteration {last}" in skipped[-1]
+    assert sorted(int(p.name[5:]) for p in root.glob("iter_*")) == list(range(1, last + 1))
+    for ckpt in root.glob("iter_*"):
+        assert _nonfinite_tensors(ckpt) == [], ckpt
+    rows = [r for r in records(runs["tmp"] / "nan-weights.jsonl") if "lm_loss" in r]
+    assert any(r["lm_loss"] is None and "lm_loss" in r.get("nonfinite", []) for r in rows)
+
+
+def test_legacy_torch_checkpoint_format_saves_verifies_and_resumes(runs):
+    """--ckpt-format torch: Megatron-LM's manifest refuses it (every run crashed); ours covers its mp_rank_*/."""
+    exit_rc, (rc, out, err) = runs["one"]["legacy"]
+    assert exit_rc == 0 and rc == 0 and "Traceback" not in err, (out + err)[-3000:]
+    assert f"megatron-jreg: verified 2 file(s) of {runs['tmp'] / 'legacy' / 'iter_0000002'}" in out
+    manifest = json.loads((runs["tmp"] / "legacy" / "iter_0000004" / "integrity.json").read_text())
+    assert set(manifest["files"]) == {"megatron_jreg.json", "mp_rank_00/model_optim_rng.pt"}
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
@@ -174,3 +259,77 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert "exiting program after receiving SIGTERM" in text
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 2 and (ckpt / f"iter_{iteration:07d}" / "metadata.json").is_file()
+
+
+def test_two_ranks_digest_their_own_shards_and_one_process_verifies_them(runs):
+    """The manifest of a 2-rank save holds both ranks' shards (each digested by its writer) and checks out whole."""
+    from megatron_jreg.checkpoints import verify_integrity
+
+    ckpt = runs["tmp"] / "distopt-ckpt" / "iter_0000004"
+    files = json.loads((ckpt / "integrity.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json", "megatron_jreg.json"} <= set(files)
+    assert verify_integrity(ckpt) == len(files)
+
+
+def _train_process(argv: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "megatron_jreg.train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
+
+
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume(tmp_path):
+    """Ctrl-C (SIGINT to the process group, data workers included): the step ends, then one line; exit 130."""
+    ckpt = tmp_path / "ckpt"
+    argv = TINY + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "2", "--eval-interval",
+                   "100000", "--num-workers", "2"]
+    proc = _train_process(argv, cwd=tmp_path, start_new_session=True)
+    lines = []
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if "iteration        3/" in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        assert time.time() < deadline, "".join(lines)
+    out, _ = proc.communicate(timeout=240)
+    text = "".join(lines) + out
+    errors = [line for line in text.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert proc.returncode == 130 and len(errors) == 1 and "Traceback" not in text, text[-3000:]
+    found = re.fullmatch(rf"megatron-jreg train: error: interrupted \(Ctrl-C\) at iteration (\d+); last checkpoint: "
+                         rf"iteration (\d+) in {re.escape(str(ckpt))}; to resume, rerun the same command with --load "
+                         rf"{re.escape(str(ckpt))}", errors[0])
+    assert found and int(found[2]) < int(found[1]), errors[0]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == found[2]
+
+
+def test_two_runs_on_one_save_the_second_stops_and_the_first_finishes_verified(tmp_path):
+    """Issue 32's check: a second run started on a --save that a running run writes to stops in one line naming
+    it; the first finishes, its checkpoints verify, its lock is gone."""
+    import socket
+
+    from megatron_jreg.checkpoints import verify_integrity
+    from megatron_jreg.training.run_folder import LOCK
+
+    save = tmp_path / "ckpt"
+    argv = TINY + ["--train-iters", "300", "--save", str(save), "--save-interval", "100", "--eval-interval", "1000"]
+    first = _train_process(argv, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240  # a guard against a hang, not a timing claim
+        while not (save / LOCK).is_file():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.2)
+        second = _train_process(argv, cwd=tmp_path)
+        out2, _ = second.communicate(timeout=600)
+        running = first.poll() is None
+    finally:
+        out1, _ = first.communicate(timeout=900)
+    errors = [line for line in out2.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert second.returncode == 2 and len(errors) == 1 and "Traceback" not in out2, out2[-3000:]
+    assert f"--save {save}: another run is writing there (pid {first.pid} on host {socket.gethostname()}" in errors[0]
+    assert running  # refused while the first still ran
+    assert first.returncode == 0, out1[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "300"
+    for it in (100, 200, 300):
+        ckpt = save / f"iter_{it:07d}"
+        assert verify_integrity(ckpt) == len(json.loads((ckpt / "integrity.json").read_text())["files"])
+    assert not (save / LOCK).exists()
