@@ -1,85 +1,146 @@
-"""Cost of the checkpoint digests: Megatron-LM's SHA-256 integrity manifest (written at save with
---verify-integrity, on by default in megatron-jreg) and its verification at load, in seconds per GB, side by
-side with reading the same files and with faster checksums (CRC32, and xxh3 where `xxhash` is installed),
-plus what that means for a checkpoint of the llama-170m preset (bf16 weights, fp32 main parameters and Adam
-moments: 2 + 12 bytes per parameter).
+"""Checkpoint integrity without stalls: the time of a torch_dist save written by N gloo ranks with no manifest, with
+Megatron-LM's --verify-integrity (rank 0 alone hashes every file while the other ranks wait) and with megatron-jreg's
+manifest (each rank hashes the shards it wrote, in threads, then one gather: training/checkpointing.py), and the
+verification at load both ways, side by side in alternated rounds within one run.
 
-    python benchmarks/checkpoint_digest.py [--gb 1.0] [--dir /tmp]
+    python benchmarks/checkpoint_digest.py [--gb 1.0] [--ranks 2] [--rounds 3] [--dir /tmp]
 
-Ends with one line: `sha256_s_per_gb=… read_s_per_gb=… crc32_s_per_gb=… sha256_vs_read=… ckpt_170m_gb=…
-ckpt_170m_verify_s=…`.
+The checkpoint is --gb of float32 split evenly over the ranks (megatron-core's ShardedTensor, saved by its own
+dist_checkpointing.save); every pass reads the files from the page cache the save just filled. Times are the
+slowest rank's (the save returns to training when every rank has), medians over the rounds. Ends with one line:
+`gb=… ranks=… save_s=… megatron_verify_save_s=… jreg_verify_save_s=… megatron_save_ratio=… jreg_save_ratio=…
+megatron_load_verify_s=… jreg_load_verify_s=… load_verify_speedup=…`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
+import statistics
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
-CHUNK = 16 << 20
-PARAMS_170M = 174_000_000  # README: llama-170m with the 128k Llama-3 vocabulary, tied
-BYTES_PER_PARAM = 2 + 12  # bf16 weights + fp32 main params, exp_avg, exp_avg_sq (distributed optimizer)
+MODES = ("none", "megatron", "jreg")  # no manifest; Megatron-LM's verify_integrity=True; megatron-jreg's
+LABELS = {"none": "no manifest", "megatron": "Megatron-LM --verify-integrity (rank 0)",
+          "jreg": "megatron-jreg (every rank its shards)"}
 
 
-def timed_pass(files: list[Path], update) -> float:  # noqa: ANN001 - a callable taking bytes
+def _slowest(seconds: float) -> float:
+    import torch
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value)
+
+
+def _timed(fn) -> float:  # noqa: ANN001 - a callable run on every rank
+    import torch
+
+    torch.distributed.barrier()
     start = time.perf_counter()
-    for path in files:
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                update(chunk)
-    return time.perf_counter() - start
+    fn()
+    return _slowest(time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gb", type=float, default=1.0, help="checkpoint-like data to hash (GB)")
-    parser.add_argument("--dir", default=None, help="where to write it (default: a temporary folder)")
-    args = parser.parse_args()
-    from megatron.core.dist_checkpointing.validation import save_integrity_manifest
+def _rank(rank: int, world: int, port: int, gb: float, rounds: int, folder: str, queue) -> None:  # noqa: ANN001
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
     from megatron_jreg.checkpoints import verify_integrity
+    from megatron_jreg.compat import apply_cpu_compat
+    from megatron_jreg.training.checkpointing import digest_threads, finish_save
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        folder = Path(tmp)
-        total = int(args.gb * 1e9)
-        files = []
-        for i in range((total + (256 << 20) - 1) // (256 << 20)):  # 256 MB shards, like __*_*.distcp files
-            path = folder / f"__{i}_0.distcp"
-            path.write_bytes(os.urandom(min(256 << 20, total - i * (256 << 20))))
-            files.append(path)
-        gb = sum(p.stat().st_size for p in files) / 1e9
-        timed_pass(files, lambda b: None)  # warm the page cache: every pass below reads from memory
-        read = timed_pass(files, lambda b: None)
-        crc = timed_pass(files, lambda b, state=[0]: state.__setitem__(0, zlib.crc32(b, state[0])))
-        try:
-            import xxhash
+    apply_cpu_compat()  # without CUDA: megatron-core's writer synchronizes the (absent) device
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    rows = int(gb * 1e9) // 4 // 1024 // world
+    local = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rank))
+    state = {"weight": ShardedTensor.from_rank_offsets("weight", local, (0, rank, world))}
 
-            h = xxhash.xxh3_64()
-            xxh = timed_pass(files, h.update)
-        except ImportError:
-            xxh = None
-        start = time.perf_counter()
-        save_integrity_manifest(str(folder))
-        save = time.perf_counter() - start
-        start = time.perf_counter()
-        verify_integrity(folder)
-        verify = time.perf_counter() - start
-    per_gb = {"read": read / gb, "crc32": crc / gb, "sha256 save": save / gb, "sha256 verify": verify / gb}
-    if xxh is not None:
-        per_gb["xxh3"] = xxh / gb
-    print(f"{gb:.2f} GB in 256 MB files, page cache warm, one core:")
-    for name, value in per_gb.items():
-        print(f"  {name:14s} {value:6.3f} s/GB")
-    ckpt_gb = PARAMS_170M * BYTES_PER_PARAM / 1e9
-    sha = (save + verify) / 2 / gb
-    print(f"llama-170m checkpoint ≈ {ckpt_gb:.2f} GB: SHA-256 ≈ {sha * ckpt_gb:.1f} s at save and again at load")
-    print(f"sha256_s_per_gb={sha:.3f} read_s_per_gb={read / gb:.3f} crc32_s_per_gb={crc / gb:.3f} "
-          f"sha256_vs_read={sha / max(read / gb, 1e-9):.1f} ckpt_170m_gb={ckpt_gb:.2f} "
-          f"ckpt_170m_verify_s={sha * ckpt_gb:.1f}")
+    def save(path: str, mode: str) -> None:
+        Path(path).mkdir(exist_ok=True)  # as Megatron-LM's save_checkpoint makes it on every rank
+        dist_checkpointing.save(state, path, verify_integrity=mode == "megatron")
+        if mode == "jreg":
+            finish_save(Path(path), None, digest=True)
+
+    def verify_jreg(path: str) -> None:
+        found = [verify_integrity(path, rank, world, digest_threads())]
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, found[0])
+        assert sum(gathered) == len(list(Path(path).iterdir())) - 1
+
+    save(f"{folder}/warm-up", "jreg")  # the first save sets megatron-core's strategies up: not timed
+    saves: dict[str, list[float]] = {m: [] for m in MODES}
+    loads: dict[str, list[float]] = {"megatron": [], "jreg": []}
+    for r in range(rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # alternated: no mode always first
+        for mode in order:
+            path = f"{folder}/{mode}-{r}"
+            saves[mode].append(_timed(lambda p=path, m=mode: save(p, m)))
+        loads["megatron"].append(_timed(lambda p=f"{folder}/megatron-{r}": verify_integrity_manifest(p)))
+        loads["jreg"].append(_timed(lambda p=f"{folder}/jreg-{r}": verify_jreg(p)))
+        files = sorted(p.name for p in Path(f"{folder}/jreg-{r}").iterdir())
+        torch.distributed.barrier()
+        if rank == 0:
+            for mode in MODES:
+                shutil.rmtree(f"{folder}/{mode}-{r}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        queue.put({"saves": saves, "loads": loads, "files": files, "threads": digest_threads()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default: 1.0)")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks writing it (default: 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three saves, alternated (default: 3)")
+    parser.add_argument("--dir", default=None, help="where to write (default: the system's temporary folder)")
+    args = parser.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.gb, args.rounds, folder, queue))
+                 for r in range(args.ranks)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=3600)
+        for p in procs:
+            p.join()
+    saves = {m: statistics.median(v) for m, v in result["saves"].items()}
+    loads = {m: statistics.median(v) for m, v in result["loads"].items()}
+    print(f"{args.gb:.2f} GB torch_dist checkpoint written by {args.ranks} gloo rank(s) ({args.gb / args.ranks:.2f} GB "
+          f"each; files {', '.join(result['files'])}), {args.rounds} rounds alternated, page cache warm, "
+          f"{result['threads']} digest thread(s) per rank; slowest rank's seconds, median (min-max)")
+    print("save")
+    for mode in MODES:
+        values = result["saves"][mode]
+        print(f"  {LABELS[mode]:42s} {saves[mode]:7.2f} s ({min(values):.2f}-{max(values):.2f})  "
+              f"x{saves[mode] / saves['none']:.2f} of no manifest")
+    print("verify at load")
+    for mode in ("megatron", "jreg"):
+        values = result["loads"][mode]
+        print(f"  {LABELS[mode]:42s} {loads[mode]:7.2f} s ({min(values):.2f}-{max(values):.2f})")
+    ratio = {m: saves[m] / saves["none"] for m in MODES}
+    print(f"gb={args.gb:.2f} ranks={args.ranks} save_s={saves['none']:.2f} "
+          f"megatron_verify_save_s={saves['megatron']:.2f} jreg_verify_save_s={saves['jreg']:.2f} "
+          f"megatron_save_ratio={ratio['megatron']:.2f} jreg_save_ratio={ratio['jreg']:.2f} "
+          f"megatron_load_verify_s={loads['megatron']:.2f} jreg_load_verify_s={loads['jreg']:.2f} "
+          f"load_verify_speedup={loads['megatron'] / loads['jreg']:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

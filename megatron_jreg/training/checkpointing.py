@@ -14,7 +14,8 @@
 - `patch_makers` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
   calls): the manifest is verified first when the checkpoint has one (Megatron-LM's own check would refuse
   checkpoints saved without it, e.g. by Megatron-LM's defaults), and the loaded checkpoint is reported.
-- Saves: megatron_jreg.json is written first (so the manifest covers it); a save whose weights hold NaN/Inf is
+- Saves: megatron_jreg.json is written after the save's files, before the manifest (which covers it) and the
+  tracker; a save whose weights hold NaN/Inf is
   not written (one line; the tracker keeps naming the last finite checkpoint, which a NaN stop's "resume with
   --load" then loads); without --save, Megatron-LM's exit paths that save have nothing to do.
 - A save that fails (a full disk: the writer's OSError reaches Megatron-LM only as "Worker failure ...
@@ -129,48 +130,65 @@ DIST_SAVE = "megatron.core.dist_checkpointing.save"
 
 
 def _dist_save(original, *a, **k):  # noqa: ANN001
-    """megatron-core's dist_checkpointing.save (`original`) without its rank-0 manifest, then this run's manifest
-    digested by all ranks (after the writes: at once, or in an --async-save request's finalization)."""
-    from megatron.training import get_args
-
+    """megatron-core's dist_checkpointing.save (`original`) without its rank-0 manifest, then `finish_save` (the
+    sidecar, and the manifest digested by all ranks): at once, or in an --async-save request's finalization."""
     call = _bound(original, a, k)
     call["verify_integrity"] = False
     result = original(**call)
-    if not get_args().jreg_no_verify_integrity:
-        ckpt = Path(call["checkpoint_dir"])
-        if result is None:
-            _record_integrity(ckpt)
-        else:
-            result.add_finalize_fn(functools.partial(_record_integrity, ckpt))
+    from megatron.training import get_args
+
+    finish = functools.partial(finish_save, Path(call["checkpoint_dir"]), _SIDECAR_NEXT.pop("record", None),
+                               not get_args().jreg_no_verify_integrity)
+    if result is None:
+        finish()
+    else:
+        result.add_finalize_fn(finish)
     return result
 
 
-def _threads() -> int:
+_SIDECAR_NEXT: dict = {}  # save_checkpoint's megatron_jreg.json for the dist_checkpointing.save it calls
+
+
+def digest_threads() -> int:
     """Digest threads per rank: the CPUs of this process shared by the ranks of its node."""
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _record_integrity(ckpt: Path) -> None:
-    """integrity.json of a save just written: rank 0 lists the files, every rank digests its `share` (the shards
-    it wrote, still in its page cache), rank 0 writes the manifest; the ranks wait for each other once."""
+def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
+    """After a save's files, before the tracker names it: rank 0 writes megatron_jreg.json (`sidecar`) and lists
+    the files; with `digest` (no --no-verify-integrity), every rank digests its `share` (the shards it wrote, still
+    in its page cache) and rank 0 writes integrity.json. A failure on any rank raises on every rank."""
     import torch
 
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
-    names: list = [checkpoint_files(ckpt) if rank == 0 else None]
+    listed: list = [None]
+    if rank == 0:
+        try:
+            if sidecar is not None:
+                tmp = ckpt / (SIDECAR + ".tmp")
+                tmp.write_text(json.dumps(sidecar, indent=2))
+                os.replace(tmp, ckpt / SIDECAR)
+            listed = [checkpoint_files(ckpt)]
+        except OSError as e:
+            listed = [f"[Errno {e.errno}] {e.strerror}: {e.filename}"]
     if world > 1:
-        dist.broadcast_object_list(names, src=0)
+        dist.broadcast_object_list(listed, src=0)
+    if isinstance(listed[0], str):
+        raise OSError(listed[0])
+    if not digest:
+        return
     try:
-        mine: dict | str = digest_files(ckpt, share(names[0], rank, world), _threads())
+        mine: dict | str = digest_files(ckpt, share(listed[0], rank, world), digest_threads())
     except OSError as e:
-        mine = f"{e.filename}: {e.strerror}"
+        mine = f"[Errno {e.errno}] {e.strerror}: {e.filename}"
     gathered: list = [mine]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
     failed = next((g for g in gathered if isinstance(g, str)), None)
     if failed is not None:
-        raise RuntimeError(f"digesting the saved files failed ({failed})")
+        raise OSError(f"digesting the saved files failed ({failed})")
     if rank == 0:
         write_integrity(ckpt, {name: digest for part in gathered for name, digest in part.items()})
     if world > 1:
@@ -203,15 +221,15 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         return None
     ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
     steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
-    if persistent:
-        _write_sidecar(args, ckpt, iteration, next((s for s in steps if s is not None), None))
+    sidecar = active().sidecar(next((s for s in steps if s is not None), None)) if persistent else None
     writer = logging.getLogger(_WRITER_LOG)
     writer_errors = _Collect()
     writer.addFilter(writer_errors)
+    _SIDECAR_NEXT["record"] = sidecar
     try:
         result = original(*a, **k)
-        if persistent and args.ckpt_format != "torch_dist" and not args.jreg_no_verify_integrity:
-            _record_integrity(ckpt)  # the legacy torch format does not go through dist_checkpointing.save
+        if persistent and args.ckpt_format != "torch_dist":  # the legacy torch format: no dist_checkpointing.save
+            finish_save(ckpt, sidecar, not args.jreg_no_verify_integrity)
     except JregError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -220,32 +238,11 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         cause = writer_errors.messages[0].rsplit("error: ", 1)[-1] if writer_errors.messages else failure_text(e)
         raise SaveError(_save_failure(args.save, iteration, ckpt, previous, cause, model, optimizer)) from e
     finally:
+        _SIDECAR_NEXT.clear()
         writer.removeFilter(writer_errors)
     for message in writer_errors.messages:  # logged without failing the save: show them after all
         writer.error(message)
     return result
-
-
-def _write_sidecar(args: argparse.Namespace, ckpt: Path, iteration: int, adam_step: int | None) -> None:
-    """iter_*/megatron_jreg.json (rank 0), before the save's files so that its manifest covers it; every rank stops
-    with one SaveError line if it cannot be written."""
-    import torch
-
-    error: list = [None]
-    if torch.distributed.get_rank() == 0:
-        tmp = ckpt / (SIDECAR + ".tmp")
-        try:
-            ckpt.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(active().sidecar(adam_step), indent=2))
-            os.replace(tmp, ckpt / SIDECAR)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            error = [f"--save {args.save}: saving iteration {iteration} failed ({ckpt / SIDECAR}: {e.strerror}; "
-                     f"{_free(args.save) / 2**20:.1f} MiB free): free space or choose another --save"]
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.broadcast_object_list(error, src=0)  # every rank stops, or none
-    if error[0] is not None:
-        raise SaveError(error[0])
 
 
 def _nonfinite_weights(model) -> tuple[int, str | None]:  # noqa: ANN001 - Megatron-LM's model chunks
@@ -389,7 +386,7 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
             ckpt, _ = resolve(root, args.ckpt_step)
-            outcome: int | str | None = verify_integrity(ckpt, rank, world, _threads())
+            outcome: int | str | None = verify_integrity(ckpt, rank, world, digest_threads())
         except CheckpointError as e:
             outcome = str(e)
         gathered: list = [outcome]
