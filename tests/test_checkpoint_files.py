@@ -1,5 +1,6 @@
 """A checkpoint folder on disk without training: the iteration a reader asks for, the integrity manifest digested
-by several ranks (or one process) and verified the same way, and the lock on a run's --save folder.
+by several ranks (or one process) and verified the same way, and the lock on a run's --save folder (the records a
+run writes beside them: tests/test_train_records.py).
 
 Unit tier: plain files and processes that import nothing heavy (the lock holder is a `python -c` with fcntl)."""
 
@@ -144,54 +145,3 @@ def test_the_lock_is_released_when_its_holder_process_ends_however_it_ends(tmp_p
         except Exception:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-
-
-def test_loss_window_is_megatron_lm_s_sum_and_survives_a_checkpoint():
-    """--metrics-file's window: float32 sums as Megatron-LM's training_log makes them; a state restored from JSON
-    continues with the same bits; skipped iterations counted apart, a window of only skipped ones has no loss."""
-    import torch
-
-    from megatron_jreg.training.metrics import LossWindow
-
-    losses = [torch.tensor(x, dtype=torch.float32) for x in (6.2354936599731445, 6.254260540008545, 6.1944842338)]
-    megatron = torch.tensor([0.0])
-    for loss in losses:
-        megatron = megatron + loss
-    whole = LossWindow()
-    for loss in losses:
-        whole.add(loss, skipped=False)
-    assert whole.mean() == float(megatron) / 3
-    part = LossWindow()
-    part.add(losses[0], skipped=False)
-    part.add(None, skipped=True)
-    resumed = LossWindow.restore(json.loads(json.dumps(part.state())))
-    for loss in losses[1:]:
-        resumed.add(loss, skipped=False)
-    assert resumed.mean() == whole.mean() and resumed.skipped == 1 and resumed.advanced == 3
-    skipped = LossWindow()
-    skipped.add(losses[0], skipped=True)
-    assert skipped.mean() is None and skipped.skipped == 1
-
-
-def test_metrics_file_after_a_resume_holds_one_row_per_iteration(tmp_path, capsys):
-    """Rows past the iteration a run resumes from (lost work, replayed next) move to PATH.replaced; nothing is
-    dropped; a first open without earlier rows changes nothing."""
-    from megatron_jreg.training.metrics import MetricsFile
-
-    path = tmp_path / "m.jsonl"
-    rows = [{"iteration": i, "lm_loss": 1.0 / i} for i in (1, 2, 3, 4, 5)] + [{"iteration": 4, "split": "valid"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    metrics = MetricsFile(str(path), active=True)
-    metrics.open(3)
-    metrics.write({"iteration": 4, "lm_loss": float("nan"), "psi": [0.5, float("inf")], "lr": 0.1})
-    metrics.close()
-    kept = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["iteration"] for r in kept] == [1, 2, 3, 4] and kept[-1]["lm_loss"] is None
-    assert kept[-1]["psi"] == [0.5, None] and kept[-1]["nonfinite"] == ["lm_loss", "psi"]
-    moved = [json.loads(line) for line in Path(f"{path}.replaced").read_text().splitlines()]
-    assert moved == rows[3:]
-    assert "3 row(s) after iteration 3" in capsys.readouterr().out
-    fresh = MetricsFile(str(tmp_path / "new.jsonl"), active=True)
-    fresh.open(0)
-    fresh.close()
-    assert (tmp_path / "new.jsonl").read_text() == "" and not Path(f"{tmp_path / 'new.jsonl'}.replaced").exists()

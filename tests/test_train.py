@@ -226,6 +226,11 @@ def test_non_finite_weights_are_never_saved(runs):
         assert _nonfinite_tensors(ckpt) == [], ckpt
     rows = [r for r in records(runs["tmp"] / "nan-weights.jsonl") if "lm_loss" in r]
     assert any(r["lm_loss"] is None and "lm_loss" in r.get("nonfinite", []) for r in rows)
+    nan_psi = [r for r in rows if None in r["psi"]]
+    assert nan_psi  # JREG names the layer where the states turn non-finite (Ψ before it finite)
+    for r in nan_psi:
+        first = r["first_nonfinite_layer"]
+        assert r["psi"][first - 1] is None and None not in r["psi"][:first - 1], r
 
 
 def test_legacy_torch_checkpoint_format_saves_verifies_and_resumes(runs):

@@ -10,7 +10,8 @@ previous multiple of --log-interval, where Megatron-LM sums its console's `lm lo
 iterations that advanced; null when every one was skipped, with skipped_iterations counting them),
 iteration_ms (the console's `elapsed time per iteration`), jreg_loss (L_cos = Σ w_ℓ Ψ_ℓ under the training
 distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1, zeta_L-2, lr, grad_norm, tokens_per_sec,
-tflops_per_rank (from iteration_ms, as Megatron-LM's throughput). Ψ and ζ are measured on the logged
+tflops_per_rank (from iteration_ms, as Megatron-LM's throughput), and first_nonfinite_layer (ℓ where Ψ
+first is NaN: non-finite hidden states start there) when there is one. Ψ and ζ are measured on the logged
 iteration's batch. The windows do not depend on where a run was interrupted: a checkpoint keeps the open
 window (`LossWindow.state`, in its megatron_jreg.json), a resumed run starts from it, and rows of iterations
 after the checkpoint it resumes from (lost work, about to be replayed) move to `PATH.replaced` — the file
@@ -42,7 +43,10 @@ if TYPE_CHECKING:
 
 
 def jreg_fields(stats: JregStats) -> dict:
-    return {"jreg_loss": stats.jreg_loss, "psi": stats.psi, **stats.zeta}
+    fields = {"jreg_loss": stats.jreg_loss, "psi": stats.psi, **stats.zeta}
+    if stats.first_nonfinite_layer is not None:  # where NaN/Inf hidden states start (Ψ, ζ are NaN from there)
+        fields["first_nonfinite_layer"] = stats.first_nonfinite_layer
+    return fields
 
 
 def console_suffix(stats: JregStats) -> str:
@@ -50,6 +54,8 @@ def console_suffix(stats: JregStats) -> str:
     parts = [f" jreg loss: {stats.jreg_loss:.6E} |"]
     parts += [f" {key}: {value:.3f} |" for key, value in stats.zeta.items()]
     parts.append(" psi: " + ",".join(f"{p:.4f}" for p in stats.psi) + " |")
+    if stats.first_nonfinite_layer is not None:
+        parts.append(f" first non-finite layer: {stats.first_nonfinite_layer} |")
     return "".join(parts)
 
 
@@ -145,8 +151,8 @@ class MetricsFile:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-            clean = {k: (None if k in nonfinite else v) for k, v in record.items()}
+            clean = {k: _finite(v) for k, v in record.items()}
+            nonfinite = [k for k, v in record.items() if clean[k] != v]
             if nonfinite:  # JSON has no NaN/Inf: null, and the keys named (a skipped window's null is not one)
                 clean["nonfinite"] = nonfinite
             self._file.write(json.dumps(clean) + "\n")
@@ -156,6 +162,15 @@ class MetricsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _finite(value: object) -> object:
+    """`value` with NaN/Inf floats (also inside a list, e.g. psi) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _iteration(line: str) -> int:
