@@ -118,8 +118,12 @@ def measure(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, ro
 
 
 def first_call(shape: tuple[int, int], dtype: str) -> dict:
-    """In this (fresh) process: import time, then the first and the second layer call (seconds)."""
+    """In this (fresh) process: importing torch._dynamo and inductor (megatron-core imports them anyway), then
+    the first and the second layer call (seconds)."""
     t0 = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
     from megatron_jreg import jreg, jreg_kernels
 
     imported = time.perf_counter() - t0
@@ -256,7 +260,8 @@ def run(args: argparse.Namespace, device: torch.device, shapes: list[tuple[int, 
             e, w, eager = c["empty_cache"], c["warm_cache"], c["eager"]
             print(f"first layer call of a fresh process at [{TARGET[0]}, {TARGET[1]}] {dtype}: compiled "
                   f"{e['first']:.1f} s with an empty inductor cache, {w['first']:.1f} s with a warm one "
-                  f"(then {w['second']:.2f} s a call); eager {eager['first']:.2f} s (then {eager['second']:.2f} s)")
+                  f"(then {w['second']:.2f} s a call); eager {eager['first']:.2f} s (then {eager['second']:.2f} s); "
+                  f"importing torch._dynamo and inductor before it (megatron-core does): {w['import']:.1f} s")
             for shape, t in c["per_call"].items():
                 print(f"    [{shape.replace('x', ', ')}] {dtype}: eager {1e3 * t['torch']:.2f} ms, compiled "
                       f"{1e3 * t['compiled']:.2f} ms per layer call")
