@@ -44,3 +44,18 @@ def test_layer_distance_heatmaps_fit_any_number_of_models(tmp_path, models):
     assert len(shown) == min(models, MAX_HEATMAPS) and shown[0] is results[0] and shown[-1] is results[-1]
     image = imread(plot_layer_distances(results, tmp_path / "d.png"))
     assert image.shape[0] > 300 and image[..., :3].std() > 0.05
+
+
+def test_two_runs_at_the_same_step_are_two_models_not_a_series():
+    from megatron_jreg.analysis.measure import ModelResult
+    from megatron_jreg.analysis.plot import _colors, _is_series
+
+    def result(label: str, step: int | None) -> ModelResult:
+        return ModelResult(label=label, path="", kind="megatron", model_class="", convention="hooks", step=step,
+                           sums=[1.0, 2.0], counts=[4, 4], samples=1, truncated_samples=0)
+
+    finals = [result("baseline", 3000), result("jreg", 3000)]
+    assert not _is_series(finals)
+    assert _colors(finals)[1] == ["baseline (L=2, step 3000)", "jreg (L=2, step 3000)"]
+    series = [result("iter_10", 10), result("iter_20", 20)]
+    assert _is_series(series) and _colors(series)[1] == ["step 10", "step 20"]

@@ -27,8 +27,10 @@ def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = None):
 
 
 def _is_series(results: list[ModelResult]) -> bool:
-    """Checkpoints of one run: every result has a step (from --checkpoints, --revision or the checkpoint)."""
-    return len(results) > 1 and all(r.step is not None for r in results)
+    """Checkpoints of one run: every result has a step (from --checkpoints, --revision or the checkpoint), each a
+    different one (two runs' final checkpoints at the same step are two models, not a series)."""
+    steps = [r.step for r in results]
+    return len(results) > 1 and None not in steps and len(set(steps)) == len(steps)
 
 
 def _measure_label(results: list[ModelResult]) -> str:
@@ -46,7 +48,8 @@ def _colors(results: list[ModelResult]) -> tuple[list, list[str]]:
         cmap = colormaps["viridis"]
         return ([cmap(i / max(len(results) - 1, 1) * 0.9) for i in range(len(results))],
                 [f"step {r.step}" for r in results])
-    return [None] * len(results), [f"{r.label} (L={r.num_layers})" for r in results]
+    return [None] * len(results), [f"{r.label} (L={r.num_layers}" + (f", step {r.step})" if r.step is not None else ")")
+                                   for r in results]
 
 
 def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
