@@ -76,6 +76,11 @@ def run(command: str, argv: list, capsys) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def quiet(err: str) -> bool:
+    """Nothing on stderr but transformers' "Loading weights" bar."""
+    return all(line.startswith("Loading weights") for line in err.strip().splitlines())
+
+
 def one_line(err: str, prog: str) -> str:
     """The error line, checked to be the only line of stderr besides transformers' "Loading weights" bar."""
     lines = [line for line in err.strip().splitlines() if not line.startswith("Loading weights")]
@@ -204,39 +209,54 @@ def test_lm_eval_wrapper_names_a_missing_dataset_before_the_model(tmp_path, caps
 
 
 # --------------------------------------------------------------------------- Megatron-LM checkpoints (slow)
-def _nan_checkpoint(tiny: Path, tmp: Path) -> Path:
-    """`convert hf-to-mcore` of the tiny model, then one weight set to NaN and the checkpoint saved again."""
+def nan_copy(good: Path, out: Path) -> None:
+    """`good` (a checkpoint) with one weight set to NaN, saved again at `out` (run in its own process)."""
     import torch
 
     from megatron_jreg.checkpoints import Checkpoint
-    from megatron_jreg.convert.from_hf import hf_to_mcore, save_release_checkpoint
+    from megatron_jreg.convert.from_hf import save_release_checkpoint
 
-    hf_to_mcore(tiny, tmp / "good", verify=False)
-    checkpoint = Checkpoint.open(tmp / "good")
+    checkpoint = Checkpoint.open(good)
     loaded = checkpoint.load_model()
     with torch.no_grad():
         loaded.model.decoder.layers[1].mlp.linear_fc2.weight.fill_(float("nan"))
-    save_release_checkpoint(tmp / "nan", loaded.model, checkpoint.args, {"source": "test"})
-    return tmp / "nan"
+    save_release_checkpoint(out, loaded.model, checkpoint.args, {"source": "test"})
 
 
 @pytest.mark.slow
-def test_megatron_checkpoint_with_nan_weights_is_refused_by_every_reader(tiny, tmp_path):
-    """The loader (checkpoints/model.py) refuses it once for evaluate, generate and convert, in one line each
-    (was: evaluate acc 0.0 exit 0, generate an empty answer); a good checkpoint's evaluate prints none of
-    megatron-core's CPU warnings (was ~25 lines)."""
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_bad_input_eval import _nan_checkpoint; "
-            f"from pathlib import Path; _nan_checkpoint(Path({str(tiny)!r}), Path({str(tmp_path)!r}))")
-    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert made.returncode == 0, made.stderr[-3000:]
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps(QUESTION) + "\n")
-    nan = tmp_path / "nan"
+def test_megatron_checkpoints_import_verified_and_nan_weights_refused_by_every_reader(tiny, tmp_path):
+    """`convert hf-to-mcore` prints a train command with what this machine needs (`--transformer-impl local`
+    without Transformer Engine) and writes integrity.json (was: none, so the next load called the project's own
+    output unverified); a good checkpoint evaluates without megatron-core's CPU warnings (was ~25 lines); one
+    holding NaN is refused by the loader, in one line, for evaluate, generate and convert (was: evaluate acc 0.0
+    exit 0, generate an empty answer)."""
+    from megatron_jreg.checkpoints.files import verify_integrity
+    from megatron_jreg.layer_spec import have_transformer_engine
 
     def cli(*argv) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "megatron_jreg.cli", *map(str, argv)], capture_output=True,
                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
+    good = tmp_path / "good"
+    made = cli("convert", "hf-to-mcore", "--hf", tiny, "--output", good)
+    assert made.returncode == 0, made.stderr[-3000:]
+    command = next(line for line in made.stdout.splitlines() if line.strip().startswith("megatron-jreg train"))
+    assert ("--transformer-impl local" in command) == (not have_transformer_engine()), command
+    assert quiet(made.stderr), made.stderr  # no Transformer Engine/Apex fallbacks, deprecations, DCP notices
+    assert verify_integrity(good / "release") == len([p for p in (good / "release").iterdir()]) - 1
+
+    evaluated = cli("evaluate", "--load", good, "--limit", 2)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert quiet(evaluated.stderr), evaluated.stderr
+    assert "lambada  acc" in evaluated.stdout and "WARNING" not in evaluated.stdout
+
+    nan = tmp_path / "nan"
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+            f"from tests.test_bad_input_eval import nan_copy; nan_copy(Path({str(good)!r}), Path({str(nan)!r}))")
+    copied = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTION) + "\n")
     for prog, argv in (
         ("evaluate", ["--load", nan, "--limit", 2]),
         ("generate", ["--load", nan, "--prompts", questions, "--output", tmp_path / "a.jsonl", "--max-new-tokens", 2]),
@@ -247,8 +267,3 @@ def test_megatron_checkpoint_with_nan_weights_is_refused_by_every_reader(tiny, t
         assert proc.returncode == 2, proc.stderr
         assert "weight decoder.layers.1.mlp.linear_fc2.weight holds" in line and "NaN" in line, line
     assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "hf").exists()
-
-    good = cli("evaluate", "--load", tmp_path / "good", "--limit", 2)
-    assert good.returncode == 0, good.stderr
-    assert good.stderr == "", good.stderr  # no Transformer Engine/Apex fallbacks, deprecations, DCP notices
-    assert "lambada  acc" in good.stdout and "WARNING" not in good.stdout

@@ -116,13 +116,15 @@ def hf_to_mcore(
     """
     from megatron_jreg.checkpoints.model import build_model, load_megatron_model, quiet_megatron
     from megatron_jreg.model_files import check_finite_weights
-    from megatron_jreg.training.arguments import model_args
 
     single_process()
     folder = Path(hf)
     hf_cfg = hf_io.read_config(folder)
     arch = llama.LlamaArch.from_hf(hf_cfg, seq_length)
-    tokenizer, tokens_in_tokenizer, notes = _tokenizer(folder)
+    with quiet_megatron():  # Megatron-LM's arguments and tokenizer defaults import megatron-core
+        from megatron_jreg.training.arguments import model_args
+
+        tokenizer, tokens_in_tokenizer, notes = _tokenizer(folder)
     layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",
               str(pipeline_model_parallel_size), "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
     flags = arch.megatron_flags() + tokenizer + layout

@@ -65,13 +65,15 @@ def mcore_to_hf(
     before `output` appears.
     """
     from megatron_jreg.checkpoints import Checkpoint
+    from megatron_jreg.checkpoints.model import quiet_megatron
 
     single_process()
     checkpoint = Checkpoint.open(load, iteration)
     iteration, args = checkpoint.iteration, checkpoint.args
     llama.check_megatron_args(args)  # refuse before loading anything
-    source, note = tokenizer.resolve_source(args, tokenizer_model, tokenizer_type, no_tokenizer)
-    tok = source.build() if source is not None else None
+    with quiet_megatron():  # the run's tokenizer is built with Megatron-LM's tokenizer defaults
+        source, note = tokenizer.resolve_source(args, tokenizer_model, tokenizer_type, no_tokenizer)
+        tok = source.build() if source is not None else None
     if tok is not None:
         tokenizer.check_fits_checkpoint(tok, source, args)
     out_dtype = export_dtype(dtype, args)
