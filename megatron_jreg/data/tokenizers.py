@@ -19,6 +19,7 @@ Megatron-LM's tools/preprocess_data.py builds them, so the ids are Megatron-LM's
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-HF_TYPES = ("HuggingFaceTokenizer",)
 TOKENIZER_TYPES = (*SP_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
 # Megatron-LM's other --tokenizer-type names, and why megatron-jreg refuses them.
 _BERT = ("a BERT WordPiece tokenizer for BERT/T5 models, which megatron-jreg does not train (Megatron-LM fetches "
@@ -72,8 +72,9 @@ def file_sha256(*paths: str | Path) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def tokenizer_defaults() -> dict[str, Any]:
-    """Megatron-LM's tokenizer flags (dest names) and their defaults, from its own parser group."""
+    """Megatron-LM's tokenizer flags (dest names) and their defaults, from its own parser group (read-only)."""
     from megatron.training.arguments import _add_tokenizer_args
 
     return vars(_add_tokenizer_args(argparse.ArgumentParser()).parse_args([]))
@@ -133,7 +134,8 @@ def from_args(args: argparse.Namespace) -> Tokenizer:
     if kind != "NullTokenizer" and (not model or not Path(model).exists()):
         raise FileNotFoundError(f"--tokenizer-model {model}: no such file or folder; {kind} needs the tokenizer "
                                 "on disk (nothing is downloaded)")
-    for config in [Path(model, n) for n in ("tokenizer_config.json", "special_tokens_map.json") if kind in HF_TYPES]:
+    hf = kind == "HuggingFaceTokenizer"
+    for config in [Path(model, n) for n in ("tokenizer_config.json", "special_tokens_map.json") if hf]:
         try:  # transformers' own message would not name the file
             json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
         except (OSError, ValueError) as e:

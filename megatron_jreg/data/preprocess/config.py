@@ -193,7 +193,7 @@ class PreprocessConfig:
             notes.append(f"note: --partitions {self.partitions} with --keep-sequential-samples keeps the input "
                          "order: no effect")
         if self.workers_to_check != [16, 32, 64]:
-            notes.append("note: --workers-to-check only applies with --find-optimal-num-workers")
+            notes.append("note: --workers-to-check is the list of --find-optimal-num-workers, not run here: no effect")
         return notes
 
     @property
