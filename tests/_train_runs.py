@@ -161,6 +161,9 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
         "--global-batch-size 4 --train-iters 4 --eval-interval 4 --eval-iters 2 --transformer-impl local "
         "--skip-train".split() + ["--load", f"{tmp}/ckpt", "--metrics-file", f"{tmp}/checkpoint-args.jsonl"]
     )[0]
+    # a second run with another λ and seed from the first run's iteration 2, into its own --save: recorded
+    out["second"] = train(TINY + ["--load", f"{tmp}/ckpt", "--ckpt-step", "2", "--save", f"{tmp}/second",
+                                  "--save-interval", "2", "--jreg-lambda", "0.5", "--seed", "7"])
     out["one-from-tp2"] = train(
         TINY + ["--load", f"{tmp}/tp2-ckpt", "--skip-train", "--metrics-file", f"{tmp}/one-from-tp2.jsonl"]
     )[0]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._train_runs import TINY, train
+from tests._train_runs import TINY, hold_lock, train
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -140,7 +140,54 @@ def _bad_data(tmp: Path) -> dict[str, str]:
     truncated = tmp / "cut_text_document"
     shutil.copy(str(big) + ".bin", str(truncated) + ".bin")
     (Path(str(truncated) + ".idx")).write_bytes(Path(str(big) + ".idx").read_bytes()[:20])
-    return {"big": str(big), "truncated": str(truncated)}
+    other = tmp / "other_text_document"  # ids that fit, tokenized (says its manifest) by another tokenizer
+    builder = IndexedDatasetBuilder(str(other) + ".bin", dtype=np.uint16)
+    builder.add_document(torch.arange(0, 100, dtype=torch.int64), [100])
+    builder.finalize(str(other) + ".idx")
+    Path(str(other) + ".manifest.json").write_text(json.dumps(
+        {"tokenizer": {"type": "HuggingFaceTokenizer", "model": "/elsewhere/tok", "sha256": "0" * 64}}))
+    return {"big": str(big), "truncated": str(truncated), "other-tokenizer": str(other)}
+
+
+def _plain_tokenizer(tmp: Path) -> Path:
+    """A small Hugging Face tokenizer folder (no code of its own)."""
+    from megatron_jreg.analysis.toy import train_tokenizer
+    from megatron_jreg.data.text import lambada_passages
+
+    folder = tmp / "plain-tok"
+    train_tokenizer(lambada_passages()[:50], vocab_size=300).save_pretrained(folder)
+    return folder
+
+
+def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[list, str]]:
+    """A resume that changes what the checkpoint means, a --save holding another run's checkpoints, a locked --save."""
+    ckpt = good / "iter_0000002"
+    recorded = _checkpoint_copy(good, tmp, "other-tokenizer-ckpt")  # as if trained with another tokenizer
+    sidecar = recorded / "iter_0000002" / "megatron_jreg.json"
+    record = json.loads(sidecar.read_text())
+    record["run"].update(vocab_size=None, padded_vocab_size=None, tokenizer_sha256="0" * 64)
+    sidecar.write_text(json.dumps(record))
+    (recorded / "iter_0000002" / "integrity.json").unlink()
+    foreign = _checkpoint_copy(good, tmp, "foreign")
+    locked = tmp / "locked"
+    locked.mkdir()
+    return {
+        "resume-global-batch": (TINY + SAVE + ["--load", str(good), "--global-batch-size", "8"],
+                                f"--global-batch-size 8: {ckpt} was trained with --global-batch-size 4 and a resume "
+                                "must keep it"),
+        "resume-seq-length": (TINY + SAVE + ["--load", str(good), "--seq-length", "16"],
+                              f"--seq-length 16: {ckpt} was trained with --seq-length 32"),
+        "resume-vocab": (TINY + SAVE + ["--load", str(good), "--vocab-size", "1024"],
+                         f"--vocab-size 1024: this run's vocabulary is 1024 tokens (embedding 1024 rows), {ckpt}'s "
+                         "512 (512 rows): Megatron-LM would load the embedding partly"),
+        "resume-tokenizer": (_tokenizer(nomock, _plain_tokenizer(tmp)) + SAVE + ["--load", str(recorded)],
+                             "this run's tokenizer (sha256 "),
+        "foreign-save": (TINY + SAVE + ["--save", str(foreign)],
+                         f"--save {foreign} holds the checkpoints of another run (iterations 2; tracker at 2) and this "
+                         f"run would overwrite them (it has no --load): add --load {foreign} to continue that run"),
+        "save-locked": (TINY + SAVE + ["--save", str(locked)],
+                        f"--save {locked}: another run is writing there (pid "),
+    }
 
 
 def _tokenizer(nomock: list[str], folder: Path) -> list[str]:
@@ -232,6 +279,16 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
                                                                              "PreTrainedTokenizerFast"))
                                         + ["--trust-remote-code"], "which --trust-remote-code would run"),
     }
+    for name, weight in (("negative", "-1"), ("zero", "0"), ("nan", "nan")):
+        cases[f"blend-weight-{name}"] = (nomock + ["--data-path", weight, data["big"], "1", data["big"]],
+                                         f"blend weight {float(weight)} is not a positive number")
+    hf = [a for a in nomock if a not in ("--tokenizer-type", "NullTokenizer")]
+    cases["data-other-tokenizer"] = (
+        hf + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(_plain_tokenizer(tmp)),
+              "--data-path", data["other-tokenizer"]],
+        "the data was tokenized with HuggingFaceTokenizer /elsewhere/tok (sha256 000000000000…, its manifest), not "
+        "with this run's --tokenizer-model")
+    cases.update(_resume_cases(tmp, good, nomock))
     needles = {
         "tracker-garbage": "expected an iteration number, found 'garbage!'",
         "tracker-empty": "expected an iteration number, found ''",
@@ -263,8 +320,16 @@ def bad_input_suite(rank: int, world: int, tmp_dir: str) -> dict:
     out: dict = {"good": train(TINY + SAVE + ["--save", str(good)])[0]}
     data = _bad_data(tmp)
     damaged = _damage(good, tmp)
+    from megatron_jreg.training.run_folder import LOCK
+
     cases = _cases(tmp, good, data, damaged)
-    out["cases"] = {name: train(argv) for name, (argv, _) in cases.items()}
+    holder = hold_lock(tmp / "locked" / LOCK)  # another run writing into --save tmp/locked
+    try:
+        out["cases"] = {name: train(argv) for name, (argv, _) in cases.items()}
+    finally:
+        holder.kill()
+        holder.wait()
+    out["holder"] = holder.pid
     out["needles"] = {name: needle for name, (_, needle) in cases.items()}
     # The other readers refuse the hostile checkpoint without running it.
     from megatron_jreg.analysis.cli import main as analyze_main
@@ -375,6 +440,8 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "warmup-fraction-1", "decay-iters-0", "wsd-without-decay", "warmup-init-above-lr", "weight-decay-negative",
     "cp-without-te", "ep-alltoall-on-gloo", "async-save-on-cpu", "optimizer-build-adam-beta",
     "optimizer-build-sgd-momentum", "tokenizer-custom-code", "tokenizer-trust-remote-code",
+    "blend-weight-negative", "blend-weight-zero", "blend-weight-nan", "data-other-tokenizer",
+    "resume-global-batch", "resume-seq-length", "resume-vocab", "resume-tokenizer", "foreign-save", "save-locked",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]
@@ -384,6 +451,8 @@ def test_bad_input_is_one_clear_line(suite, name):
     assert "Traceback" not in err
     if name == "larger-train-iters":
         assert "--override-opt_param-scheduler" in lines[0] and "truncated" not in lines[0]
+    if name == "save-locked":
+        assert f"(pid {suite['holder']} on host node7 since 2026-01-01T00:00:00)" in lines[0]
 
 
 def test_hostile_checkpoints_are_refused_by_every_reader(suite):
@@ -399,7 +468,9 @@ def test_full_disk_is_one_line_and_the_previous_checkpoint_stays(suite, case):
     rc, err, files, tracker = suite["disk-full"][case]
     lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
     assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
-    assert "saving iteration 4 failed ([Errno 28] No space left on device" in lines[0], lines[0]
+    # a tensor write says ENOSPC; torch.save of a stored object, where the space may end first, does not
+    assert ("saving iteration 4 failed ([Errno 28] No space left on device" in lines[0]
+            or "saving iteration 4 failed (no space left on the device; the writer said: " in lines[0]), lines[0]
     assert "a checkpoint needs about" in lines[0] and "MiB (the size of iter_0000002)" in lines[0], lines[0]
     assert "the partial iter_0000004 was removed; latest_checkpointed_iteration.txt still names iteration 2" in lines[0]
     assert files == ["iter_0000002", "latest_checkpointed_iteration.txt"] and tracker == "2"

@@ -182,7 +182,7 @@ def _loop_args(**changes) -> SimpleNamespace:
         jreg_lambda=0.1, jreg_alpha=1.0, jreg_distance="angular", jreg_layers=None, rank=0, world_size=1,
         metrics_file=None, progress=False, train_iters=1, log_interval=1, sft=False, sft_tokenizer_prompt_format=None,
         eval_iters=3, eval_global_batch_size=8, eval_micro_batch_size=2, data_parallel_size=2,
-        gtp_weight_remat_size=1), **changes})
+        gtp_weight_remat_size=1, save=None, load=None, pretrained_checkpoint=None, ckpt_step=None), **changes})
 
 
 def test_training_patches_are_the_training_rows_and_are_undone(monkeypatch):

@@ -135,6 +135,19 @@ def test_metrics_file_of_a_resumed_run_equals_the_uninterrupted_run(runs):
         assert every2[it] == float(total) / len(members), it
 
 
+def test_a_second_run_from_the_first_runs_checkpoint_records_what_changed(runs):
+    """Another λ and seed from the first run's iteration 2: printed, and in every later checkpoint's history."""
+    rc, out, err = runs["one"]["second"]
+    source = runs["tmp"] / "ckpt" / "iter_0000002"
+    assert rc == 0, (out + err)[-3000:]
+    assert (f"megatron-jreg: {source} (iteration 2) continues with changed settings from iteration 2: --seed 1234 → 7, "
+            "--jreg-lambda 1.0 → 0.5") in out
+    sidecar = json.loads((runs["tmp"] / "second" / "iter_0000004" / "megatron_jreg.json").read_text())
+    assert sidecar["history"] == [{"iteration": 2, "from": str(source),
+                                   "changes": {"seed": [1234, 7], "jreg.lambda": [1.0, 0.5]}}]
+    assert sidecar["jreg"]["lambda"] == 0.5 and sidecar["run"]["seed"] == 7
+
+
 def test_megatron_lm_checkpoint_layout(runs):
     files = runs["one"]["mlm-files"]
     assert "metadata.json" in files and any(f.endswith(".distcp") for f in files)

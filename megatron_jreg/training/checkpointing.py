@@ -345,6 +345,8 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
     if any(s in text for s in PEER_LOST):
         cause = f"another rank stopped during the save: {text}"
     elif full:
+        if "No space left on device" not in text:  # torch's zip writer reports ENOSPC as "enforce fail ... pos"
+            text = f"no space left on the device; the writer said: {text}"
         cause = (f"{text}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB ({basis}); "
                  "free space or choose another --save")
     else:

@@ -200,8 +200,9 @@ class RunFolder:
     """This run's --save folder and what its checkpoints record (module docstring)."""
 
     def __init__(self, args: argparse.Namespace, lock: SaveLock | None, start: tuple[Path, int] | None,
-                 settings: dict, history: list[dict], base: dict) -> None:
-        self.args, self.lock, self.start, self.settings, self.history = args, lock, start, settings, history
+                 settings: dict | None, history: list[dict], base: dict) -> None:
+        self.args, self.lock, self.start, self.history = args, lock, start, history
+        self._settings = settings
         self.base = base  # the megatron_jreg.json of the checkpoint this run starts from ({} when none)
         self.loop_fields: Callable[[], dict] | None = None  # what the training loop adds to each sidecar
 
@@ -228,14 +229,14 @@ class RunFolder:
         has_start = root is not None and Path(root).is_dir() and read_tracker(root) is not None
         if args.save:
             _refuse_foreign(args, root if has_start else None)
-        settings = run_settings(args)
         if not has_start:
-            return cls(args, lock, None, settings, [], {})
+            return cls(args, lock, None, None, [], {})
         try:
             ckpt, iteration = resolve(root, args.ckpt_step)
             base = read_sidecar(ckpt) or {}
         except CheckpointError:
-            return cls(args, lock, None, settings, [], {})  # check_load and the load itself name what is wrong
+            return cls(args, lock, None, None, [], {})  # check_load and the load itself name what is wrong
+        settings = run_settings(args)
         fresh = bool(args.finetune) or root == getattr(args, "pretrained_checkpoint", None)
         first = 0 if fresh else iteration  # the iteration this run's steps count from
         saved = saved_settings(ckpt)
@@ -252,6 +253,13 @@ class RunFolder:
             print_rank_0(f"megatron-jreg: {ckpt} (iteration {iteration}) continues with changed settings from "
                          f"iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
         return cls(args, lock, (ckpt, iteration), settings, history, base)
+
+    @property
+    def settings(self) -> dict:
+        """run_settings of this run (computed when first needed: a run that neither loads nor saves needs none)."""
+        if self._settings is None:
+            self._settings = run_settings(self.args)
+        return self._settings
 
     def sidecar(self, torch_adam_step: int | None) -> dict:
         """The megatron_jreg.json of a save of this run."""
