@@ -149,6 +149,22 @@ def _dist_save(original, *a, **k):  # noqa: ANN001
 _SIDECAR_NEXT: dict = {}  # save_checkpoint's megatron_jreg.json for the dist_checkpointing.save it calls
 
 
+def _all_gather(value: object) -> list:
+    """`value` from every rank, in rank order (a world of one: itself)."""
+    import torch
+
+    if torch.distributed.get_world_size() == 1:
+        return [value]
+    values: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def _first_error(values: list) -> str | None:
+    """The first rank's error text among the gathered outcomes (a str is an error)."""
+    return next((v for v in values if isinstance(v, str)), None)
+
+
 def digest_threads() -> int:
     """Digest threads per rank: the CPUs of this process shared by the ranks of its node."""
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -182,11 +198,8 @@ def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
         mine: dict | str = digest_files(ckpt, share(listed[0], rank, world), digest_threads())
     except OSError as e:
         mine = f"[Errno {e.errno}] {e.strerror}: {e.filename}"
-    gathered: list = [mine]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-    failed = next((g for g in gathered if isinstance(g, str)), None)
+    gathered = _all_gather(mine)
+    failed = _first_error(gathered)
     if failed is not None:
         raise OSError(f"digesting the saved files failed ({failed})")
     if rank == 0:
@@ -260,11 +273,7 @@ def _nonfinite_weights(model) -> tuple[int, str | None]:  # noqa: ANN001 - Megat
     if not int(count.item()):
         return 0, None
     first = next((n for (n, _), b in zip(named, bad.tolist(), strict=True) if b), None)
-    names = [first]
-    if dist.get_world_size() > 1:
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, first)
-    return int(count.item()), next((n for n in names if n is not None), None)
+    return int(count.item()), next((n for n in _all_gather(first) if n is not None), None)
 
 
 _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
@@ -391,11 +400,8 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
             outcome: int | str | None = verify_integrity(ckpt, rank, world, digest_threads())
         except CheckpointError as e:
             outcome = str(e)
-        gathered: list = [outcome]
-        if world > 1:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, outcome)
-        failed = next((g for g in gathered if isinstance(g, str)), None)
+        gathered = _all_gather(outcome)
+        failed = _first_error(gathered)
         if failed is not None:
             raise UsageError(f"--load: {failed}")
         if gathered[0] is None:
