@@ -97,7 +97,9 @@ def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
         else:
             width = 0.8 / len(keys)
             x = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(results))]
-            ax.bar(x, [0.0 if math.isnan(v) else v for v in y], width=width, label=_JUMP_LABELS[key])
+            bars = ax.bar(x, [0.0 if math.isnan(v) else v for v in y], width=width, label=_JUMP_LABELS[key])
+            ax.bar_label(bars, labels=["n/a" if math.isnan(v) else f"{v:.2f}" for v in y], fontsize=6,
+                         padding=1)  # a bar of height 0 is otherwise invisible
     if series:
         ax.set_xlabel("training step")
     else:
