@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--positions",
         choices=POSITIONS,
         default="all",
-        help="measure over all real tokens, or only each sample's last token, as Gromov et al. and ShortGPT do "
+        help="measure over all real tokens, or only each sample's last token, as Gromov et al. do "
         "(layer removal then scores the prediction of each sample's last token) (default: %(default)s)",
     )
     p.add_argument(
