@@ -10,10 +10,14 @@ line and exit code come from megatron_jreg.errors, the parser from megatron_jreg
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
 
 from megatron_jreg.errors import JregError
 
@@ -54,3 +58,21 @@ def check_output_folder(folder: Path, what: str) -> Path:
             f"{what}: cannot write in {folder} ({e.strerror}); choose a writable folder or fix its permissions"
         ) from None
     return folder
+
+
+@functools.cache
+def megatron_package() -> Any:
+    """The `megatron` package with the parts the data commands use (megatron-core's tokenizers and indexed
+    datasets, Megatron-LM's tokenizer arguments), imported once without the notices megatron-core gives on a machine
+    without CUDA, Transformer Engine or Apex (fallbacks that do not concern data): a command's output, an error's
+    one line included, stays its own."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)  # a line per index read
+    warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)  # a lone process: rank 0, rightly
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.datasets.indexed_dataset
+        import megatron.core.tokenizers.utils.build_tokenizer
+        import megatron.training.arguments
+
+    return megatron

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_jreg.data.checks import megatron_package
+
 PARTIAL = ".partial"
 _MAGIC = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
 _HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequences, documents + 1
@@ -44,9 +46,7 @@ def remove_dataset(prefix: str | Path) -> None:
 
 def optimal_dtype(vocab_size: int) -> type[np.number]:
     """The token dtype Megatron-LM picks for a vocabulary (uint16 below 65500, else int32)."""
-    from megatron.core.datasets.indexed_dataset import DType
-
-    return DType.optimal_dtype(vocab_size)
+    return megatron_package().core.datasets.indexed_dataset.DType.optimal_dtype(vocab_size)
 
 
 class Builder:
@@ -54,12 +54,11 @@ class Builder:
     files and renames them into place; `abort` deletes them (a failed run leaves nothing behind)."""
 
     def __init__(self, prefix: str | Path, dtype: type[np.number]) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
         self.prefix = str(prefix)
         self.partial = [Path(f"{bin_path(prefix)}{PARTIAL}"), Path(f"{idx_path(prefix)}{PARTIAL}")]
         self.partial[0].parent.mkdir(parents=True, exist_ok=True)
-        self.builder = IndexedDatasetBuilder(str(self.partial[0]), dtype=dtype)
+        indexed_dataset = megatron_package().core.datasets.indexed_dataset
+        self.builder = indexed_dataset.IndexedDatasetBuilder(str(self.partial[0]), dtype=dtype)
         self.add_document, self.add_index = self.builder.add_document, self.builder.add_index
 
     def finalize(self) -> None:
@@ -87,8 +86,7 @@ class Dataset:
 
 def verify_dataset(prefix: str | Path) -> Dataset:
     """The checks a reader relies on, then what the dataset holds; a ValueError names the damaged file."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
-
+    indexed_dataset = megatron_package().core.datasets.indexed_dataset
     path = idx_path(prefix)
     with open(path, "rb") as f:
         header = f.read(len(_MAGIC) + _HEADER.size)
@@ -98,7 +96,7 @@ def verify_dataset(prefix: str | Path) -> Dataset:
     if header[: len(_MAGIC)] != _MAGIC:
         raise ValueError(f"{path}: not a megatron indexed dataset index (bad header); {_FIX}")
     version, code, n_seq, n_doc = _HEADER.unpack(header[len(_MAGIC):])
-    if version != 1 or code not in {d.value for d in DType}:
+    if version != 1 or code not in {d.value for d in indexed_dataset.DType}:
         raise ValueError(f"{path}: unsupported index version {version} or dtype code {code}; {_FIX}")
     expected = len(header) + 12 * n_seq + 8 * n_doc
     if size != expected:
@@ -106,7 +104,7 @@ def verify_dataset(prefix: str | Path) -> Dataset:
         raise ValueError(f"{path}: {state} ({size:,} bytes; {n_seq:,} sequences and {max(n_doc - 1, 0):,} documents "
                          f"need {expected:,}); {_FIX}")
     try:
-        index = IndexedDataset(str(prefix), mmap=False).index
+        index = indexed_dataset.IndexedDataset(str(prefix), mmap=False).index
     except AssertionError:  # the reader's own consistency asserts
         index = None
     if index is not None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.data.checks import megatron_package
+
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = (*SP_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
 # Megatron-LM's other --tokenizer-type names, and why megatron-jreg refuses them.
@@ -72,12 +74,15 @@ def file_sha256(*paths: str | Path) -> str:
     return h.hexdigest()
 
 
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's tokenizer flags, its own parser group (as its tools/preprocess_data.py adds them)."""
+    return megatron_package().training.arguments._add_tokenizer_args(parser)
+
+
 @functools.cache
 def tokenizer_defaults() -> dict[str, Any]:
     """Megatron-LM's tokenizer flags (dest names) and their defaults, from its own parser group (read-only)."""
-    from megatron.training.arguments import _add_tokenizer_args
-
-    return vars(_add_tokenizer_args(argparse.ArgumentParser()).parse_args([]))
+    return vars(add_tokenizer_args(argparse.ArgumentParser()).parse_args([]))
 
 
 def megatron_args(tokenizer_type: str, tokenizer_model: str | None = None, **flags: Any) -> argparse.Namespace:
@@ -140,10 +145,8 @@ def from_args(args: argparse.Namespace) -> Tokenizer:
             json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
         except (OSError, ValueError) as e:
             raise ValueError(f"--tokenizer-model {config}: unreadable JSON ({e}); fix or remove the file") from None
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
-
     try:
-        megatron = megatron_build(args)
+        megatron = megatron_package().core.tokenizers.utils.build_tokenizer.build_tokenizer(args)
     except Exception as e:  # megatron-core and the libraries under it raise assertions, ValueErrors, OSErrors
         where = "--vocab-size" if kind == "NullTokenizer" else f"--tokenizer-model {model}"
         hint = _LOAD_HINTS[kind].format(type=kind)
@@ -260,14 +263,12 @@ def _gpt2(args: argparse.Namespace) -> Tokenizer:
     for flag, value in zip(("--vocab-file", "--merge-file"), files):
         if not value or not Path(value).is_file():
             raise FileNotFoundError(f"GPT2BPETokenizer needs {flag} (GPT-2 vocab.json / merges.txt); got {value!r}")
-    from megatron.core.tokenizers import MegatronTokenizer
-
     try:
         with tempfile.TemporaryDirectory() as folder:
             shutil.copy(args.vocab_file, Path(folder, "vocab.json"))
             shutil.copy(args.merge_file, Path(folder, "merges.txt"))
             Path(folder, "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
-            megatron = MegatronTokenizer.from_pretrained(
+            megatron = megatron_package().core.tokenizers.MegatronTokenizer.from_pretrained(
                 tokenizer_path=folder, metadata_path={"library": "huggingface"},
                 additional_special_tokens=args.special_tokens or [],
                 include_special_tokens=not args.tokenizer_hf_no_include_special_tokens)

@@ -14,6 +14,7 @@ import sys
 from megatron_jreg.data.manifest import manifest_path
 from megatron_jreg.data.preprocess.config import PreprocessConfig
 from megatron_jreg.data.preprocess.driver import describe_skips, preprocess
+from megatron_jreg.data.tokenizers import add_tokenizer_args, tokenizer_defaults
 from megatron_jreg.errors import run_command
 from megatron_jreg.usage import OneLineParser, example
 
@@ -30,8 +31,6 @@ class _RenamedFlag(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import _add_tokenizer_args
-
     p = OneLineParser(
         prog=PROG,
         description="Tokenize FineWeb-Edu parquet, HF dataset folders or JSONL(.gz/.zst) into megatron-core "
@@ -39,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         **example("megatron-jreg preprocess --input wikitext.jsonl --output-prefix data/wikitext --tokenizer-type "
                   "HuggingFaceTokenizer \\\n    --tokenizer-model data/bpe4k --append-eod --workers 2"),
     )
-    _add_tokenizer_args(p)
+    add_tokenizer_args(p)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True, help="file(s), directories or globs")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys (parquet columns) to tokenize")
@@ -75,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     """Our flags by field name; Megatron-LM's other tokenizer flags, where given, in `tokenizer`."""
-    from megatron_jreg.data.tokenizers import tokenizer_defaults
-
     ours = PreprocessConfig.field_names()
     defaults = tokenizer_defaults()
     tokenizer = {k: v for k, v in vars(args).items() if k in defaults and k not in ours and v != defaults[k]}
