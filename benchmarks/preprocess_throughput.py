@@ -2,8 +2,9 @@
 
 Same JSONL input, same Hugging Face BPE tokenizer, same --workers, --append-eod for both. Throughput is
 input MB / processing time, where processing time is each tool's own first-to-last-document time from its
-log (start-up excluded: Megatron-LM spends ~10 s importing torch and megatron), best of --repeats
-interleaved rounds (the machine may be shared). Both outputs are compared byte for byte. Ends with:
+log (start-up excluded: both import torch and megatron-core, ~10 s; each tool's start-up is then timed alone
+on a one-document input), best of --repeats interleaved rounds (the machine may be shared). Both outputs are
+compared byte for byte. Ends with:
 
     throughput_ratio=<ours / megatron> ours_mb_s=<..> megatron_mb_s=<..> fast_path_ratio=<..>
 
@@ -201,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {r + 1} {name:8s}: {size / 1e6 / seconds:6.2f} MB/s ({seconds:5.1f}s processing, "
                 f"{wall:5.1f}s wall with start-up, {cpu:5.1f} CPU-s)"
             )
+    one = work / "one_document.jsonl"  # start-up alone: imports, tokenizer, workers, for one document
+    with open(source, encoding="utf-8") as f:
+        one.write_text(f.readline(), encoding="utf-8")
+    for name, make in tools.items():
+        wall, cpu, _ = run_tool(*make(one, work / f"{name}_one"), work / f"{name}_one")
+        print(f"start-up {name:8s}: {wall:5.1f}s wall, {cpu:5.1f} CPU-s (one document)")
     tokens = verify_dataset(work / "ours_text_document").tokens
     identical = all(
         (work / f"ours_text_document{s}").read_bytes() == (work / f"{name}_text_document{s}").read_bytes()
