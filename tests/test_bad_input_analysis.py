@@ -602,7 +602,6 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     "compare/fewshot-mismatch": (
         "compare", arms([(1, 0.5, 0), (2, 0.6, 0)], [(1, 0.5, 5), (2, 0.6, 5)]), ("--num-fewshot", "b0.json: 0")
     ),
-    "compare/one-seed": ("compare", arms([(1, 0.5)], [(1, 0.6)]), ("at least 2 seeds",)),
     "compare/unequal-arms": ("compare", arms(GOOD, [*GOOD, (3, 0.1)]), ("--baseline has 2 files and --jreg 3",)),
     "compare/output-is-a-folder": ("compare", lambda i: arms(GOOD, GOOD, "--output", str(i.tmp))(i), ("is a folder",)),
     "compare/no-seed": (
