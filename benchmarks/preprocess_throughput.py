@@ -68,12 +68,13 @@ def make_input(path: Path, megabytes: float) -> int:
 
 
 def run_tool(cmd: list[str], env: dict, prefix: Path) -> tuple[float, float, str]:
-    """(wall seconds, CPU seconds of the tool and its workers, stdout+stderr) of one run from scratch."""
+    """(wall seconds, CPU seconds of the tool and its workers, stdout+stderr) of one run from scratch, in the
+    tool's own tree (its PYTHONPATH: `python -m` puts the working directory first on the path)."""
     for stale in prefix.parent.glob(f"{prefix.name}_text_document*"):
         stale.unlink()  # never let a finished earlier run be resumed or skipped
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=env["PYTHONPATH"], capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -145,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             f"got {args.megatron_lm!r}"
         )
         return 0
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="preprocess_bench_"))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="preprocess_bench_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    source = Path(args.input) if args.input else work / "input.jsonl"
+    source = Path(args.input).resolve() if args.input else work / "input.jsonl"
     if not args.input:
         docs = make_input(source, args.mb)
         print(f"input: {source} ({source.stat().st_size / 1e6:.1f} MB, {docs:,} documents)")
-    tokenizer = args.tokenizer_model or train_tokenizer(
+    tokenizer = Path(args.tokenizer_model).resolve() if args.tokenizer_model else train_tokenizer(
         [str(WIKI / "valid.txt"), str(WIKI / "test.txt")], str(work / "bpe"), args.vocab_size, "hf-bpe"
     )
     common = [
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             env,
         ),
         "megatron": lambda i, o: (
-            [args.megatron_python, str(tool), "--input", str(i), "--output-prefix", str(o), *common],
+            [args.megatron_python, str(tool.resolve()), "--input", str(i), "--output-prefix", str(o), *common],
             menv,
         ),
     }
