@@ -48,7 +48,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 SIDECAR = "megatron_jreg.json"  # beside each iteration's files: Adam's step count and the run's JREG settings
 _ITER_DIR = re.compile(r"^iter_\d+$")
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
-_CHUNK = 16 << 20
+_CHUNK = 1 << 20  # read size while hashing: larger reads hash slower (the chunk leaves the CPU caches)
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")  # a torch_dist shard: __RANK_INDEX.distcp, written by RANK
 
 
