@@ -35,7 +35,15 @@ def kernel(request, monkeypatch):
     if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter: run with TRITON_INTERPRET=1 (test_triton_kernels_in_the_interpreter does)")
     monkeypatch.setenv(jreg_kernels.ENV, request.param)
-    return request.param
+    if request.param != "compiled":
+        yield request.param
+        return
+    import torch
+
+    torch._dynamo.reset()  # this test's graphs only: far from Dynamo's recompile limit
+    eager = jreg_kernels._COMPILED.eager_calls
+    yield request.param
+    assert jreg_kernels._COMPILED.failed is None and jreg_kernels._COMPILED.eager_calls == eager, "ran eagerly"
 
 
 def test_distances_are_all_tested():
