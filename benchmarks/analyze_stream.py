@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.analysis.loading import ModelSpec
 from megatron_jreg.analysis.memory import PeakMemory
-from megatron_jreg.analysis.source import ModelSpec
 from megatron_jreg.data.text import lambada_passages
 
 VARIANTS = ("in_memory", "streamed")

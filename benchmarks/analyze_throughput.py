@@ -32,9 +32,9 @@ import torch
 
 from megatron_jreg import jreg
 from megatron_jreg.analysis.hf_source import load_hf_source
+from megatron_jreg.analysis.loading import ModelSpec
 from megatron_jreg.analysis.measure import encode_samples, measure, padded_batches
 from megatron_jreg.analysis.memory import PeakMemory
-from megatron_jreg.analysis.source import ModelSpec
 from megatron_jreg.data.text import lambada_passages
 
 VARIANTS = ("analyze", "naive", "naive_base")

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from megatron_jreg.analysis.source import ModelSpec
+    from megatron_jreg.analysis.loading import ModelSpec
 
 transformers = importorskip_lazy("transformers")
 
@@ -108,7 +108,7 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 def spec_of(path: Path) -> ModelSpec:
-    from megatron_jreg.analysis.source import ModelSpec
+    from megatron_jreg.analysis.loading import ModelSpec
 
     return ModelSpec(path, path.name, "hf")
 

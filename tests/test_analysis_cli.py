@@ -111,7 +111,7 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
     """Run directories and iter_* folders go to megatron_source.load_megatron_source (the lead's TODO)."""
     import torch
 
-    from megatron_jreg.analysis import megatron_source, source
+    from megatron_jreg.analysis import loading, megatron_source
     from megatron_jreg.analysis.config import checkpoint_step, resolve_models
 
     run = tmp_path / "run"
@@ -120,8 +120,8 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
     (run / "latest_checkpointed_iteration.txt").write_text("200")
     bare = tmp_path / "bare"
     (bare / "iter_0000005").mkdir(parents=True)
-    assert source.model_kind(run) == source.model_kind(bare) == "megatron"
-    assert source.model_kind(run / "iter_0000010") == "megatron"
+    assert loading.identify(run) == loading.identify(bare) == ("megatron", None)
+    assert loading.identify(run / "iter_0000010") == ("megatron", None)
 
     specs = resolve_models([], str(run / "iter_*"))
     assert [s.step for s in specs] == [10, 200] and {s.kind for s in specs} == {"megatron"}
@@ -129,7 +129,7 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
 
     calls = []
     monkeypatch.setattr(megatron_source, "load_megatron_source", lambda path, **kw: calls.append((path, kw)))
-    source.load_source(specs[0], dtype=torch.float32, device=torch.device("cpu"))
+    loading.load_source(specs[0], dtype=torch.float32, device=torch.device("cpu"))
     assert calls[0][0] == run / "iter_0000010" and calls[0][1]["label"] == specs[0].label
 
 

@@ -147,16 +147,16 @@ def texts() -> list[str]:
 
 def _psi(path: Path, texts: list[str], **load) -> list[float]:
     from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.loading import ModelSpec, identify
     from megatron_jreg.analysis.measure import measure
-    from megatron_jreg.analysis.source import ModelSpec, model_kind
 
     source = load_hf_source(path, label=path.name, **load)
-    return measure(source, texts, ModelSpec(path, path.name, model_kind(path)), batch_size=2).psi
+    return measure(source, texts, ModelSpec(path, path.name, identify(path)[0]), batch_size=2).psi
 
 
 def test_gguf_measures_like_its_hf_folder(tmp_path, tokenizer, texts):
     from megatron_jreg.analysis.hf_source import load_hf_source
-    from megatron_jreg.analysis.source import model_kind
+    from megatron_jreg.analysis.loading import identify
     from megatron_jreg.analysis.toy import save_random_model
 
     config = family_config("llama", hidden=64)  # Q8_0 blocks are 32 wide
@@ -164,7 +164,7 @@ def test_gguf_measures_like_its_hf_folder(tmp_path, tokenizer, texts):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     f32 = write_gguf(model, tokenizer, tmp_path / "tiny-f32.gguf")
     q8 = write_gguf(model, tokenizer, tmp_path / "renamed.bin", quantize=True)  # found by magic bytes
-    assert model_kind(f32) == model_kind(q8) == "gguf" and model_kind(folder) == "hf"
+    assert identify(f32)[0] == identify(q8)[0] == "gguf" and identify(folder)[0] == "hf"
 
     reference = _psi(folder, texts)
     ids = [load_hf_source(p, label="x").encode(texts) for p in (folder, f32, q8)]

@@ -120,9 +120,10 @@ def megatron_removal(rank: int, world: int, hf: str, tmp: str, windows, samples:
     on padded text batches (all tokens and the last of each sample) as `analyze` measures them."""
     import torch
 
-    from megatron_jreg.analysis.measure import last_token_mask, padded_batches
+    from megatron_jreg.analysis.measure import padded_batches
     from megatron_jreg.analysis.megatron_source import MegatronSource
     from megatron_jreg.analysis.removal import layer_removal, next_token_targets, removal_totals
+    from megatron_jreg.analysis.source import last_token_mask
     from megatron_jreg.checkpoints import load_megatron_model
     from megatron_jreg.convert.from_hf import hf_to_mcore
 
@@ -254,8 +255,8 @@ def test_measure_on_samples_equals_references(llama, samples, positions):
     equals the hook reference, the distance between any two layers and the residual norms the plain
     output_hidden_states reference, and the n = 1 row of the distances is Ψ."""
     from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.loading import ModelSpec
     from megatron_jreg.analysis.measure import measure
-    from megatron_jreg.analysis.source import ModelSpec
     from megatron_jreg.analysis.stream_source import load_stream_source
 
     texts, ids = samples

@@ -65,8 +65,8 @@ def _save_sharded(config, folder: Path, tokenizer) -> Path:
 
 
 def _psi(source, texts, batch_size=3) -> list[float]:
+    from megatron_jreg.analysis.loading import ModelSpec
     from megatron_jreg.analysis.measure import measure
-    from megatron_jreg.analysis.source import ModelSpec
 
     path = Path(getattr(source, "folder", "m"))
     return measure(source, texts, ModelSpec(path, "m", "hf"), batch_size=batch_size).psi

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        dest="models",
         action="append",
         default=[],
         metavar="PATH",
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--revision",
+        dest="revisions",
         type=_names,
         default=[],
         metavar="A,B,...",
@@ -135,26 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmegatron-jreg analyze: interrupted while starting; nothing written", file=sys.stderr)
         return 130
     try:
-        cfg = AnalyzeConfig(
-            models=args.model,
-            checkpoints=args.checkpoints,
-            data=args.data,
-            num_samples=args.num_samples,
-            batch_size=args.batch_size,
-            max_length=args.max_length,
-            dtype=args.dtype,
-            distance=args.distance,
-            include_final_norm=args.include_final_norm,
-            output=args.output,
-            device=args.device,
-            tokenizer=args.tokenizer,
-            stream=args.stream,
-            progress=args.progress,
-            remove_layers=args.remove_layers,
-            top_k=args.top_k,
-            positions=args.positions,
-            revisions=args.revision,
-        )
+        cfg = AnalyzeConfig(**vars(args))  # one field per flag
         results, files = run_analysis(cfg)
     except (AnalysisError, ModelFileError) as e:
         print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from megatron_jreg import hub, jreg
-from megatron_jreg.analysis.source import AnalysisError, ModelSpec, model_kind
+from megatron_jreg.analysis.loading import ModelSpec, identify
+from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.data import text
 from megatron_jreg.dtypes import torch_dtype
 
@@ -223,22 +224,22 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
                 raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
             stepped.append((step, p))
         entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
-    kinds = [_kind(p, flag) for p, flag, _ in entries]
+    kinds = [_identify(p, flag) for p, flag, _ in entries]
     labels = _unique_labels(shown + [p for p, _, _ in entries[len(given) :]])
     revs = [r for _, r in given] + [None] * (len(entries) - len(given))
-    return [ModelSpec(p, label, kind, step, rev, flag)
-            for (p, flag, step), label, kind, rev in zip(entries, labels, kinds, revs)]
+    return [ModelSpec(p, label, kind, step, rev, flag, config)
+            for (p, flag, step), label, (kind, config), rev in zip(entries, labels, kinds, revs)]
 
 
-def _kind(path: Path, flag: str) -> str:
-    """`model_kind`; for a --checkpoints match that is not (yet) a readable model, "unreadable: <why>", so
-    that the series skips it in one line instead of stopping (an iteration still being written)."""
+def _identify(path: Path, flag: str) -> tuple[str, object]:
+    """`loading.identify`; for a --checkpoints match that is not (yet) a readable model, ("unreadable: <why>",
+    None), so that the series skips it in one line instead of stopping (an iteration still being written)."""
     try:
-        return model_kind(path, flag)
+        return identify(path, flag)
     except AnalysisError as e:
         if flag != "--checkpoints":
             raise
-        return f"unreadable: {e}"
+        return f"unreadable: {e}", None
 
 
 def _unique_labels(paths: list[Path]) -> list[str]:

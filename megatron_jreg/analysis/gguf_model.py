@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megatron_jreg.analysis.source import AnalysisError
+from megatron_jreg.errors import one_line
 
 IGNORED_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.", "GGUF.")
 SHOWN = 3
@@ -49,8 +50,41 @@ class GgufPlan:
     to divide by after loading, and notes for the log."""
 
     config: Any
+    tensor_names: set[str] = field(default_factory=set)
     rope_freqs: torch.Tensor | None = None
     notes: list[str] = field(default_factory=list)
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A GGUF file: by its magic bytes, so a renamed file still counts."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def read_gguf(path: Path) -> Any:
+    """A GGUF file's reader, with its header, metadata and tensor table parsed and every tensor's bytes checked to
+    be in the file, so a truncated or corrupt download is one line naming the file instead of a parser traceback."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(str(path))
+        tensors = list(reader.tensors)
+    except Exception as e:  # noqa: BLE001 - any parse failure of the file is the thing to report
+        raise AnalysisError(
+            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e, 300)}); "
+            "it is truncated or corrupt: download or convert it again"
+        ) from None
+    if not tensors:
+        raise AnalysisError(f"--model {path}: the GGUF file holds no tensors; download or convert it again")
+    end = max(t.data_offset + t.n_bytes for t in tensors)
+    if end > size:
+        raise AnalysisError(
+            f"--model {path}: the GGUF file is truncated ({size} of {end} bytes); download or convert it again"
+        )
+    return reader
 
 
 def _named(keys: list[str]) -> str:
@@ -163,12 +197,11 @@ def _unused_tensors(config: Any, arch: str, names: list[str]) -> list[str]:
 
 def plan_gguf(path: Path, where: str) -> GgufPlan:
     """Audit a GGUF file (see the module docstring): the config to load it with, or AnalysisError naming
-    every key or tensor transformers would drop."""
-    from gguf import GGUFReader
+    the file as unreadable (`read_gguf`) or every key or tensor transformers would drop."""
     from transformers import AutoConfig
     from transformers.integrations.gguf import is_gguf_arch_supported
 
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
     values = _fields(reader)
     arch = str(values.get("general.architecture", ""))
     try:
@@ -177,13 +210,13 @@ def plan_gguf(path: Path, where: str) -> GgufPlan:
     except (ValueError, KeyError, OSError, TypeError) as e:
         raise AnalysisError(f"{where}: transformers cannot read the GGUF metadata of architecture {arch!r} "
                             f"({str(e).splitlines()[0][:200]})") from None
-    plan = GgufPlan(config)
+    names = [t.name for t in reader.tensors]
+    plan = GgufPlan(config, set(names))
     if is_gguf_arch_supported(arch):  # transformers' own path reports unused tensors (hub.check_loading_info)
         return plan
     model_type = str(config.get_text_config().model_type)
     prefixes = {arch, model_type, model_type.removesuffix("_text")}
     refused = _apply_metadata(plan, arch, values, _consumed_names(prefixes))
-    names = [t.name for t in reader.tensors]
     unused = _unused_tensors(config, arch, names)
     for flag, pattern in _BIAS_TENSORS.items():
         if any(pattern.match(n) for n in unused) and getattr(config, flag, None) is False:

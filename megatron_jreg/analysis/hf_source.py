@@ -20,18 +20,18 @@ from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
     AnalysisError,
+    HiddenStateSource,
     LayerDisplacementHooks,
     LayerStates,
     UnsupportedArchitectureError,
     batch_stats,
     gather_rows,
-    is_gguf_file,
     masked_displacement_sum,
     real_rows,
 )
 from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.hub import load_causal_lm
-from megatron_jreg.model_files import check_entries, declared_context, refuse_custom_code
+from megatron_jreg.model_files import check_entries, declared_context, read_safetensors_folder, refuse_custom_code
 
 HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent from the files
 
@@ -49,9 +49,20 @@ def _declared(config: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _expected_layers(config: Any) -> int | None:
+def expected_layers(config: Any) -> int | None:
     """The number of decoder layers the config declares, if it declares one."""
     return _declared(config, ("num_hidden_layers", "n_layer", "num_layers"))
+
+
+def auto_config(folder: Path) -> Any:
+    """The transformers config of a model folder (`AutoConfig`, local files only, no custom code)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise AnalysisError(f"--model {folder}: transformers cannot read its config.json ({one_line(e, 300)})"
+                            ) from None
 
 
 def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:
@@ -118,21 +129,15 @@ def other_towers(config: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(prefixes))
 
 
-def padding_id(tokenizer: Any) -> int:
-    """A token id to pad with: the tokenizer's pad token, else its EOS, else 0 (padding is masked anyway)."""
-    return int(next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0))
+def run_forward(module: nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Any:
+    """module(input_ids, attention_mask, use_cache=False, **kwargs), with explicit positions where it takes them:
+    left padding needs them for absolute-position models (GPT-2); harmless for RoPE."""
+    if "position_ids" in inspect.signature(module.forward).parameters:
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
 
 
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
-
-
-def _accepts(module: nn.Module, argument: str) -> bool:
-    return argument in inspect.signature(module.forward).parameters
-
-
-class HFSource:
+class HFSource(HiddenStateSource):
     """A transformers causal LM measured layer by layer (see `HiddenStateSource` for the contract).
 
     model: the loaded `*ForCausalLM` (its `base_model` runs); tokenizer: its tokenizer.
@@ -145,17 +150,18 @@ class HFSource:
         self.label = label
         self.model_class = type(model).__name__
         config = model.config
-        self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
+        self.layer_path, self.layers = find_decoder_layers(self.base, expected_layers(config))
         self.num_layers = len(self.layers)
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         self.context_length = declared_context(config)
         self.vocab_size = _declared(config, ("vocab_size",))
-        self.pad_id = padding_id(tokenizer) if tokenizer is not None else 0
+        pads = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
+        self.pad_id = int(next((t for t in pads if t is not None), 0))  # any id: padding is masked anyway
         self.head_missing: str | None = None
         """Why the LM head's weights were not loaded (files without it: the analysis of Ψ never runs it)."""
-        # Left padding needs explicit positions for absolute-position models (GPT-2); harmless for RoPE.
-        self._pass_positions = _accepts(self.base, "position_ids")
+        self.notes: list[str] = []
+        """What loading applied or left out, for the log."""
         self.device = next(self.base.parameters()).device
 
     @torch.no_grad()
@@ -163,30 +169,13 @@ class HFSource:
         """logits[b, t, V] of the causal LM (its head, soft-capping and scaling included) for layer removal."""
         if self.head_missing:
             raise AnalysisError(f"{self.label}: layer removal needs the LM head, but {self.head_missing}")
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-        if _accepts(self.model, "position_ids"):
-            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        return self.model(**kwargs).logits
+        return run_forward(self.model, input_ids.to(self.device), attention_mask.to(self.device)).logits
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids with the tokenizer's usual special tokens (e.g. BOS for Llama), untruncated."""
         if self.tokenizer is None:
             raise AnalysisError(f"{self.label}: loaded without a tokenizer; pass token ids, or load it with one")
-        return encode_texts(self.tokenizer, texts)
-
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, output_hidden_states: bool) -> Any:
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-        if self._pass_positions:
-            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        if output_hidden_states:
-            kwargs["output_hidden_states"] = True
-        return self.base(**kwargs)
-
-    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
-        stats = self.layer_stats(input_ids, attention_mask, kind)
-        return stats["sums"], stats["counts"]
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
 
     @torch.no_grad()
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
@@ -202,13 +191,13 @@ class HFSource:
                                  for a, b in zip(hidden[:-1], hidden[1:])])  # [L, 2]
             return batch_stats(pairs[:, 0], pairs[:, 1], [gather_rows(h, rows) for h in hidden], kind)
         with LayerDisplacementHooks(self.layers, select, kind) as hooks, LayerStates(self.layers, select) as states:
-            self._forward(input_ids, attention_mask, output_hidden_states=False)
+            run_forward(self.base, input_ids, attention_mask)
         return batch_stats(hooks.sums, hooks.counts, states.states, kind)
 
     def _hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, ...]:
         """The `output_hidden_states` convention: hs[0] the embeddings, hs[ℓ] layer ℓ's output, hs[L] =
         final_norm(h_L); refused when there are not L + 1 of one width."""
-        hidden = self._forward(input_ids, attention_mask, output_hidden_states=True).hidden_states
+        hidden = run_forward(self.base, input_ids, attention_mask, output_hidden_states=True).hidden_states
         if len(hidden) != self.num_layers + 1:
             raise UnsupportedArchitectureError(
                 f"{self.model_class} returned {len(hidden)} hidden states for {self.num_layers} layers; "
@@ -228,15 +217,15 @@ class HFSource:
 
 
 def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> Any:
+    """The model's own tokenizer (from its folder or GGUF file), or the --tokenizer folder when given."""
     from transformers import AutoTokenizer
 
-    source, where = (tokenizer, f"--tokenizer {tokenizer}") if tokenizer is not None else (str(path), None)
-    if where is None:
-        where = f"the GGUF file {path / gguf_file}" if gguf_file else f"{path}"
+    source, flag = (tokenizer, "--tokenizer") if tokenizer is not None else (str(path), "--model")
+    where = f"--tokenizer {tokenizer}" if tokenizer else f"the GGUF file {path / gguf_file}" if gguf_file else str(path)
     try:
         if Path(source).is_dir():
-            check_entries(Path(source), "--tokenizer" if tokenizer else "--model")
-            refuse_custom_code(Path(source), "--tokenizer" if tokenizer else "--model")
+            check_entries(Path(source), flag)
+            refuse_custom_code(Path(source), flag)
         return AutoTokenizer.from_pretrained(source, gguf_file=None if tokenizer else gguf_file, local_files_only=True,
                                              trust_remote_code=False)
     except ModelFileError as e:
@@ -248,29 +237,6 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> 
         ) from e
 
 
-def check_gguf(path: Path) -> None:
-    """Parse a GGUF file's header, metadata and tensor table, and check every tensor's bytes are in the
-    file, so a truncated or corrupt download is one line naming the file instead of a parser traceback."""
-    from gguf import GGUFReader
-
-    size = path.stat().st_size
-    try:
-        reader = GGUFReader(str(path))
-        tensors = list(reader.tensors)
-    except Exception as e:  # noqa: BLE001 - any parse failure of the file is the thing to report
-        raise AnalysisError(
-            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e, 300)}); "
-            "it is truncated or corrupt: download or convert it again"
-        ) from None
-    if not tensors:
-        raise AnalysisError(f"--model {path}: the GGUF file holds no tensors; download or convert it again")
-    end = max(t.data_offset + t.n_bytes for t in tensors)
-    if end > size:
-        raise AnalysisError(
-            f"--model {path}: the GGUF file is truncated ({size} of {end} bytes); download or convert it again"
-        )
-
-
 def load_hf_source(
     path: Path,
     *,
@@ -280,13 +246,17 @@ def load_hf_source(
     include_final_norm: bool = False,
     tokenizer: str | None = None,
     with_tokenizer: bool = True,
+    config: Any = None,
 ) -> HFSource:
     """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source.
 
     Refuses a model whose files lack weights of its architecture, or hold ones it does not use
     (`hub.load_causal_lm`); the LM head is exempt, since Ψ never runs it (`HFSource.head_missing` says
     when it was absent: layer removal needs it). with_tokenizer=False: token ids come from the caller.
+    config: the folder's transformers config when the caller has read it (`loading.identify`).
     """
+    from megatron_jreg.analysis.gguf_model import is_gguf_file
+
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
@@ -294,12 +264,13 @@ def load_hf_source(
     if gguf_file:
         from megatron_jreg.analysis.gguf_model import plan_gguf
 
-        check_gguf(path)
         plan = plan_gguf(path, f"--model {path}")  # nothing in the file may be dropped by the loader
-    towers = () if gguf_file else other_towers(_config(folder))
+        config = plan.config
+    config = config or auto_config(folder)
+    towers = () if gguf_file else other_towers(config)
     try:
         model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD, *towers), gguf_file=gguf_file,
-                               dtype=dtype, **({"config": plan.config} if plan else {}))
+                               dtype=dtype, config=config)
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
@@ -314,7 +285,7 @@ def load_hf_source(
     model.to(device)
     tok = load_tokenizer(folder, gguf_file, tokenizer) if with_tokenizer else None
     source = HFSource(model, tok, label, include_final_norm)
-    source.head_missing = head_missing(model, path, gguf_file)
+    source.head_missing = head_missing(model, path, plan.tensor_names if plan else None)
     source.notes = plan.notes if plan else []
     if towers:
         parts = ", ".join(t.rstrip(".") for t in towers if not t.startswith("model."))
@@ -322,30 +293,15 @@ def load_hf_source(
     return source
 
 
-def head_missing(model: nn.Module, path: Path, gguf_file: str | None) -> str | None:
+def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = None) -> str | None:
     """Why the causal LM's head was not loaded from the files (None when it was, or is tied to the
-    embeddings): `load_hf_source` lets an `lm_head.*` tensor be absent, since Ψ never runs the head."""
+    embeddings): `load_hf_source` lets an `lm_head.*` tensor be absent, since Ψ never runs the head.
+    gguf_tensors: the tensor names of a GGUF file (`GgufPlan.tensor_names`); else `path` is a folder."""
     head = model.get_output_embeddings()
     if head is None or head.weight is model.get_input_embeddings().weight:
         return None
-    if gguf_file:
-        from gguf import GGUFReader
-
-        names = {t.name for t in GGUFReader(str(path)).tensors}
-        return None if "output.weight" in names else f"{path} holds no output.weight (the LM head)"
-    from megatron_jreg.analysis.weights import SafetensorsFolder
-
-    if any(f".{HEAD}" in f".{name}" for name in SafetensorsFolder(path).tensors):
+    if gguf_tensors is not None:
+        return None if "output.weight" in gguf_tensors else f"{path} holds no output.weight (the LM head)"
+    if any(f".{HEAD}" in f".{name}" for name in read_safetensors_folder(path)):
         return None
     return f"{path} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
-
-
-def _config(folder: Path) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        raise AnalysisError(
-            f"--model {folder}: transformers cannot read its config.json ({one_line(e, 300)})"
-        ) from None

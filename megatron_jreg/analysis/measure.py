@@ -15,9 +15,23 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource, LayerStreamingSource, ModelSpec
+from megatron_jreg.analysis.loading import ModelSpec
+from megatron_jreg.analysis.removal import (
+    check_top_k,
+    next_token_targets,
+    removal_passes,
+    removal_totals,
+)
+from megatron_jreg.analysis.source import (
+    AnalysisError,
+    HiddenStateSource,
+    LayerStreamingSource,
+    last_token_mask,
+    progress_bar,
+)
 
 
 @dataclass
@@ -148,12 +162,6 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
     return samples, truncated, why
 
 
-def last_token_mask(mask: Tensor) -> Tensor:
-    """mask[b, t] (1 = real) → bool [b, t] true at each row's last real token (`--positions last`)."""
-    real = mask.bool()
-    return real & real.long().cumsum(1).eq(real.long().sum(1, keepdim=True))
-
-
 def padded_batches(
     samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -163,34 +171,9 @@ def padded_batches(
     """
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     for start in range(0, len(order), batch_size):
-        chunk = [samples[i] for i in order[start : start + batch_size]]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, s in enumerate(chunk):
-            cols = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
-            ids[row, cols] = torch.tensor(s, dtype=torch.long)
-            mask[row, cols] = 1
-        yield ids, mask
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int, label: str, enabled: bool, unit: str = "tok"):
-    """A tqdm bar on stderr (with its rate and time left), or a stand-in when disabled or tqdm is missing."""
-    if not enabled:
-        return _NoProgress()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoProgress()
-    return tqdm(total=total, desc=label, unit=unit, unit_scale=True, leave=True, dynamic_ncols=True)
+        chunk = [torch.tensor(samples[i], dtype=torch.long) for i in order[start : start + batch_size]]
+        yield (pad_sequence(chunk, batch_first=True, padding_value=pad_id, padding_side=padding_side),
+               pad_sequence([torch.ones_like(c) for c in chunk], batch_first=True, padding_side=padding_side))
 
 
 def measure(
@@ -210,8 +193,6 @@ def measure(
     excluded; `positions` "all" tokens or each sample's "last"), and with `remove_layers` (the top k values)
     layer removal (`removal.py`) on the same samples."""
     if remove_layers is not None:  # before any work: k within the model's layers, an LM head to score with
-        from megatron_jreg.analysis.removal import check_top_k
-
         remove_layers = check_top_k(remove_layers, source.num_layers, "--top-k")
         if getattr(source, "head_missing", None):
             raise AnalysisError(f"--remove-layers: layer removal needs the LM head, but {source.head_missing}; "
@@ -224,20 +205,19 @@ def measure(
     side = "right" if streaming or remove_layers is not None else padding_side
     batches = [(ids, mask, last_token_mask(mask) if positions == "last" else mask.bool())
                for ids, mask in padded_batches(samples, batch_size, source.pad_id, side)]
-    bar = _NoProgress()
-    try:
-        if streaming:  # every batch through one layer at a time
-            bar = progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
+    if streaming:  # every batch through one layer at a time
+        bar = progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
+    else:
+        bar = progress_bar(tokens, spec.label, progress)
+    with bar:
+        if streaming:
             stats = source.stream_stats(batches, kind, bar.update)
         else:
-            bar = progress_bar(tokens, spec.label, progress)
             stats = None
             for ids, mask, select in batches:
                 batch = source.layer_stats(ids, mask, kind, select)
                 stats = batch if stats is None else {key: stats[key] + batch[key] for key in stats}
                 bar.update(int(mask.sum()))
-    finally:
-        bar.close()
     result = ModelResult(
         label=spec.label,
         path=str(spec.path),
@@ -264,15 +244,10 @@ def measure(
 
 def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
              positions: str, label: str, progress: bool) -> dict:
-    from megatron_jreg.analysis.removal import next_token_targets, removal_passes, removal_totals
-
     ks = tuple(top_k)
     with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
     if not any(bool((t >= 0).any()) for _, _, t in with_targets):
         raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
                             "needs samples of two tokens or more")
-    bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, progress, unit="layer")
-    try:
+    with progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, progress, "layer") as bar:
         return removal_totals(source, with_targets, ks, bar.update).as_dict()
-    finally:
-        bar.close()

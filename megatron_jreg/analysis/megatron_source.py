@@ -10,16 +10,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.source import FINAL_NORM, LAYER_IO, AnalysisError, LayerStates, batch_stats
+from megatron_jreg.analysis.source import (
+    FINAL_NORM,
+    LAYER_IO,
+    AnalysisError,
+    HiddenStateSource,
+    LayerStates,
+    batch_stats,
+)
 
 
-class MegatronSource:
+class MegatronSource(HiddenStateSource):
     """A megatron-jreg GPTModel measured layer by layer (see `HiddenStateSource` for the contract)."""
 
     def __init__(self, loaded, label: str, include_final_norm: bool = False) -> None:
@@ -53,11 +61,6 @@ class MegatronSource:
             raise AnalysisError(f"{self.loaded.path}: the run had no tokenizer (mock data); pass --tokenizer PATH")
         return [list(ids) for ids in tok.tokenize_batch(texts)]
 
-    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """input_ids[b, t], attention_mask[b, t] → (sums[L], counts[L]) float64 on the CPU."""
-        stats = self.layer_stats(input_ids, attention_mask, kind)
-        return stats["sums"], stats["counts"]
-
     @torch.no_grad()
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
                     ) -> dict[str, Tensor]:
@@ -78,25 +81,22 @@ class MegatronSource:
         self.loaded = None
 
 
-class _ReaderTracebacks(logging.Filter):
+@contextlib.contextmanager
+def _no_reader_tracebacks() -> Iterator[None]:
     """torch.distributed.checkpoint logs each failed metadata read with its traceback on the root logger
     ("Global metadata is not found", "Rank local metadata is not found") before raising; the CheckpointError
     that follows names the file in one line, so those records are dropped while a checkpoint loads."""
+    reader = f"{os.sep}torch{os.sep}distributed{os.sep}checkpoint{os.sep}"
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and f"{os.sep}torch{os.sep}distributed{os.sep}checkpoint{os.sep}" in
-                    record.pathname)
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and reader in record.pathname)
 
-
-@contextlib.contextmanager
-def _no_reader_tracebacks():
     root = logging.getLogger()
-    quiet = _ReaderTracebacks()
-    root.addFilter(quiet)
+    root.addFilter(keep)
     try:
         yield
     finally:
-        root.removeFilter(quiet)
+        root.removeFilter(keep)
 
 
 def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple[Tensor, ...]:

@@ -15,15 +15,28 @@ from megatron_jreg.analysis.measure import ModelResult
 from megatron_jreg.analysis.report import DISTANCES, POSITIONS, normalized_depth
 
 MAX_HEATMAPS = 8
+_LINE = {"marker": "o", "markersize": 3, "linewidth": 1.4}
 
 
-def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = None):
+def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "tight"):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), dpi=150, layout=layout)
     FigureCanvasAgg(fig)
     return fig
+
+
+def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+    fig.savefig(path)
+    return path
+
+
+def _curves(ax, results: list[ModelResult], x, y, suffix=lambda r: "") -> None:  # noqa: ANN001 - Axes, callables
+    """One line per model: x(r) against y(r), coloured and labelled by `_colors` (plus suffix(r))."""
+    colors, labels = _colors(results)
+    for r, color, label in zip(results, colors, labels):
+        ax.plot(x(r), y(r), color=color, label=label + suffix(r), **_LINE)
 
 
 def _is_series(results: list[ModelResult]) -> bool:
@@ -54,12 +67,9 @@ def _colors(results: list[ModelResult]) -> tuple[list, list[str]]:
 
 def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
     """Ψ_ℓ against (ℓ − 1)/(L − 1), one curve per model; a checkpoint series is coloured by step."""
-    fig = _figure()
-    ax = fig.add_subplot()
-    colors, labels = _colors(results)
-    for r, color, label in zip(results, colors, labels):
-        x = [normalized_depth(layer, r.num_layers) for layer in range(1, r.num_layers + 1)]
-        ax.plot(x, r.psi, marker="o", markersize=3, linewidth=1.4, color=color, label=label)
+    ax = _figure().add_subplot()
+    _curves(ax, results, lambda r: [normalized_depth(ell, r.num_layers) for ell in range(1, r.num_layers + 1)],
+            lambda r: r.psi)
     ax.set_xlabel(r"normalised layer index $(\ell - 1) / (L - 1)$")
     ax.set_ylabel(r"$\Psi_\ell$ = mean $d(h_{\ell-1}, h_\ell)$")
     ax.set_xlim(-0.02, 1.02)
@@ -69,9 +79,7 @@ def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
     ax.set_title(r"$\Psi_\ell$ per decoder layer" + f"\n{_measure_label(results)}"
                  + ("" if len(conventions) > 1 else f"\n{conventions[0]}"), fontsize=8)
     ax.legend(fontsize=7, loc="best", title="checkpoint" if _is_series(results) else None, title_fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _save(ax.figure, path)
 
 
 _JUMP_LABELS = {"zeta_L": r"$\zeta_L$", "zeta_L-1": r"$\zeta_{L-1}$", "zeta_L-2": r"$\zeta_{L-2}$"}
@@ -81,8 +89,7 @@ def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
     """ζ_L, ζ_{L−1}, ζ_{L−2} per model: lines over the step for a checkpoint series (the paper's Table 2
     as a figure), grouped bars for unrelated models. Zeros stay visible: the y axis starts below 0 and
     keeps a height of at least 1, and a plot whose every ζ is 0 says so."""
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _figure().add_subplot()
     series = _is_series(results)
     keys = [k for k in _JUMP_LABELS if not all(math.isnan(r.final_jumps[k]) for r in results)]
     values = []
@@ -115,9 +122,7 @@ def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     if keys:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _save(ax.figure, path)
 
 
 def plot_removal(results: list[ModelResult], path: Path) -> Path:
@@ -126,13 +131,10 @@ def plot_removal(results: list[ModelResult], path: Path) -> Path:
     measured = [r for r in results if r.removal is not None]
     fig = _figure(11.0, 4.4)
     left, right = fig.subplots(1, 2)
-    colors, labels = _colors(measured)
-    for r, color, label in zip(measured, colors, labels):
-        layers = list(range(1, r.num_layers + 1))
-        left.plot(layers, r.psi, marker="o", markersize=3, linewidth=1.4, color=color, label=label)
-        tops = ", ".join(f"top {k} {d:+.4f}" for k, d in zip(r.removal["top_k"], r.removal["delta_ce_top"]))
-        right.plot(layers, r.removal["delta_ce"], marker="o", markersize=3, linewidth=1.4, color=color,
-                   label=f"{label}; {tops}")
+    layers = lambda r: range(1, r.num_layers + 1)
+    _curves(left, measured, layers, lambda r: r.psi)
+    _curves(right, measured, layers, lambda r: r.removal["delta_ce"], lambda r: "; " + ", ".join(
+        f"top {k} {d:+.4f}" for k, d in zip(r.removal["top_k"], r.removal["delta_ce_top"])))
     left.set_ylabel(r"$\Psi_\ell$")
     left.set_ylim(bottom=0)
     left.set_title(r"$\Psi_\ell$ per decoder layer" + f"\n{_measure_label(measured)}", fontsize=8)
@@ -144,9 +146,7 @@ def plot_removal(results: list[ModelResult], path: Path) -> Path:
         _integer_ticks(ax, "x")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def _integer_ticks(ax, *axes_names: str) -> None:  # noqa: ANN001 - a matplotlib Axes
@@ -194,20 +194,14 @@ def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
         fig.colorbar(image, ax=list(axes[: len(shown)]), shrink=0.85, label="mean d")
     note = "" if len(shown) == len(results) else f" ({len(shown)} of {len(results)} models, evenly spaced)"
     fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\n{_measure_label(results)}", fontsize=8)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
     """Mean ‖h_ℓ‖ against ℓ = 0..L, one curve per model; a log axis when the norms span more than 20×."""
-    fig = _figure()
-    ax = fig.add_subplot()
-    colors, labels = _colors(results)
-    values = []
-    for r, color, label in zip(results, colors, labels):
-        ax.plot(range(r.num_layers + 1), r.residual_norms, marker="o", markersize=3, linewidth=1.4, color=color,
-                label=label)
-        values += [v for v in r.residual_norms if math.isfinite(v) and v > 0]
+    ax = _figure().add_subplot()
+    _curves(ax, results, lambda r: range(r.num_layers + 1), lambda r: r.residual_norms)
+    values = [v for r in results for v in r.residual_norms if math.isfinite(v) and v > 0]
     if values and max(values) / min(values) > 20:
         ax.set_yscale("log")
     ax.set_xlabel(r"hidden state $h_\ell$ ($\ell$ = 0: embeddings; $\ell$: output of layer $\ell$)")
@@ -217,9 +211,7 @@ def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
     ax.set_title(f"residual-stream norm per layer (over {positions})", fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _save(ax.figure, path)
 
 
 def write_plots(results: list[ModelResult], output: Path) -> list[Path]:

@@ -22,9 +22,8 @@ model. Memory: the outputs of all L layers for one batch (streamed models: for a
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megatron_jreg.analysis.source import AnalysisError, first_tensor
+from megatron_jreg.analysis.loading import ModelSpec, identify, load_source
+from megatron_jreg.analysis.source import (
+    AnalysisError,
+    first_tensor,
+    last_token_mask,
+    layer_input,
+    planned_layers,
+    progress_bar,
+    with_hidden,
+)
 
 TOP_K = (1, 2, 3)
 IGNORE = -100  # target id of a position that predicts nothing (padding, a sample's last token)
@@ -116,31 +124,13 @@ def next_token_targets(ids: Tensor, mask: Tensor, positions: str = "all") -> Ten
     targets = torch.full_like(ids, IGNORE)
     predicts = mask[:, :-1] & mask[:, 1:]
     if positions == "last":
-        last_target = mask.long().cumsum(1).eq(mask.long().sum(1, keepdim=True)) & mask  # the last real token
-        predicts = predicts & last_target[:, 1:]
+        predicts = predicts & last_token_mask(mask)[:, 1:]
     targets[:, :-1] = torch.where(predicts, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
     return targets
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Skipping layers of a model in memory.
-
-
-def hidden_input(args: tuple, kwargs: dict) -> Tensor:
-    """A decoder layer's input hidden states: its first positional argument or `hidden_states=`."""
-    h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
-    if not isinstance(h, Tensor):
-        raise AnalysisError("a decoder layer was called without its hidden states as first argument or "
-                            "`hidden_states=`; layer removal cannot skip it")
-    return h
-
-
-def with_hidden(output: Any, hidden: Tensor) -> Any:
-    """`output` (a layer's return value: the hidden states, or a tuple starting with them, e.g. megatron's
-    (hidden_states, context)) with its hidden states replaced by `hidden`."""
-    if isinstance(output, Tensor):
-        return hidden
-    return type(output)((hidden, *output[1:]))
 
 
 class _Recorder:
@@ -172,26 +162,6 @@ class _Recorder:
                                 "their outputs for this model")
 
 
-@contextlib.contextmanager
-def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, skipped: Sequence[int]) -> Iterator[None]:
-    """Within the block: layers[:answering] return `answer` without computing (the recorded output of
-    layer `answering`, so the next layer receives it), layers[i] for i in `skipped` return their input in the
-    structure of `answer`, the rest compute. Instance `forward`s are set and removed; hooks stay."""
-    touched = []
-    try:
-        for i in range(answering):
-            layers[i].forward = lambda *args, **kwargs: answer
-            touched.append(layers[i])
-        for i in skipped:
-            layers[i].forward = lambda *args, **kwargs: with_hidden(answer, hidden_input(args, kwargs))
-            touched.append(layers[i])
-        yield
-    finally:
-        for layer in touched:
-            if "forward" in vars(layer):
-                del layer.forward
-
-
 @torch.no_grad()
 def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k: tuple[int, ...],
                   on_pass: Callable[[int], None] | None = None) -> Tensor:
@@ -213,7 +183,7 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
         if skip == 0:
             # layer 1 skipped: its output is the embedding output, captured as it enters layer 1
             handle = layers[0].register_forward_pre_hook(
-                lambda m, a, k: h0.__setitem__("h", hidden_input(a, k)), with_kwargs=True)
+                lambda m, a, k: h0.__setitem__("h", layer_input(m, a, k)), with_kwargs=True)
             try:
                 with planned_layers(layers, outputs[0], 0, [0]):
                     sums.append(ce_sum(source.logits(ids, mask), targets))
@@ -249,8 +219,8 @@ def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]]
     ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
     totals = RemovalTotals(source.num_layers, ks)
     if hasattr(source, "stream_removal"):
-        sums, tokens = source.stream_removal(list(batches), ks, on_pass)
-        totals.add(sums, tokens)
+        tokens = sum(int((targets != IGNORE).sum()) for _, _, targets in batches)
+        totals.add(source.stream_removal(list(batches), ks, ce_sum, on_pass), tokens)
         return totals
     tick = (lambda n: on_pass(n + 1)) if on_pass else None
     for ids, mask, targets in batches:
@@ -266,23 +236,11 @@ def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None
     """(source, owned) for a path, a loaded checkpoint (`checkpoints.MegatronModel`), a transformers causal LM
     or a source (`HFSource`, `MegatronSource`, `StreamingSource`); owned: loaded here, closed after."""
     if isinstance(model, (str, Path)):
-        from megatron_jreg.analysis.source import model_kind
-
         path = Path(model)
-        kind = model_kind(path, "model")
-        label = path.name
+        kind, config = identify(path, "model")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if kind == "megatron":
-            from megatron_jreg.analysis.megatron_source import load_megatron_source
-
-            return load_megatron_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
-        if stream:
-            from megatron_jreg.analysis.stream_source import load_stream_source
-
-            return load_stream_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
-        from megatron_jreg.analysis.hf_source import load_hf_source
-
-        return load_hf_source(path, label=label, dtype=dtype, device=device, with_tokenizer=False), True
+        return load_source(ModelSpec(path, path.name, kind, config=config), dtype=dtype, device=device,
+                           stream=stream and kind != "megatron", with_tokenizer=False), True
     if hasattr(model, "layers") and (hasattr(model, "logits") or hasattr(model, "stream_removal")):
         return model, False
     from megatron_jreg.checkpoints.model import MegatronModel
@@ -335,7 +293,7 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
         ks = check_top_k(top_k, source.num_layers)
         batches = [(w[:, :-1].contiguous(), torch.ones_like(w[:, :-1]), w[:, 1:].contiguous())
                    for w in windows.split(batch_size)]
-        bar = _bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", progress)
+        bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", progress, "layer")
         try:
             totals = removal_totals(source, batches, ks, bar.update)
         finally:
@@ -344,9 +302,3 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
     finally:
         if owned:
             source.close()
-
-
-def _bar(total: int, label: str, enabled: bool) -> Any:
-    from megatron_jreg.analysis.measure import progress_bar
-
-    return progress_bar(total, label, enabled, unit="layer")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megatron_jreg.analysis.measure import ModelResult
@@ -149,7 +150,7 @@ def format_table(results: list[ModelResult]) -> str:
 def result_record(result: ModelResult) -> dict:
     """The results.json entry of one model: the table row, every layer's figures and the raw totals."""
     rise_layer, rise = result.largest_rise
-    record = {
+    return {
         **{key: _finite(value) for key, value in summary_row(result).items()},
         "path": result.path,
         "kind": result.kind,
@@ -174,7 +175,6 @@ def result_record(result: ModelResult) -> dict:
         "streamed": result.streamed,
         "peak_memory_bytes": result.peak_memory_bytes,
     }
-    return record
 
 
 def _removal_record(removal: dict | None) -> dict | None:
@@ -194,29 +194,32 @@ def write_results(results: list[ModelResult], settings: dict, output: Path) -> l
     rows = [summary_row(r) for r in results]
     columns = list(TABLE_COLUMNS) + sorted({k for row in rows for k in row if k not in TABLE_COLUMNS},
                                            key=lambda k: (k != "base_ce", len(k), k))
-    with open(paths[1], "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(paths[2], "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "step", "layer", "layer_normalized", "psi", "zeta", "tokens", "residual_norm",
-                         "delta_ce", "distance", "positions"])
-        for r in results:
-            zeta = [None, *r.zeta]
-            norms = r.residual_norms[1:] or [None] * r.num_layers
-            delta = r.removal["delta_ce"] if r.removal else [None] * r.num_layers
-            for layer, (psi, z, n, norm, d) in enumerate(zip(r.psi, zeta, r.counts, norms, delta), start=1):
-                writer.writerow([r.label, r.step, layer, normalized_depth(layer, r.num_layers), psi, z, n, norm, d,
-                                 r.distance, r.positions])
-    with open(paths[3], "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "step", "layer", "n", "distance_value", "distance", "positions"])
-        for r in results:
-            for n, row in enumerate(r.layer_distances, start=1):
-                for layer, value in enumerate(row):
-                    writer.writerow([r.label, r.step, layer, n, value, r.distance, r.positions])
+    _write_csv(paths[1], columns, ([row.get(c) for c in columns] for row in rows))
+    _write_csv(paths[2], ["model", "step", "layer", "layer_normalized", "psi", "zeta", "tokens", "residual_norm",
+                          "delta_ce", "distance", "positions"],
+               _layer_rows(results))
+    _write_csv(paths[3], ["model", "step", "layer", "n", "distance_value", "distance", "positions"],
+               ([r.label, r.step, layer, n, value, r.distance, r.positions]
+                for r in results for n, row in enumerate(r.layer_distances, start=1)
+                for layer, value in enumerate(row)))
     return paths
+
+
+def _layer_rows(results: list[ModelResult]) -> Iterator[list]:
+    for r in results:
+        empty = [None] * r.num_layers
+        columns = zip(r.psi, [None, *r.zeta], r.counts, r.residual_norms[1:] or empty,
+                      r.removal["delta_ce"] if r.removal else empty)
+        for layer, (psi, zeta, tokens, norm, delta) in enumerate(columns, start=1):
+            yield [r.label, r.step, layer, normalized_depth(layer, r.num_layers), psi, zeta, tokens, norm, delta,
+                   r.distance, r.positions]
+
+
+def _write_csv(path: Path, header: list[str], rows: Iterable[list]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
 
 
 def normalized_depth(layer: int, num_layers: int) -> float:

@@ -6,17 +6,18 @@ import contextlib
 import gc
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_jreg.analysis.config import AnalyzeConfig, load_texts, resolve_models
+from megatron_jreg.analysis.loading import ModelSpec, load_source
 from megatron_jreg.analysis.measure import ModelResult, measure
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.plot import write_plots
 from megatron_jreg.analysis.report import format_table, write_results
-from megatron_jreg.analysis.source import AnalysisError, load_source
+from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
 from megatron_jreg.errors import ModelFileError, one_line
 
@@ -31,7 +32,7 @@ _MODEL_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError,
 
 
 @contextlib.contextmanager
-def _model_failures(spec):  # noqa: ANN001 - a ModelSpec
+def _model_failures(spec: ModelSpec) -> Iterator[None]:
     """One line instead of a traceback when the model's own code fails on its config or the samples (e.g. a
     config whose rotary width exceeds its heads); our own refusals pass through unchanged."""
     try:
@@ -66,7 +67,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
         for spec in specs:
             if spec.kind.startswith("unreadable"):
                 continue
-            reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path)
+            reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path, spec.config)
             if reason:
                 raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
     texts = load_texts(cfg.data, cfg.num_samples)
@@ -101,11 +102,12 @@ def _write(results: list[ModelResult], cfg: AnalyzeConfig) -> list[Path]:
     return write_results(results, cfg.settings(), cfg.output) + write_plots(results, cfg.output)
 
 
-def _measure_one(cfg: AnalyzeConfig, spec, texts: list[str], tag: str, log: Callable[[str], None]) -> ModelResult:  # noqa: ANN001
+def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str, log: Callable[[str], None]
+                 ) -> ModelResult:
     """Load, measure and release one model; checks its figures (finite, hidden states not all zero)."""
     stream = cfg.stream
     if stream is None and spec.kind == "hf":
-        stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device)
+        stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device, spec.config)
         log(f"{tag} {spec.path} ({spec.kind}): {why}")
     log(f"{tag} {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
     with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):

@@ -1,34 +1,33 @@
 """Hidden-state sources: what the analysis needs from a model, whatever framework it comes from.
 
 A source turns a batch of token ids into per-layer displacement sums. Hugging Face / GGUF models
-(`hf_source.py`) and megatron-jreg checkpoints (`megatron_source.py`) implement the same protocol, so
-batching, accumulation, reporting and plots (`measure.py`, `report.py`, `plot.py`) never see the
-framework.
+(`hf_source.py`, `stream_source.py`) and megatron-jreg checkpoints (`megatron_source.py`) implement the same
+protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.py`, `plot.py`) never see the
+framework; `loading.py` picks the source for a path.
 
-`LayerDisplacementHooks` is the part both share: forward hooks on the decoder layers themselves that
-reduce each layer's (h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward
-pass runs, so no more than one layer's input and output are alive at a time for the measurement.
+What the sources share lives here: forward hooks on the decoder layers themselves that reduce each layer's
+(h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward pass runs
+(`LayerDisplacementHooks`), so no more than one layer's input and output are alive at a time for the
+measurement; the hidden states h_0..h_L kept at the measured tokens (`LayerStates`); and layers told to answer
+with recorded outputs instead of computing (`planned_layers`, for layer streaming and layer removal).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
-from megatron_jreg.checkpoints.files import is_checkpoint
 from megatron_jreg.errors import JregError
-from megatron_jreg.model_files import check_model_folder
 
 # The convention labels that end up in results.json and in the plot legends.
 LAYER_IO = "decoder layer input/output (hooks)"
 FINAL_NORM = "output_hidden_states (final norm applied to the last layer's output)"
-
 
 
 class AnalysisError(JregError, ValueError):
@@ -40,7 +39,7 @@ class UnsupportedArchitectureError(AnalysisError):
 
 
 class HiddenStateSource(Protocol):
-    """A model the analysis can measure: `HFSource`, `MegatronSource`, `StreamingSource`.
+    """A model the analysis can measure: `HFSource`, `MegatronSource`, `StreamingSource` (which subclass it).
 
     Attributes:
         label: short name for tables and legends.
@@ -63,13 +62,14 @@ class HiddenStateSource(Protocol):
         ...
 
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """Per-layer displacement sums over the real tokens of one batch.
+        """Per-layer displacement sums over the real tokens of one batch (the sources inherit this).
 
         input_ids[b, t] (int64), attention_mask[b, t] (1 = real token; left or right padding) on the
         CPU → (sums[L], counts[L]), float64 on the CPU: sums[ℓ-1] = Σ over real tokens of d(h_{ℓ-1}, h_ℓ)
         with d from `jreg.token_displacement(kind)`, counts[ℓ-1] = number of real tokens.
         """
-        ...
+        stats = self.layer_stats(input_ids, attention_mask, kind)
+        return stats["sums"], stats["counts"]
 
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
                     ) -> dict[str, Tensor]:
@@ -103,6 +103,12 @@ def real_rows(mask: Tensor | None) -> Tensor | None:
     return mask.reshape(-1).nonzero().squeeze(1)
 
 
+def last_token_mask(mask: Tensor) -> Tensor:
+    """mask[b, t] (1 = real) → bool [b, t] true at each row's last real token (`--positions last`)."""
+    real = mask.bool()
+    return real & real.long().cumsum(1).eq(real.long().sum(1, keepdim=True))
+
+
 def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:
     """(Σ d, count) over the real tokens of h_in[..., h], h_out[..., h]; rows from `real_rows(mask)`.
 
@@ -113,11 +119,7 @@ def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, ki
     as orthogonal, 0.5), so broken weights show as a NaN Ψ, which `run_analysis` refuses; without a
     host sync.
     """
-    if rows is not None:
-        width = h_in.shape[-1]
-        rows = rows.to(h_in.device)
-        h_in = h_in.reshape(-1, width).index_select(0, rows)
-        h_out = h_out.reshape(-1, width).index_select(0, rows)
+    h_in, h_out = gather_rows(h_in, rows), gather_rows(h_out, rows)
     total, count = jreg.displacement_sum(h_in, h_out, None, kind)
     finite = torch.isfinite(h_in).all() & torch.isfinite(h_out).all()
     return torch.where(finite, total, torch.full_like(total, float("nan"))), count
@@ -130,6 +132,59 @@ def first_tensor(value: Any) -> Tensor | None:
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
         return value[0]
     return None
+
+
+def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+    """A decoder layer's input hidden states: its first positional argument or its `hidden_states=` keyword
+    (Hugging Face decoder layers and megatron-core's TransformerLayer both pass them so)."""
+    h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+    if not isinstance(h, Tensor):
+        raise UnsupportedArchitectureError(f"{type(module).__name__} (a decoder layer) was called without its hidden "
+                                           "states as first argument or `hidden_states=` keyword; cannot capture "
+                                           "its input")
+    return h
+
+
+def with_hidden(output: Any, hidden: Tensor) -> Any:
+    """`output` (a layer's return value: the hidden states, or a tuple starting with them, e.g. megatron's
+    (hidden_states, context)) with its hidden states replaced by `hidden`."""
+    if isinstance(output, Tensor):
+        return hidden
+    return type(output)((hidden, *output[1:]))
+
+
+def _own_input(layer: nn.Module, answer: Any, *args: Any, **kwargs: Any) -> Any:
+    """A skipped layer's answer: its input, in the structure of `answer`."""
+    return with_hidden(answer, layer_input(layer, args, kwargs))
+
+
+@contextlib.contextmanager
+def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, skipped: Sequence[int] = ()
+                   ) -> Iterator[None]:
+    """Within the block: layers[:answering] return `answer` without computing (a recorded output of layer
+    `answering`, so the next layer receives it), layers[i] for i in `skipped` return their input in the
+    structure of `answer`, the rest compute. Instance `forward`s are set and removed; hooks stay."""
+    touched = []
+    try:
+        for i in range(answering):
+            layers[i].forward = lambda *args, **kwargs: answer
+            touched.append(layers[i])
+        for i in skipped:
+            layers[i].forward = functools.partial(_own_input, layers[i], answer)
+            touched.append(layers[i])
+        yield
+    finally:
+        for layer in touched:
+            if "forward" in vars(layer):
+                del layer.forward
+
+
+def progress_bar(total: int, label: str, enabled: bool, unit: str = "tok") -> Any:
+    """A tqdm bar on stderr (with its rate and time left); a silent one when disabled."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit=unit, unit_scale=True, leave=True, dynamic_ncols=True,
+                disable=not enabled)
 
 
 class LayerDisplacementHooks:
@@ -167,12 +222,7 @@ class LayerDisplacementHooks:
 
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            h_in = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
-            if not isinstance(h_in, Tensor):
-                raise UnsupportedArchitectureError(
-                    f"{type(module).__name__} (decoder layer {index + 1}) was called without its hidden "
-                    "states as first argument or `hidden_states=` keyword; cannot capture its input"
-                )
+            h_in = layer_input(module, args, kwargs)
             if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
                 raise ValueError(
                     f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
@@ -242,29 +292,16 @@ class LayerStates:
         self.states: list[Tensor | None] = [None] * (len(self.layers) + 1)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def _gather(self, h: Tensor) -> Tensor:
-        return gather_rows(h, self.rows)
+    def _keep(self, index: int, h: Tensor | None) -> None:
+        if h is not None:
+            self.states[index] = gather_rows(h, self.rows)
 
     def __enter__(self) -> LayerStates:
-        def first_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
-            if isinstance(h, Tensor):
-                self.states[0] = self._gather(h)
-
-        self._handles.append(self.layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
-        for i, layer in enumerate(self.layers):
-            if self.last is not None and i == len(self.layers) - 1:
-                break
-
-            def output(module: nn.Module, args: tuple, out: Any, i: int = i) -> None:
-                h = first_tensor(out)
-                if h is not None:
-                    self.states[i + 1] = self._gather(h)
-
-            self._handles.append(layer.register_forward_hook(output))
-        if self.last is not None:
-            self._handles.append(self.last.register_forward_hook(
-                lambda m, a, out: self.states.__setitem__(-1, self._gather(first_tensor(out)))))
+        self._handles.append(self.layers[0].register_forward_pre_hook(
+            lambda m, args, kwargs: self._keep(0, layer_input(m, args, kwargs)), with_kwargs=True))
+        outputs = self.layers if self.last is None else [*self.layers[:-1], self.last]
+        for i, module in enumerate(outputs, 1):
+            self._handles.append(module.register_forward_hook(lambda m, a, out, i=i: self._keep(i, first_tensor(out))))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -275,9 +312,6 @@ class LayerStates:
             missing = [i for i, s in enumerate(self.states) if s is None]
             raise UnsupportedArchitectureError(f"hidden states h_ℓ for ℓ in {missing} were not seen in the forward "
                                                "pass")
-
-
-STATE_FIELDS = ("norm_sums", "zero_tokens", "distance_sums")
 
 
 def state_totals(states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:
@@ -313,75 +347,3 @@ def batch_stats(sums: Tensor, counts: Tensor, states: Sequence[Tensor], kind: st
     parts = flat.split([num, num, size, size, size * size])
     return {"sums": parts[0], "counts": parts[1], "norm_sums": parts[2], "zero_tokens": parts[3],
             "distance_sums": parts[4].reshape(size, size)}
-
-
-# --------------------------------------------------------------------------------------------------
-# What a --model path is, and loading it.
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model to measure: `kind` is "hf" (folder), "gguf" (file) or "megatron" (checkpoint dir)."""
-
-    path: Path
-    label: str
-    kind: str
-    step: int | None = None
-    revision: str | None = None
-    """The Hugging Face revision it was resolved at (`--revision`), when one was named."""
-    flag: str = "--model"
-    """The flag that named it: "--model" or "--checkpoints" (a series, whose unreadable members are skipped)."""
-
-
-def is_gguf_file(path: Path) -> bool:
-    """A GGUF file: by its magic bytes, so a renamed file still counts."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-def model_kind(path: Path, flag: str = "--model") -> str:
-    """ "hf", "gguf" or "megatron" for a path given to `flag`; an AnalysisError says what was expected."""
-    if not path.exists():
-        raise AnalysisError(f"{flag} {path}: no such file or directory")
-    if is_gguf_file(path):
-        return "gguf"
-    if path.is_dir() and (path / "config.json").exists():
-        check_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here, before any load
-        return "hf"
-    if is_checkpoint(path):
-        return "megatron"
-    raise AnalysisError(
-        f"{flag} {path}: not a Hugging Face model folder (no config.json), a GGUF file, or a megatron-jreg "
-        "checkpoint directory (latest_checkpointed_iteration.txt or iter_*/ folders); point it at one of these"
-    )
-
-
-def load_source(
-    spec: ModelSpec,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    include_final_norm: bool = False,
-    tokenizer: str | None = None,
-    stream: bool = False,
-) -> HiddenStateSource:
-    """Build the source for one model; framework imports happen here, lazily. `stream`: read a Hugging
-    Face folder one layer at a time (`stream_source.py`) instead of loading it."""
-    if stream and spec.kind != "hf":
-        raise AnalysisError(f"--stream: {spec.path} is a {spec.kind} model; streaming reads Hugging Face folders")
-    if spec.kind == "megatron":
-        from megatron_jreg.analysis.megatron_source import load_megatron_source as load
-    elif stream:
-        from megatron_jreg.analysis.stream_source import load_stream_source as load
-    else:
-        from megatron_jreg.analysis.hf_source import load_hf_source as load
-    return load(
-        spec.path,
-        label=spec.label,
-        dtype=dtype,
-        device=device,
-        include_final_norm=include_final_norm,
-        tokenizer=tokenizer,
-    )

@@ -21,7 +21,6 @@ cannot build as a causal LM. Checkpoint tensors transformers ignores on load (le
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -35,37 +34,37 @@ from torch import Tensor, nn
 
 from megatron_jreg.analysis.hf_source import (
     HEAD,
-    _expected_layers,
-    encode_texts,
+    HFSource,
+    auto_config,
+    expected_layers,
     find_decoder_layers,
+    load_tokenizer,
     other_towers,
-    padding_id,
+    run_forward,
     text_decoder,
 )
 from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
-    FINAL_NORM,
-    LAYER_IO,
-    STATE_FIELDS,
     AnalysisError,
     UnsupportedArchitectureError,
-    batch_stats,
     first_tensor,
     gather_rows,
+    layer_input,
     masked_displacement_sum,
+    planned_layers,
     real_rows,
+    state_totals,
+    with_hidden,
 )
 from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
 from megatron_jreg.errors import IncompleteWeightsError
 from megatron_jreg.hub import check_loading_info
-from megatron_jreg.model_files import declared_context, read_config
 
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
 
 
 class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the forward stops after layer ℓ
-    def __init__(self, output: Any):
-        self.output = output
+    pass
 
 
 @dataclass
@@ -113,26 +112,23 @@ def _shared_parameters(model: nn.Module, layer_path: str) -> list[str]:
 
 
 def not_streamable(folder: Path, config: Any = None) -> str | None:
-    """Why layer streaming cannot read `folder` (a sentence), or None when it can."""
-    from transformers import AutoConfig
+    """Why layer streaming cannot read `folder` (a sentence), or None when it can. config: its transformers
+    config when the caller has read it (`loading.identify`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    raw = read_config(folder, "--model")
     if not any(Path(folder).glob("*.safetensors")):
         return "no *.safetensors weights (streaming reads safetensors only)"
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) \
-            else "?"
+    config = config or auto_config(folder)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", "?")
         return f"quantized weights ({method}): transformers' quantizer must load them whole"
-    try:
-        config = config or AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as e:
-        return f"transformers cannot read its config ({str(e).splitlines()[0][:150]})"
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return f"model_type {raw['model_type']!r} has no transformers causal-LM class"
+        return f"model_type {config.model_type!r} has no transformers causal-LM class"
     try:
         model = _skeleton(config, torch.float32)
-        layer_path, _ = find_decoder_layers(text_decoder(model), _expected_layers(config))
+        layer_path, _ = find_decoder_layers(text_decoder(model), expected_layers(config))
     except UnsupportedArchitectureError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a model transformers cannot build on the meta device
@@ -167,7 +163,7 @@ def available_bytes(device: torch.device) -> int:
     return available
 
 
-def should_stream(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+def should_stream(folder: Path, dtype: torch.dtype, device: torch.device, config: Any = None) -> tuple[bool, str]:
     """(stream?, why) for `--stream` left to auto: stream when the weights in `dtype`, with headroom for
     activations, exceed the free memory of `device` and the model can be streamed; a model that would
     need streaming but cannot be streamed is said so, with the reason, before it is loaded whole."""
@@ -180,7 +176,7 @@ def should_stream(folder: Path, dtype: torch.dtype, device: torch.device) -> tup
     sizes = f"the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
     if need * HEADROOM <= free:
         return False, f"in memory: {sizes}"
-    reason = not_streamable(folder)
+    reason = not_streamable(folder, config)
     if reason is not None:
         return False, f"in memory although {sizes}, because --stream cannot read this model: {reason}"
     return True, f"streaming layer by layer: {sizes}"
@@ -200,23 +196,11 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-@contextmanager
-def _replaced_forwards(layers: Sequence[nn.Module], outputs: Any):
-    """Layers answer with `outputs` instead of computing (their class, attributes and hooks stay)."""
-    for layer in layers:
-        layer.forward = lambda *args, **kwargs: outputs
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
-
-
-class StreamingSource:
+class StreamingSource(HFSource):
     """A Hugging Face folder measured layer by layer from safetensors (see the module docstring).
 
-    Implements `HiddenStateSource` for encoding and `stream_stats` for measuring: a streamed model cannot
-    measure one batch through all layers (`layer_sums`), only all batches through one layer at a time.
+    An `HFSource` whose parameters stay on the meta device until their layer is read: it measures all batches
+    through one layer at a time (`stream_stats`, `stream_removal`) rather than one batch through all layers.
     """
 
     def __init__(
@@ -228,13 +212,13 @@ class StreamingSource:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         include_final_norm: bool = False,
+        config: Any = None,
     ):
-        from transformers import AutoConfig
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         return_large_blocks_to_the_os()  # a dropped layer leaves the resident set (see memory.py)
         self.folder = Path(folder)
-        config = AutoConfig.from_pretrained(str(self.folder), local_files_only=True, trust_remote_code=False)
+        config = config or auto_config(self.folder)
         reason = not_streamable(self.folder, config)
         if reason is not None:
             raise AnalysisError(f"--model {folder}: --stream cannot read this model: {reason}; drop --stream")
@@ -243,24 +227,12 @@ class StreamingSource:
         except WeightsError as e:
             raise AnalysisError(f"--model {folder}: {e}") from None
         self.dtype = dtype
+        super().__init__(_skeleton(config, dtype, device), tokenizer, label, include_final_norm)
         self.device = torch.device(device)
-        self.model = _skeleton(config, dtype, self.device)
-        self.config = self.model.config
-        self.base = text_decoder(self.model)
-        self._towers = other_towers(config)  # a multimodal checkpoint's vision/audio parts: not read
         self.model_class = f"{type(self.model).__name__} (streamed)"
-        self.label = label
-        self.tokenizer = tokenizer
-        self.include_final_norm = include_final_norm
-        self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        self.context_length = declared_context(config)
-        self.vocab_size = getattr(config.get_text_config(), "vocab_size", None)
-        self.pad_id = padding_id(tokenizer) if tokenizer is not None else 0
-        self.layer_path, self.layers = find_decoder_layers(self.base, _expected_layers(config))
-        self.num_layers = len(self.layers)
+        self._towers = other_towers(config)  # a multimodal checkpoint's vision/audio parts: not read
         self._mapping = get_model_conversion_mapping(self.model)
         self._base_prefix = next(n for n, m in self.model.named_modules() if m is self.base)
-        self._pass_positions = "position_ids" in inspect.signature(self.base.forward).parameters
         self._groups, self._embedding = self._plan()
         self._load(self._groups["rest"], "the modules outside the decoder layers")
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -361,15 +333,14 @@ class StreamingSource:
         except IncompleteWeightsError as e:
             raise AnalysisError(str(e)) from None
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        if self.tokenizer is None:
-            raise AnalysisError(f"{self.label}: loaded without a tokenizer; pass token ids, or load it with one")
-        return encode_texts(self.tokenizer, texts)
-
-    def _embed_rows(self, batches: Sequence[tuple[Tensor, Tensor]]) -> torch.utils.hooks.RemovableHandle:
-        """Give the input embedding only the rows of the tokens in use, and a hook that maps token ids to
-        those rows; the model's own embedding module (its scaling included) then runs as usual."""
-        used = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches]))
+    def _start(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], select: bool = True
+               ) -> tuple[torch.utils.hooks.RemovableHandle, list[_Batch]]:
+        """(hook, batches on the device) for right-padded (ids[b, t], mask[b, t], select[b, t] or targets) batches:
+        the input embedding gets only the rows of the tokens in use, and a hook (removed by the caller) maps
+        token ids to those rows; the model's own embedding module (its scaling included) then runs as usual."""
+        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
+            raise ValueError("layer streaming needs right-padded batches (padding_side='right')")
+        used = torch.unique(torch.cat([ids.reshape(-1) for ids, _, _ in batches]))
         file_key, _ = self._embedding
         vocab = self.weights.tensors[file_key].shape[0]
         if int(used[-1]) >= vocab or int(used[0]) < 0:
@@ -385,15 +356,9 @@ class StreamingSource:
         def to_rows(_module: nn.Module, args: tuple) -> tuple:
             return (torch.searchsorted(used, args[0]), *args[1:])
 
-        return module.register_forward_pre_hook(to_rows)
-
-    def _forward(self, batch: _Batch, output_hidden_states: bool) -> Any:
-        kwargs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.mask, "use_cache": False}
-        if self._pass_positions:
-            kwargs["position_ids"] = (batch.mask.long().cumsum(-1) - 1).clamp_min(0)
-        if output_hidden_states:
-            kwargs["output_hidden_states"] = True
-        return self.base(**kwargs)
+        on = [(ids.to(self.device), mask.to(self.device), rows.to(self.device)) for ids, mask, rows in batches]
+        return module.register_forward_pre_hook(to_rows), [
+            _Batch(ids, mask, real_rows(rows) if select else None, int(mask.sum())) for ids, mask, rows in on]
 
     def _advance(self, i: int, batch: _Batch, output_hidden_states: bool = False) -> tuple[Tensor | None, Any]:
         """Batch through layer i, the layers before it answering with `batch.output` (their recorded output);
@@ -403,19 +368,19 @@ class StreamingSource:
         captured: dict[str, Tensor] = {}
 
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            captured["h_in"] = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+            captured["h_in"] = layer_input(module, args, kwargs)
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             batch.output = output
             if not output_hidden_states:
-                raise _LayerDone(output)
+                raise _LayerDone
 
         handles = [layer.register_forward_pre_hook(pre, with_kwargs=True),
                    layer.register_forward_hook(post, with_kwargs=True)]
         try:
-            with _replaced_forwards(self.layers[:i], batch.output):
+            with planned_layers(self.layers, batch.output, i):
                 try:
-                    out = self._forward(batch, output_hidden_states=output_hidden_states)
+                    out = run_forward(self.base, batch.ids, batch.mask, output_hidden_states=output_hidden_states)
                 except _LayerDone:
                     out = None
         finally:
@@ -458,13 +423,7 @@ class StreamingSource:
         h_0..h_L of the selected tokens are kept on the CPU for the distances between any two layers
         ((L + 1) × selected tokens × hidden × dtype bytes). on_batch(real tokens) after each batch of each layer.
         """
-        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
-            raise ValueError("stream_stats needs right-padded batches (padding_side='right')")
-        hook = self._embed_rows([(ids, mask) for ids, mask, _ in batches])
-        state = []
-        for ids, mask, select in batches:
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            state.append(_Batch(ids, mask, real_rows(select.to(self.device)), int(mask.sum())))
+        hook, state = self._start(batches)
         kept: list[list[Tensor]] = [[] for _ in state]
         pairs = []
         try:
@@ -484,16 +443,10 @@ class StreamingSource:
                 pairs.append(torch.stack(partial))  # [batches, 2]
         finally:
             hook.remove()
-        table = torch.stack(pairs).double().sum(1)  # [L, 2]
-        totals = None
-        for states in kept:
-            batch_totals = batch_stats(table[:, 0], table[:, 1], [h.to(self.device) for h in states], kind)
-            if totals is None:
-                totals = batch_totals
-            else:
-                for key in STATE_FIELDS:
-                    totals[key] += batch_totals[key]
-        return totals
+        table = torch.stack(pairs).double().sum(1).cpu()  # [L, 2]
+        per_batch = [state_totals([h.to(self.device) for h in states], kind) for states in kept]
+        totals = {key: sum(t[key].cpu() for t in per_batch) for key in per_batch[0]}
+        return {"sums": table[:, 0], "counts": table[:, 1], **totals}
 
     def _load_head(self) -> None:
         """Read the LM head (the embedding table, whole, when the two are tied), for layer removal."""
@@ -517,34 +470,27 @@ class StreamingSource:
     def _logits(self, batch: _Batch, output: Any) -> Tensor:
         """logits[b, t, V] of the causal LM when the last decoder layer's output is `output` (every layer
         answers with it): the final norm, the head and whatever the family does after the layers."""
-        kwargs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.mask, "use_cache": False}
-        if self._pass_positions:
-            kwargs["position_ids"] = (batch.mask.long().cumsum(-1) - 1).clamp_min(0)
-        with _replaced_forwards(self.layers, output):
-            return self.model(**kwargs).logits
+        with planned_layers(self.layers, output, self.num_layers):
+            return self.logits(batch.ids, batch.mask)
 
     @torch.no_grad()
     def stream_removal(
         self,
         batches: Sequence[tuple[Tensor, Tensor, Tensor]],
         top_k: Sequence[int],
+        ce_sum: Callable[[Tensor, Tensor], Tensor],
         on_pass: Callable[[int], None] | None = None,
-    ) -> tuple[Tensor, int]:
-        """Layer removal (`removal.py`) one layer in memory at a time: (Σ CE [1 + L + len(top_k)] float64 of
-        [model, without layer 1..L, without the top k], predicted tokens).
+    ) -> Tensor:
+        """Layer removal (`removal.py`) one layer in memory at a time: Σ CE [1 + L + len(top_k)] float64 of
+        [model, without layer 1..L, without the top k], each batch scored by ce_sum(logits, targets).
 
         batches: right-padded (ids[b, t], mask[b, t], targets[b, t]). Layer-major like `stream_stats`: the
         variant without layer ℓ forks from the model's state before layer ℓ and then passes the layers above
         it; the variant without the top k layers is the model's state after layer L − k. Memory: up to L + 1
         states of all samples' hidden states at the top of the stack. on_pass(layers) per batch and pass.
         """
-        from megatron_jreg.analysis.removal import IGNORE, ce_sum, with_hidden
-
-        if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
-            raise ValueError("stream_removal needs right-padded batches")
         self._load_head()
-        hook = self._embed_rows([(ids, mask) for ids, mask, _ in batches])
-        base = [_Batch(ids.to(self.device), mask.to(self.device), None, int(mask.sum())) for ids, mask, _ in batches]
+        hook, base = self._start(batches, select=False)
         targets = [t.to(self.device) for _, _, t in batches]
         skips: dict[int, list[_Batch]] = {}
         finals: dict[int, list[Any]] = {}  # k → the model's output after layer L − k, per batch
@@ -580,13 +526,7 @@ class StreamingSource:
             tick(len(base))
         finally:
             hook.remove()
-        tokens = sum(int((t != IGNORE).sum()) for t in targets)
-        return torch.stack(sums).double().cpu(), tokens
-
-    def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """One batch through all layers (reads every layer once per call: use `stream_stats` for many)."""
-        stats = self.layer_stats(input_ids, attention_mask, kind)
-        return stats["sums"], stats["counts"]
+        return torch.stack(sums).double().cpu()
 
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
                     ) -> dict[str, Tensor]:
@@ -594,7 +534,8 @@ class StreamingSource:
         return self.stream_stats([(input_ids, attention_mask, attention_mask if select is None else select)], kind)
 
     def close(self) -> None:
-        del self.model, self.base, self.layers, self.weights
+        super().close()
+        del self.weights
 
 
 def load_stream_source(
@@ -606,16 +547,10 @@ def load_stream_source(
     include_final_norm: bool = False,
     tokenizer: str | None = None,
     with_tokenizer: bool = True,
+    config: Any = None,
 ) -> StreamingSource:
     """A local Hugging Face folder (never downloads) as a layer-streaming source; with_tokenizer=False: token
-    ids come from the caller."""
-    from megatron_jreg.analysis.hf_source import load_tokenizer
-
-    return StreamingSource(
-        Path(path),
-        load_tokenizer(Path(path), None, tokenizer) if with_tokenizer else None,
-        label,
-        dtype=dtype,
-        device=device,
-        include_final_norm=include_final_norm,
-    )
+    ids come from the caller; config: its transformers config when the caller has read it."""
+    tok = load_tokenizer(Path(path), None, tokenizer) if with_tokenizer else None
+    return StreamingSource(Path(path), tok, label, dtype=dtype, device=device, include_final_norm=include_final_norm,
+                           config=config)

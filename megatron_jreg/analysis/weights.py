@@ -10,62 +10,24 @@ the file (a truncated download) instead of a bus error.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from megatron_jreg.model_files import (
-    TensorEntry,
-    WeightsError,
-    read_safetensors_folder,
-    read_safetensors_header,
-    safetensors_sources,
-)
+from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder, safetensors_sources
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: its file, dtype, shape and absolute byte range [start, end)."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, every byte range checked (`model_files.read_safetensors_header`)."""
-    return {name: _info(entry) for name, entry in read_safetensors_header(path).items()}
-
-
-def _info(entry: TensorEntry) -> TensorInfo:
-    dtype = DTYPES.get(entry.dtype)
-    if dtype is None:
+def _streamable(entry: TensorEntry) -> TensorEntry:
+    if entry.dtype not in DTYPES:
         raise WeightsError(f"{entry.file}: dtype {entry.dtype} cannot be streamed (supported: {', '.join(DTYPES)}); "
                            "analyze the model without --stream")
-    return TensorInfo(entry.file, dtype, entry.shape, entry.start, entry.end)
+    return entry
 
 
 class SafetensorsFolder:
@@ -80,13 +42,14 @@ class SafetensorsFolder:
                 f"{self.folder}: no *.safetensors weights (layer streaming reads safetensors only); convert the "
                 "model with `save_pretrained(..., safe_serialization=True)` or analyze it without --stream"
             )
-        self.tensors = {name: _info(entry) for name, entry in read_safetensors_folder(self.folder).items()}
+        self.tensors = {name: _streamable(entry) for name, entry in read_safetensors_folder(self.folder).items()}
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of all tensors, as stored or converted to `dtype`."""
-        return sum(t.numel * (dtype.itemsize if dtype else t.dtype.itemsize) for t in self.tensors.values())
+        return sum(t.numel * (dtype or DTYPES[t.dtype]).itemsize for t in self.tensors.values())
 
-    def _read(self, f, info: TensorInfo, start: int, nbytes: int) -> torch.Tensor:
+    @staticmethod
+    def _read(f: BinaryIO, info: TensorEntry, start: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         f.seek(start)
         if f.readinto(buf.numpy()) != nbytes:
@@ -106,7 +69,7 @@ class SafetensorsFolder:
                     current, f = path, open(path, "rb")
                 info = self.tensors[name]
                 buf = self._read(f, info, info.start, info.end - info.start)
-                out[name] = buf.view(info.dtype).reshape(info.shape)
+                out[name] = buf.view(DTYPES[info.dtype]).reshape(info.shape)
         finally:
             if f is not None:
                 f.close()
@@ -116,9 +79,9 @@ class SafetensorsFolder:
         """Rows `ids` (sorted, distinct) of a 2-D tensor, e.g. the embeddings of the tokens in use,
         read in contiguous runs: [len(ids), width] in the stored dtype."""
         info = self.tensors[name]
-        width = info.shape[1]
-        row_bytes = width * info.dtype.itemsize
-        out = torch.empty((len(ids), width), dtype=info.dtype)
+        dtype, width = DTYPES[info.dtype], info.shape[1]
+        row_bytes = width * dtype.itemsize
+        out = torch.empty((len(ids), width), dtype=dtype)
         with open(info.file, "rb") as f:
             i = 0
             while i < len(ids):
@@ -127,6 +90,6 @@ class SafetensorsFolder:
                     j += 1
                 start = info.start + ids[i] * row_bytes
                 buf = self._read(f, info, start, (j - i + 1) * row_bytes)
-                out[i : j + 1] = buf.view(info.dtype).reshape(j - i + 1, width)
+                out[i : j + 1] = buf.view(dtype).reshape(j - i + 1, width)
                 i = j + 1
         return out
