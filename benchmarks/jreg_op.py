@@ -5,7 +5,9 @@ backward into both hidden states [T, h]. It must move at least 6·T·h elements 
 backward: read them again, write their two gradients); the floor is a plain copy of 3·T·h elements
 (`dst.copy_(src)`, read + written: the same bytes) on the same device. Op and floor alternate over repeated
 rounds (medians), after a warm-up call (which compiles where the op compiles). One profiled call gives the
-aten ops per layer call, and the kernel launches on a GPU.
+aten ops per layer call, and the kernel launches on a GPU. Also timed: allocating and first touching two
+[T, h] tensors, part of the op's time (its gradients are fresh tensors): on CPU that is page faults, which
+THP_MEM_ALLOC_ENABLE=1 (torch's switch for huge pages) cuts.
 
     python benchmarks/jreg_op.py                               # CPU: [16384, 768 | 2048 | 3072] × bf16, fp32
     python benchmarks/jreg_op.py --device cuda --rounds 20     # the GPU check's call
@@ -96,6 +98,9 @@ def measure(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, ro
     ops = {name: op_of(module, kind) for name, module in variants.items()}
     calls: dict[str, Callable[[], object]] = {name: (lambda op=op: op(a, b)) for name, op in ops.items()}
     calls["floor"] = lambda: dst.copy_(src)
+    # what the op's time includes for its two fresh gradient tensors: allocating and first touching them (page
+    # faults on CPU; torch's THP_MEM_ALLOC_ENABLE=1 backs them with huge pages)
+    calls["alloc"] = lambda: torch.empty(2 * rows * width, dtype=dtype, device=device).fill_(0)
     for run in calls.values():  # warm-up (compiles where the op compiles)
         run()
     sync()
@@ -179,7 +184,8 @@ def report(results: list[dict], variants: list[str], device: str) -> list[str]:
              f"the same bytes; medians over {results[0]['rounds']} alternated rounds"]
     for r in results:
         head = f"[{r['shape'][0]}, {r['shape'][1]}] {r['dtype']:>8}: floor {1e3 * r['seconds']['floor']:8.1f} ms, " \
-               f"{r['bytes'] / 2**20:7.0f} MiB moved"
+               f"{r['bytes'] / 2**20:7.0f} MiB moved; allocating + first touch of the two gradients " \
+               f"{1e3 * r['seconds']['alloc']:.1f} ms"
         lines.append(head)
         for name in variants:
             v = r[name]
