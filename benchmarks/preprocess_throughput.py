@@ -14,7 +14,8 @@ own HuggingFaceTokenizer.tokenize (what a worker would run without it), one proc
 With `--compare-with DIR` (a folder holding another version's `megatron_jreg` package, e.g. `git archive REV
 megatron_jreg | tar -x -C DIR`) that version runs in the same rounds too, and the last line adds
 `vs_compared=<ours / it>` (processing rates) and `vs_compared_cpu=<its CPU-s / ours>` (CPU-s of the work
-beyond start-up): a change's speed measured side by side with the code before it.
+beyond start-up; meaningful when the work's CPU-s dwarf the spread of start-up's, e.g. with --mb 64 or more):
+a change's speed measured side by side with the code before it.
 
 Megatron-LM is not a dependency: pass its checkout with --megatron-lm; without one the benchmark says so
 and exits 0. `--flags` adds Megatron-LM flags to both command lines (e.g. `--flags "--tokenizer-special-tokens
