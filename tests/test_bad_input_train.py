@@ -117,8 +117,8 @@ def _redirect_storage(ckpt: Path, target: str) -> None:
 
 def _custom_tokenizer(tmp: Path, name: str, tokenizer_class: str) -> Path:
     """A Hugging Face tokenizer folder whose tokenizer_config.json names code that creates tmp/pickle-ran."""
-    from megatron_jreg.analysis.toy import train_tokenizer
     from megatron_jreg.data.text import lambada_passages
+    from tests._toy import train_tokenizer
 
     folder = tmp / name
     train_tokenizer(lambada_passages()[:50], vocab_size=300).save_pretrained(folder)
@@ -151,8 +151,8 @@ def _bad_data(tmp: Path) -> dict[str, str]:
 
 def _plain_tokenizer(tmp: Path) -> Path:
     """A small Hugging Face tokenizer folder (no code of its own)."""
-    from megatron_jreg.analysis.toy import train_tokenizer
     from megatron_jreg.data.text import lambada_passages
+    from tests._toy import train_tokenizer
 
     folder = tmp / "plain-tok"
     train_tokenizer(lambada_passages()[:50], vocab_size=300).save_pretrained(folder)
@@ -184,7 +184,8 @@ def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[l
                              "this run's tokenizer (sha256 "),
         "foreign-save": (TINY + SAVE + ["--save", str(foreign)],
                          f"--save {foreign} holds the checkpoints of another run (iterations 2; tracker at 2) and this "
-                         f"run would overwrite them (it has no --load): add --load {foreign} to continue that run"),
+                         f"run would overwrite them (it has no --load): add --load {foreign} to continue that run, "
+                         "give this run an empty --save, or --overwrite-save"),
         "save-locked": (TINY + SAVE + ["--save", str(locked)],
                         f"--save {locked}: another run is writing there (pid "),
     }

@@ -145,3 +145,30 @@ def test_the_lock_is_released_when_its_holder_process_ends_however_it_ends(tmp_p
         except Exception:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_a_foreign_save_is_refused_unless_loaded_or_overwrite_save(tmp_path):
+    """--save holding another run's checkpoints: refused in one line naming --overwrite-save; allowed when the run
+    loads that folder or says --overwrite-save (the flag Megatron-LM's parser accepts through ours)."""
+    import argparse
+
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.training.run_folder import _refuse_foreign
+
+    _iteration(tmp_path, 8)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("8")
+    args = argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=False)
+    with pytest.raises(UsageError, match=r"holds the checkpoints of another run \(iterations 8.*or --overwrite-save"):
+        _refuse_foreign(args, None)
+    _refuse_foreign(args, str(tmp_path))  # continuing that run
+    _refuse_foreign(argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True), None)
+
+
+def test_overwrite_save_is_a_train_flag():
+    import argparse
+
+    from megatron_jreg.training.arguments import add_jreg_args
+
+    parser = add_jreg_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--overwrite-save"]).jreg_overwrite_save is True
+    assert parser.parse_args([]).jreg_overwrite_save is False

@@ -115,8 +115,12 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "devices, CUDA_VISIBLE_DEVICES, a Slurm GPU allocation, several nodes), which is refused "
                         "otherwise; a machine with no sign of a GPU trains on the CPU without it")
     g.add_argument("--no-verify-integrity", dest="jreg_no_verify_integrity", action="store_true",
-                   help="do not record SHA-256 digests at save (default here: Megatron-LM's --verify-integrity) "
-                        "nor verify them at load")
+                   help="do not record SHA-256 digests at save nor verify them at load (default here: every rank "
+                        "digests the files it wrote before the tracker names the save, and verifies its share at "
+                        "load)")
+    g.add_argument("--overwrite-save", dest="jreg_overwrite_save", action="store_true",
+                   help="write into a --save folder that holds another run's checkpoints without --load of it "
+                        "(refused otherwise): matching iterations are overwritten and the tracker moves")
     return parser
 
 
@@ -456,7 +460,6 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     check_pretrain_gpt_flags(args)
     if not args.jreg_no_exit_signal_handler:
         args.exit_signal_handler = True
-    args.verify_integrity = args.verify_integrity or not args.jreg_no_verify_integrity
     if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
         args.tokenizer_type = "GPT2BPETokenizer"
     if cpu:

@@ -290,7 +290,7 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
     loading = f"it loads {root}" if root is not None else "it has no --load"
     raise UsageError(f"--save {args.save} holds the checkpoints of another run (iterations {shown}; "
                      f"{tracker or 'no tracker'}) and this run would overwrite them ({loading}): add --load "
-                     f"{args.save} to continue that run, or give this run an empty --save")
+                     f"{args.save} to continue that run, give this run an empty --save, or --overwrite-save")
 
 
 def _tracker_text(save: Path) -> str | None:
