@@ -210,6 +210,9 @@ RELIED_ON: tuple[Reliance, ...] = (
     Reliance("megatron.training.global_vars._build_tokenizer", "megatron_jreg.training.arguments",
              "private: the tokenizer is built apart from set_global_variables, so that its errors become a "
              "UsageError naming --tokenizer-type/--tokenizer-model", ("args",)),
+    Reliance("megatron.training.arguments._add_tokenizer_args", "megatron_jreg.data.tokenizers",
+             "private: Megatron-LM's tokenizer flags, added to preprocess's parser and read for their defaults as "
+             "its tools/preprocess_data.py does", ("parser",)),
     Reliance("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._init_optimizer_states_with_dummy_values",
              "megatron_jreg.training.checkpointing", "private: gives an unstepped torch Adam its state before a load",
              ("self",)),
