@@ -28,7 +28,6 @@ from megatron_jreg.analysis.removal import (
 from megatron_jreg.analysis.source import (
     AnalysisError,
     HiddenStateSource,
-    LayerStreamingSource,
     last_token_mask,
     progress_bar,
 )
@@ -201,15 +200,13 @@ def measure(
     if not samples:
         raise AnalysisError(f"{spec.label}: no sample has any token; check --data")
     tokens = sum(map(len, samples))
-    streaming = isinstance(source, LayerStreamingSource)
+    streaming = hasattr(source, "stream_stats")  # `StreamingSource`: every batch through one layer at a time
     side = "right" if streaming or remove_layers is not None else padding_side
     batches = [(ids, mask, last_token_mask(mask) if positions == "last" else mask.bool())
                for ids, mask in padded_batches(samples, batch_size, source.pad_id, side)]
-    if streaming:  # every batch through one layer at a time
-        bar = progress_bar(tokens * source.num_layers, f"{spec.label} (layers × tokens)", progress)
-    else:
-        bar = progress_bar(tokens, spec.label, progress)
-    with bar:
+    total, label = (tokens * source.num_layers, f"{spec.label} (layers × tokens)") if streaming else \
+        (tokens, spec.label)
+    with progress_bar(total, label, progress) as bar:
         if streaming:
             stats = source.stream_stats(batches, kind, bar.update)
         else:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,8 @@ from megatron_jreg.analysis.source import (
     AnalysisError,
     first_tensor,
     last_token_mask,
-    layer_input,
     planned_layers,
     progress_bar,
-    with_hidden,
 )
 
 TOP_K = (1, 2, 3)
@@ -57,32 +55,19 @@ class RemovalTotals:
 
     num_layers: int
     top_k: tuple[int, ...]
-    base: float = 0.0
-    skip: list[float] = field(default_factory=list)
-    """Σ CE with layer ℓ skipped, index ℓ−1."""
-    top: list[float] = field(default_factory=list)
-    """Σ CE with the top k layers skipped, aligned with `top_k`."""
+    sums: Tensor | None = None
+    """[1 + L + len(top_k)] = [model, layer 1..L skipped, the top k skipped]."""
     tokens: int = 0
     """Predicted tokens (the same for every variant)."""
 
-    def __post_init__(self) -> None:
-        self.skip = self.skip or [0.0] * self.num_layers
-        self.top = self.top or [0.0] * len(self.top_k)
-
-    def add(self, sums: Tensor, tokens: int) -> None:
-        """sums[1 + L + len(top_k)] float64 = [base, skip_1..skip_L, top_k...] of one batch."""
-        values = sums.tolist()
-        self.base += values[0]
-        self.skip = [a + b for a, b in zip(self.skip, values[1 : 1 + self.num_layers])]
-        self.top = [a + b for a, b in zip(self.top, values[1 + self.num_layers :])]
-        self.tokens += tokens
+    def add(self, sums: Tensor) -> None:
+        """sums[1 + L + len(top_k)] float64 of one batch."""
+        self.sums = sums if self.sums is None else self.sums + sums
 
     def as_dict(self) -> dict:
         """The figures: CE and ΔCE in nats per predicted token (see `DEFINITION`)."""
-        n = self.tokens or math.nan
-        base = self.base / n
-        skip = [s / n for s in self.skip]
-        top = [s / n for s in self.top]
+        ce = (self.sums / (self.tokens or math.nan)).tolist()
+        base, skip, top = ce[0], ce[1 : 1 + self.num_layers], ce[1 + self.num_layers :]
         return {
             "definition": DEFINITION,
             "num_layers": self.num_layers,
@@ -140,14 +125,13 @@ class _Recorder:
         self.layers = layers
         self.outputs: list[Any] = [None] * len(layers)
         self._versions: list[int] = [0] * len(layers)
-        self._handles: list[Any] = []
+
+    def _keep(self, i: int, output: Any) -> None:
+        self.outputs[i], self._versions[i] = output, first_tensor(output)._version
 
     def __enter__(self) -> _Recorder:
-        for i, layer in enumerate(self.layers):
-            def keep(module: nn.Module, args: tuple, output: Any, i: int = i) -> None:
-                self.outputs[i] = output
-                self._versions[i] = first_tensor(output)._version
-            self._handles.append(layer.register_forward_hook(keep))
+        self._handles = [layer.register_forward_hook(lambda m, a, out, i=i: self._keep(i, out))
+                         for i, layer in enumerate(self.layers)]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -173,34 +157,24 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
     """
     layers = source.layers
     num = len(layers)
+    tick = on_pass or (lambda n: None)
     with _Recorder(layers) as recorder:
         sums = [ce_sum(source.logits(ids, mask), targets)]
     outputs = recorder.outputs
-    if on_pass:
-        on_pass(num)
-    h0: dict[str, Tensor] = {}
-    for skip in range(num):
-        if skip == 0:
-            # layer 1 skipped: its output is the embedding output, captured as it enters layer 1
-            handle = layers[0].register_forward_pre_hook(
-                lambda m, a, k: h0.__setitem__("h", layer_input(m, a, k)), with_kwargs=True)
-            try:
-                with planned_layers(layers, outputs[0], 0, [0]):
-                    sums.append(ce_sum(source.logits(ids, mask), targets))
-            finally:
-                handle.remove()
-        else:
-            with planned_layers(layers, outputs[skip - 1], skip, [skip]):
-                sums.append(ce_sum(source.logits(ids, mask), targets))
-        if on_pass:
-            on_pass(num - skip - 1)
-    for k in top_k:
-        kept = num - k
-        answer = outputs[kept - 1] if kept else with_hidden(outputs[0], h0["h"])
-        with planned_layers(layers, answer, kept, range(kept, num)):
+    tick(num)
+
+    def variant(first: int, skipped: Sequence[int]) -> None:
+        """Layers 1..first answer with the recorded output of layer `first`, the skipped ones return their input
+        (in the structure of a layer's output); with first = 0 the skipped layers start from this pass's
+        embeddings."""
+        with planned_layers(layers, outputs[max(first - 1, 0)], first, skipped):
             sums.append(ce_sum(source.logits(ids, mask), targets))
-        if on_pass:
-            on_pass(0)
+        tick(num - first - len(skipped))  # the layers computed above the skipped ones
+
+    for skip in range(num):
+        variant(skip, [skip])
+    for k in top_k:
+        variant(num - k, range(num - k, num))
     recorder.check_unchanged()
     return torch.stack(sums).cpu()  # one host sync per batch
 
@@ -217,14 +191,13 @@ def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]]
 
     on_pass(n): n layer passes done (one more for each forward's embedding + head), for a progress bar."""
     ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
-    totals = RemovalTotals(source.num_layers, ks)
+    totals = RemovalTotals(source.num_layers, ks, tokens=sum(int((t != IGNORE).sum()) for _, _, t in batches))
     if hasattr(source, "stream_removal"):
-        tokens = sum(int((targets != IGNORE).sum()) for _, _, targets in batches)
-        totals.add(source.stream_removal(list(batches), ks, ce_sum, on_pass), tokens)
+        totals.add(source.stream_removal(list(batches), ks, ce_sum, on_pass))
         return totals
     tick = (lambda n: on_pass(n + 1)) if on_pass else None
     for ids, mask, targets in batches:
-        totals.add(batch_removal(source, ids, mask, targets, ks, tick), int((targets != IGNORE).sum()))
+        totals.add(batch_removal(source, ids, mask, targets, ks, tick))
     return totals
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -82,18 +82,8 @@ class HiddenStateSource(Protocol):
         """Release the model (the CLI measures several models one after the other)."""
         ...
 
-
-@runtime_checkable
-class LayerStreamingSource(HiddenStateSource, Protocol):
-    """A source that measures all batches one layer at a time (`StreamingSource`), so only one layer's
-    weights are in memory; `measure` hands it every batch at once."""
-
-    def stream_stats(
-        self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], kind: str, on_batch: Callable[[int], None] | None = None
-    ) -> dict[str, Tensor]:
-        """(input_ids[b, t], attention_mask[b, t], select[b, t]) right-padded batches → `layer_stats` summed
-        over the batches, float64 on the CPU; on_batch(real tokens) after each batch of each layer."""
-        ...
+    # A source that measures all batches one layer at a time (`StreamingSource`) has `stream_stats` instead:
+    # `measure` then hands it every batch at once, so only one layer's weights are in memory.
 
 
 def real_rows(mask: Tensor | None) -> Tensor | None:
