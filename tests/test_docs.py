@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-CITING = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("examples/slurm/*"),
+CITING = sorted({ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "benchmarks" / "README.md",
+                 *ROOT.glob("docs/*.md"), *ROOT.glob("examples/slurm/*"),
                  *ROOT.glob("examples/sft/*.sbatch"), *ROOT.glob("examples/*.py"), *ROOT.glob("benchmarks/*.py"),
                  *ROOT.glob("megatron_jreg/**/*.py")})
 # a cited path; the full stop ending a sentence is not part of it
@@ -75,7 +76,7 @@ def test_preset_parameter_counts_in_the_docs_are_the_results_file():
     params = _params()
     presets = ("llama-170m", "llama-1b", "llama-3.4b", "tiny")
     assert {p for p, _ in params} == set(presets), params
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     scaling = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
     arguments = (ROOT / "megatron_jreg" / "training" / "arguments.py").read_text(encoding="utf-8")
     for preset in presets:
@@ -87,7 +88,7 @@ def test_preset_parameter_counts_in_the_docs_are_the_results_file():
                 assert llama3 in text and sentencepiece in text, (preset, llama3, sentencepiece)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/analysis.md"])
+@pytest.mark.parametrize("doc", ["docs/analysis.md"])
 def test_analysis_sample_rows_are_the_results_file(doc):
     recorded = set(results_file("analysis_sample.txt"))
     rows = [line for line in (ROOT / doc).read_text(encoding="utf-8").splitlines() if line.startswith("iter_0000")]
@@ -96,14 +97,15 @@ def test_analysis_sample_rows_are_the_results_file(doc):
         assert row in recorded, f"{doc}: {row!r} is not a line of docs/results/analysis_sample.txt"
 
 
-def test_console_line_in_the_readme_is_the_results_file():
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+def test_console_line_in_the_training_docs_is_the_results_file():
+    readme = " ".join((ROOT / "docs" / "training.md").read_text(encoding="utf-8").split())
     quoted = readme.split("` iteration 2/ 4 | ", 1)[1].split(" |`", 1)[0]
     fields = [f for f in quoted.split(" | ") if f != "…"]
     recorded = next(line for line in results_file("console_line.txt") if re.search(r"iteration +2/ +4 \|", line))
     assert len(fields) >= 5, fields
     for field in fields:
-        assert f"| {field} |" in recorded, f"README's console line: {field!r} is not in docs/results/console_line.txt"
+        assert f"| {field} |" in recorded, \
+            f"docs/training.md's console line: {field!r} is not in docs/results/console_line.txt"
 
 
 def _caption(text: str) -> bool:
@@ -161,7 +163,7 @@ def test_blocks_quoting_a_results_file_are_its_lines(doc):
 def test_quoted_blocks_are_found():
     docs = [ROOT / "README.md", *ROOT.glob("docs/*.md")]
     pairs = {(d.name, t.name) for d in docs for t, _ in _quoted_blocks(d.read_text(encoding="utf-8"), d)}
-    assert {("README.md", "analysis_sample.txt"), ("analysis.md", "analysis_sample.txt"),
+    assert {("analysis.md", "analysis_sample.txt"),
             ("analysis.md", "analyze_throughput.txt"), ("analysis.md", "analyze_stream.txt"),
             ("sft.md", "prepare_chat.txt"), ("gpu.md", "gpu_check_dry_run.txt"),
             ("README.md", "demo.txt")} <= pairs, pairs

@@ -137,15 +137,16 @@ def layer_table(fin: dict, rem: dict, seeds: list[int]) -> tuple[list[str], dict
     return lines, data
 
 
-def plot(data: dict, folder: Path) -> list[str]:
+PLOT = "study_v3_layers.png"
+
+
+def plot(data: dict, folder: Path) -> None:
     """study_v3_layers.png: mean Ψ_ℓ and mean ΔCE_ℓ per arm (the mechanism at a glance)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not data:
-        return []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, d in data.items():
         layers = range(1, len(d["psi"]) + 1)
@@ -158,10 +159,8 @@ def plot(data: dict, folder: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    name = "study_v3_layers.png"
-    fig.savefig(folder / name, dpi=110)
+    fig.savefig(folder / PLOT, dpi=110)
     plt.close(fig)
-    return [f"![Ψ_ℓ and ΔCE_ℓ per arm]({name})"]
 
 
 def earlier_designs() -> list[str]:
@@ -284,8 +283,10 @@ def report_text(raw: Path, folder: Path, plots: bool = True) -> tuple[str, dict]
         *table,
         "",
     ]
-    if plots:
-        lines += plot(data, folder) + [""]
+    if data:  # the plot's name is fixed; `plots` says whether to draw it
+        lines += [f"![Ψ_ℓ and ΔCE_ℓ per arm]({PLOT})", ""]
+        if plots:
+            plot(data, folder)
     lines += earlier_designs() + provenance(study, runs)
     return "\n".join(lines).rstrip() + "\n", results
 
