@@ -15,6 +15,7 @@ $(VENV)/.installed: setup.py constraints.txt
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@$(VENV)/bin/megatron-jreg train --help >/dev/null  # builds the kept help once, so the first --help is quick
 	@touch $@
 
 test: venv
