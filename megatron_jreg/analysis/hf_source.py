@@ -216,8 +216,9 @@ class HFSource(HiddenStateSource):
         del self.model, self.base, self.layers
 
 
-def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> Any:
-    """The model's own tokenizer (from its folder or GGUF file), or the --tokenizer folder when given."""
+def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None, config: Any = None) -> Any:
+    """The model's own tokenizer (from its folder or GGUF file; `config`, the folder's transformers config, picks
+    its class where tokenizer_config.json does not), or the --tokenizer folder when given."""
     from transformers import AutoTokenizer
 
     source, flag = (tokenizer, "--tokenizer") if tokenizer is not None else (str(path), "--model")
@@ -226,8 +227,8 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None) -> 
         if Path(source).is_dir():
             check_entries(Path(source), flag)
             refuse_custom_code(Path(source), flag)
-        return AutoTokenizer.from_pretrained(source, gguf_file=None if tokenizer else gguf_file, local_files_only=True,
-                                             trust_remote_code=False)
+        own = {} if tokenizer else {"gguf_file": gguf_file} if gguf_file else {"config": config}
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False, **own)
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -283,7 +284,7 @@ def load_hf_source(
 
         apply_rope_freqs(model, plan.rope_freqs, f"--model {path}")
     model.to(device)
-    tok = load_tokenizer(folder, gguf_file, tokenizer) if with_tokenizer else None
+    tok = load_tokenizer(folder, gguf_file, tokenizer, None if gguf_file else config) if with_tokenizer else None
     source = HFSource(model, tok, label, include_final_norm)
     source.head_missing = head_missing(model, path, plan.tensor_names if plan else None)
     source.notes = plan.notes if plan else []

@@ -551,6 +551,7 @@ def load_stream_source(
 ) -> StreamingSource:
     """A local Hugging Face folder (never downloads) as a layer-streaming source; with_tokenizer=False: token
     ids come from the caller; config: its transformers config when the caller has read it."""
-    tok = load_tokenizer(Path(path), None, tokenizer) if with_tokenizer else None
+    config = config or auto_config(Path(path))
+    tok = load_tokenizer(Path(path), None, tokenizer, config) if with_tokenizer else None
     return StreamingSource(Path(path), tok, label, dtype=dtype, device=device, include_final_norm=include_final_norm,
                            config=config)
