@@ -19,11 +19,13 @@ from pathlib import Path
 
 from megatron_jreg.data.text import lambada_passages
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
+
 
 def build(folder: Path) -> Path:
     from transformers import LlamaConfig
 
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=320)
     config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=6,

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
+
 FAMILIES = (
     "arcee,biogpt,bloom,codegen,cohere,cohere2,deepseek_v2,deepseek_v3,ernie4_5,exaone4,falcon_h1,gemma,gemma2,"
     "gemma3_text,glm,glm4,gpt2,gpt_bigcode,gpt_neox,gpt_oss,gptj,granite,granitemoe,helium,hunyuan_v1_dense,jamba,"
@@ -76,7 +78,7 @@ def run_family(model_type: str, root: Path, tokenizer) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_jreg.analysis.cli import main as analyze
-    from megatron_jreg.analysis.toy import perturb_vectors
+    from tests._toy import perturb_vectors
 
     try:
         torch.manual_seed(0)
@@ -115,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as hf_logging
 
-    from megatron_jreg.analysis.toy import train_tokenizer
     from megatron_jreg.data.text import lambada_passages
+    from tests._toy import train_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", help="comma-separated model types (default: 54 common decoder families)")

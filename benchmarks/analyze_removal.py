@@ -30,13 +30,15 @@ import torch
 
 from megatron_jreg.data.text import lambada_passages
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
+
 TOP_K = (1, 2, 3)
 
 
 def build_smollm2_shaped(folder: Path) -> Path:
     from transformers import LlamaConfig
 
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     tokenizer = train_tokenizer(lambada_passages()[1000:3000], vocab_size=8192)  # not among the measured samples
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

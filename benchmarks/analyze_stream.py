@@ -36,11 +36,13 @@ from megatron_jreg.analysis.loading import ModelSpec
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.data.text import lambada_passages
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
+
 VARIANTS = ("in_memory", "streamed")
 
 
 def build_default_model(folder: Path, family: str) -> Path:
-    from megatron_jreg.analysis.toy import save_random_llama, save_random_model, train_tokenizer
+    from tests._toy import save_random_llama, save_random_model, train_tokenizer
 
     texts = lambada_passages()[1000:3000]  # not among the measured samples
     if family == "llama":

@@ -37,11 +37,13 @@ from megatron_jreg.analysis.measure import encode_samples, measure, padded_batch
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.data.text import lambada_passages
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
+
 VARIANTS = ("analyze", "naive", "naive_base")
 
 
 def build_default_model(folder: Path) -> Path:
-    from megatron_jreg.analysis.toy import save_random_llama
+    from tests._toy import save_random_llama
 
     texts = lambada_passages()[1000:3000]  # not among the measured samples
     return save_random_llama(folder, texts, layers=8, hidden=256, ffn=704, heads=8, kv_heads=4, vocab=8192)

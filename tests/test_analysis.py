@@ -86,7 +86,7 @@ def texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from megatron_jreg.analysis.toy import train_tokenizer
+    from tests._toy import train_tokenizer
 
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
@@ -94,7 +94,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
     """family → folder of a saved tiny model (built once per module)."""
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     root = tmp_path_factory.mktemp("hf")
     made: dict[str, Path] = {}

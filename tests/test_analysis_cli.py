@@ -16,7 +16,7 @@ from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """A Llama and a GPT-2 folder, and a 'run' of three Llama checkpoints named out of step order."""
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)

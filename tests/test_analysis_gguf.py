@@ -55,7 +55,7 @@ def llama3_rope_factors(config) -> np.ndarray:
 
 
 def _vocabulary(writer, tokenizer) -> None:
-    from megatron_jreg.analysis.toy import SPECIAL
+    from tests._toy import SPECIAL
 
     backend = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = [t for t, _ in sorted(backend["vocab"].items(), key=lambda kv: kv[1])]
@@ -134,7 +134,7 @@ def write_llama_gguf(model, tokenizer, path: Path, quantize: bool = False) -> Pa
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from megatron_jreg.analysis.toy import train_tokenizer
+    from tests._toy import train_tokenizer
 
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
@@ -157,7 +157,7 @@ def _psi(path: Path, texts: list[str], **load) -> list[float]:
 def test_gguf_measures_like_its_hf_folder(tmp_path, tokenizer, texts):
     from megatron_jreg.analysis.hf_source import load_hf_source
     from megatron_jreg.analysis.loading import identify
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     config = family_config("llama", hidden=64)  # Q8_0 blocks are 32 wide
     folder = save_random_model(config, tmp_path / "hf", tokenizer)
@@ -205,7 +205,7 @@ def test_what_the_loader_would_drop_is_applied(name, tmp_path, tokenizer, texts)
     import torch
 
     from megatron_jreg.analysis.hf_source import load_hf_source
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     build, load = APPLIED[name]
     folder = save_random_model(build(), tmp_path / "hf", tokenizer)
@@ -250,7 +250,7 @@ REFUSED = {
 def test_what_cannot_be_applied_is_refused_naming_it(name, tmp_path, tokenizer):
     from megatron_jreg.analysis.hf_source import load_hf_source
     from megatron_jreg.analysis.source import AnalysisError
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     extra, needle = REFUSED[name]
     folder = save_random_model(_llama(), tmp_path / "hf", tokenizer)

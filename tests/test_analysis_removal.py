@@ -23,7 +23,7 @@ REL = 1e-5
 def llama(tmp_path_factory) -> Path:
     """A tiny untied Llama whose layers matter: larger initial weights than transformers' 0.02, so that
     skipping a layer moves the cross-entropy by far more than float rounding."""
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
     config = family_config("llama", layers=LAYERS)

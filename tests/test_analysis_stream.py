@@ -21,7 +21,7 @@ transformers = importorskip_lazy("transformers")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from megatron_jreg.analysis.toy import train_tokenizer
+    from tests._toy import train_tokenizer
 
     return train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
 
@@ -53,7 +53,7 @@ def _config(family: str, **extra):
 
 def _save_sharded(config, folder: Path, tokenizer) -> Path:
     """save_random_model, then re-saved in ~8 KB shards (several files per layer) with an index."""
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     save_random_model(config, folder, tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -134,7 +134,7 @@ def test_legacy_rotary_buffers_in_the_files_are_ignored_as_transformers_ignores_
 
     from megatron_jreg.analysis.hf_source import load_hf_source
     from megatron_jreg.analysis.stream_source import load_stream_source
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     tensors = load_file(folder / "model.safetensors")
@@ -192,8 +192,8 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from megatron_jreg.analysis.toy import save_random_model
     from megatron_jreg.analysis.weights import SafetensorsFolder
+    from tests._toy import save_random_model
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     weights = SafetensorsFolder(folder)
@@ -207,7 +207,7 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
 def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypatch, capsys):
     from megatron_jreg.analysis import stream_source
     from megatron_jreg.analysis.cli import main
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     argv = ["--model", str(folder), "--num-samples", "3", "--max-length", "40", "--no-progress"]
@@ -230,8 +230,8 @@ def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch,
     from megatron_jreg.analysis import stream_source
     from megatron_jreg.analysis.source import AnalysisError
     from megatron_jreg.analysis.stream_source import load_stream_source
-    from megatron_jreg.analysis.toy import save_random_model
     from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
+    from tests._toy import save_random_model
 
     quantized = save_random_model(_config("llama"), tmp_path / "quantized", tokenizer)
     config = json.loads((quantized / "config.json").read_text())

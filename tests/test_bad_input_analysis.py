@@ -72,7 +72,7 @@ class Inputs:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Inputs:
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     root = tmp_path_factory.mktemp("good")
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
@@ -96,7 +96,7 @@ def truncated_gguf(size: int):
 def mixtral_without_experts(i: Inputs) -> Path:
     from safetensors.torch import load_file, save_file
 
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -172,7 +172,7 @@ def gguf_with(**extra):
 
 def opt_350m_style(i: Inputs) -> Path:
     """OPT-350m's layout: post-norm layers (no final norm) and a projection to a narrower width after them."""
-    from megatron_jreg.analysis.toy import save_random_model
+    from tests._toy import save_random_model
 
     config = transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,

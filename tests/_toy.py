@@ -1,8 +1,7 @@
-"""Small randomly initialised Hugging Face models with a locally trained tokenizer.
+"""Small randomly initialised Hugging Face models with a locally trained tokenizer, for the tests and benchmarks.
 
-For trying `megatron-jreg analyze` without downloading a model, for the tests (one tiny model per
-architecture family, built from its config class) and for the throughput benchmark. Nothing here
-touches the network.
+One tiny model per architecture family, built from its config class, and the benchmarks' random Llamas; nothing
+here touches the network. The benchmarks put the repository root on sys.path to import it.
 """
 
 from __future__ import annotations
