@@ -3,12 +3,16 @@
 megatron-jreg evaluate --hf out/hf-jreg --tasks lambada,boolq,arc_easy --output results/jreg-s1.json
 """
 
+# ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+from megatron_jreg.evaluate.omp import sleep_while_waiting
+
+sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (evaluate/omp.py)
 from megatron_jreg.data.text import DEFAULT_LAMBADA
 from megatron_jreg.errors import JregError
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig

@@ -6,8 +6,3 @@ decoding.py   batched greedy / seeded top-p decoding over any CausalLM
 runner.py     model + chat tokenizer (--hf or --load), multi-turn answering, progress
 cli.py        the command line
 """
-
-from megatron_jreg.generate.config import ConfigError, GenerateConfig
-from megatron_jreg.generate.runner import generate
-
-__all__ = ["ConfigError", "GenerateConfig", "generate"]

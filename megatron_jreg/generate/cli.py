@@ -4,12 +4,16 @@ megatron-jreg generate --load runs/sft-jreg --prompts examples/sft/data/wikitext
     --output answers/sft-jreg.jsonl
 """
 
+# ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+from megatron_jreg.evaluate.omp import sleep_while_waiting
+
+sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (evaluate/omp.py)
 from megatron_jreg.evaluate.models import DTYPES
 from megatron_jreg.hub import force_offline
 from megatron_jreg.usage import example
