@@ -71,11 +71,11 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    from megatron_jreg.analysis.toy import save_random_llama
     from megatron_jreg.checkpoints import load_megatron_model
     from megatron_jreg.convert.from_hf import hf_to_mcore
     from megatron_jreg.evaluate.models import load_hf_lm
     from megatron_jreg.generate.decoding import HFDecoder, MegatronDecoder
+    from tests._toy import save_random_llama
 
     texts = (ROOT / "examples/data/wikitext-2/valid.txt").read_text(encoding="utf-8")[:20000].splitlines()
     with tempfile.TemporaryDirectory() as tmp:

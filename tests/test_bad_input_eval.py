@@ -33,7 +33,7 @@ def tiny(tmp_path_factory) -> Path:
     """A random 2-layer Llama (untied) with a 300-token BPE, float32 safetensors."""
     import torch
 
-    from megatron_jreg.analysis.toy import save_random_llama
+    from tests._toy import save_random_llama
 
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other on a shared machine
     texts = WIKITEXT.read_text(encoding="utf-8")[:20000].splitlines()

@@ -96,7 +96,7 @@ def _hf_models(tmp: Path, tokenizer: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from megatron_jreg.analysis.toy import perturb_vectors
+    from tests._toy import perturb_vectors
 
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)

@@ -43,7 +43,7 @@ def hf_model(tmp_path_factory) -> Path:
     """A random 2-layer Llama (untied, so answers vary) with a 300-token BPE and no chat template."""
     import torch
 
-    from megatron_jreg.analysis.toy import save_random_llama
+    from tests._toy import save_random_llama
 
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other on a shared machine
     folder = tmp_path_factory.mktemp("gen") / "tiny-llama"

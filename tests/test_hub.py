@@ -41,7 +41,7 @@ def cache_repo(cache: Path, repo_id: str, files: Path, commit: str, ref: str | N
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
-    from megatron_jreg.analysis.toy import save_random_model, train_tokenizer
+    from tests._toy import save_random_model, train_tokenizer
 
     tokenizer = train_tokenizer(lambada_passages()[:200], vocab_size=VOCAB)
     return save_random_model(family_config("llama"), tmp_path_factory.mktemp("m") / "tiny", tokenizer)
