@@ -16,18 +16,21 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py
 
 
 def one_point(root: Path, layers: int, hidden: int, scale: float) -> tuple[float, float]:
     """(max |logit|, max |logit difference|) of one random Llama through `hf_to_mcore`'s check."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from megatron_jreg.analysis.toy import perturb_vectors
     from megatron_jreg.convert.from_hf import hf_to_mcore
+    from tests._toy import perturb_vectors
 
     config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 11 // 32 * 8,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -47,7 +47,7 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def main() -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from megatron_jreg.analysis.toy import perturb_vectors
+    from tests._toy import perturb_vectors
 
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
