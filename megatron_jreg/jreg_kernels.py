@@ -23,10 +23,9 @@ MEGATRON_JREG_KERNEL=triton|compiled|torch:
 - "triton" (CUDA, h ≤ jreg_triton.MAX_WIDTH): `jreg_triton`'s two kernels, each row whole in registers:
   2 launches per layer call.
 - "compiled" (CPU, from COMPILE_MIN_ELEMENTS elements): the torch bodies below compiled by torch.compile
-  (inductor's C++/OpenMP), which fuses each row's passes into one loop over the rows; the gradients are
-  written into buffers advised as huge pages (`_fresh_like`: page faults were half the op's time). The first
-  call in a process compiles (or loads inductor's on-disk cache); if compiling fails (no C++ compiler, say)
-  it warns once and uses "torch" from then on.
+  (inductor's C++/OpenMP), which fuses each row's passes into one loop over the rows. The first call in a
+  process compiles (or loads inductor's on-disk cache); if compiling fails (no C++ compiler, say) it warns
+  once and uses "torch" from then on.
 - "torch": the same per-row math with its [T, h] passes written for eager torch (`_eager_row_sums`,
   `_eager_backward`), in row chunks that bound the fp32 temporaries. It
   compiles nothing: below COMPILE_MIN_ELEMENTS (tests, the demo, the study's small models) a process would
@@ -37,11 +36,8 @@ docs/results/jreg_op.txt.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import os
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -122,14 +118,6 @@ def _backward_body(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c
     return grad_a.to(a.dtype), grad_b.to(b.dtype)
 
 
-def _backward_into(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
-                   out_a: Tensor, out_b: Tensor, angular: bool) -> None:
-    """`_backward_body` written into out_a, out_b (the compiled path: buffers allocated by `_fresh_like`)."""
-    grad_a, grad_b = _backward_body(a, b, grad, sa, sb, c2, s2, angular)
-    out_a.copy_(grad_a)
-    out_b.copy_(grad_b)
-
-
 def _eager_backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
                     angular: bool) -> tuple[Tensor, Tensor]:
     """`_backward_body` in few eager passes, â and b̂ scaled in place where the fp32 copies are ours and ∂/∂b
@@ -179,17 +167,16 @@ class _Compiled:
     guards would need more graphs than Dynamo's recompile limit (a process calling with many dtypes, distances
     and gradient layouts) runs eagerly, counted in `eager_calls`, and compiling stays on for the others."""
 
-    BODIES: dict[str, Callable] = {"row_sums": _row_sums, "displacement": _displacement, "backward": _backward_into}
+    BODIES: dict[str, Callable] = {"row_sums": _row_sums, "displacement": _displacement, "backward": _backward_body}
 
     def __init__(self) -> None:
         self.fns: dict[str, Callable] = {}
         self.failed: str | None = None
         self.eager_calls = 0
 
-    def __call__(self, name: str, *args: object) -> object:
-        """The compiled body's result, or False where the call must run eagerly."""
+    def __call__(self, name: str, *args: object) -> Tensor | tuple[Tensor, ...] | None:
         if self.failed is not None:
-            return False
+            return None
         try:
             if name not in self.fns:  # a second number of tokens recompiles once, for any number (dynamic)
                 self.fns[name] = torch.compile(self.BODIES[name], fullgraph=True)
@@ -197,11 +184,11 @@ class _Compiled:
         except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager bodies
             if type(e).__name__ == "FailOnRecompileLimitHit":
                 self.eager_calls += 1
-                return False
+                return None
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             warnings.warn(f"megatron-jreg: torch.compile of the JREG displacement kernel failed ({self.failed}); "
                           f"using the eager torch path (slower; {ENV}=torch skips the attempt)", stacklevel=2)
-            return False
+            return None
 
 
 _COMPILED = _Compiled()
@@ -248,8 +235,8 @@ def forward(a: Tensor, b: Tensor, angular: bool, backend: str | None = None) -> 
         return jreg_triton.forward(a, b, angular, NORM_EPS, _TINY)
     if backend == "compiled":
         sums = _COMPILED("row_sums", a, b)
-        d = _COMPILED("displacement", *sums, angular) if sums is not False else False
-        if d is not False:
+        d = _COMPILED("displacement", *sums, angular) if sums is not None else None
+        if d is not None:
             return d, *sums
     return _chunked_forward(a, b, angular)
 
@@ -263,31 +250,7 @@ def backward(a: Tensor, b: Tensor, grad: Tensor, rows: tuple[Tensor, ...], angul
 
         return jreg_triton.backward(a, b, grad, *rows, angular, NORM_EPS, _TINY, _SIN_FLOOR)
     if backend == "compiled":
-        grad_a, grad_b = _fresh_like(a), _fresh_like(b)
-        if _COMPILED("backward", a, b, grad, *rows, grad_a, grad_b, angular) is not False:
-            return grad_a, grad_b
+        out = _COMPILED("backward", a, b, grad, *rows, angular)
+        if out is not None:
+            return out
     return _chunked_backward(a, b, grad, *rows, angular)
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # Linux
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    return ctypes.CDLL(None) if sys.platform == "linux" else None
-
-
-def _fresh_like(t: Tensor) -> Tensor:
-    """An empty tensor like the [T, h] rows t for a gradient; on Linux CPU its whole 2 MiB pages are advised as
-    transparent huge pages before anything touches them: the first write of a fresh 64 MiB gradient otherwise
-    takes 16k page faults, as long as the kernel that writes it (torch's THP_MEM_ALLOC_ENABLE=1 does this for
-    every allocation of a process)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    libc = _libc()
-    if libc is not None and out.device.type == "cpu":
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (out.data_ptr() + out.untyped_storage().nbytes()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:  # advice only: where THP is off the call fails and changes nothing
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return out
