@@ -7,7 +7,7 @@ backward: read them again, write their two gradients); the floor is a plain copy
 rounds (medians), after a warm-up call (which compiles where the op compiles). One profiled call gives the
 aten ops per layer call, and the kernel launches on a GPU. Also timed: allocating and first touching two
 [T, h] tensors, part of the op's time (its gradients are fresh tensors): on CPU that is page faults, which
-THP_MEM_ALLOC_ENABLE=1 (torch's switch for huge pages) cuts.
+torch's THP_MEM_ALLOC_ENABLE=1 (huge pages) can cut, at the kernel's mercy for assembling huge pages.
 
     python benchmarks/jreg_op.py                               # CPU: [16384, 768 | 2048 | 3072] × bf16, fp32
     python benchmarks/jreg_op.py --device cuda --rounds 20     # the GPU check's call
@@ -99,7 +99,7 @@ def measure(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, ro
     calls: dict[str, Callable[[], object]] = {name: (lambda op=op: op(a, b)) for name, op in ops.items()}
     calls["floor"] = lambda: dst.copy_(src)
     # what the op's time includes for its two fresh gradient tensors: allocating and first touching them (page
-    # faults on CPU; torch's THP_MEM_ALLOC_ENABLE=1 backs them with huge pages)
+    # faults on CPU)
     calls["alloc"] = lambda: torch.empty(2 * rows * width, dtype=dtype, device=device).fill_(0)
     for run in calls.values():  # warm-up (compiles where the op compiles)
         run()
