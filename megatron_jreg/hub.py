@@ -199,22 +199,30 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
 
 
 def load_causal_lm(
-    folder: Path, *, where: str, ignore: Iterable[str] = (), allow_pickle: bool = False, **kwargs: Any
+    folder: Path,
+    *,
+    where: str,
+    ignore: Iterable[str] = (),
+    allow_pickle: bool = False,
+    checked: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=False, **kwargs)`
     after `model_files.check_model_folder` (config values, safetensors headers, no custom code; no pickled
     weights unless `allow_pickle`), refusing a model whose weights do not all load: missing, unused or of
     the wrong shape (IncompleteWeightsError; shapes are loaded with ignore_mismatched_sizes so that they
     are reported here rather than raised as a RuntimeError pointing at a report). Transformers' own load
-    report is silenced, since this error replaces it. `where` starts the message (e.g. "--model DIR")."""
+    report is silenced, since this error replaces it. `where` starts the message (e.g. "--model DIR").
+    checked: the caller has run `check_model_folder` on this folder already (its headers are read once per
+    load, not twice); not passed to from_pretrained."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-
     if kwargs.get("gguf_file") is None:
-        flag, _, _ = where.partition(" ")
-        check_model_folder(folder, flag, allow_pickle=allow_pickle)
+        if not checked:
+            flag, _, _ = where.partition(" ")
+            check_model_folder(folder, flag, allow_pickle=allow_pickle)
         if not allow_pickle:
             kwargs["use_safetensors"] = True  # transformers never unpickles a .bin beside them
     verbosity = hf_logging.get_verbosity()

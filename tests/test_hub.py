@@ -146,3 +146,29 @@ def test_analyze_and_evaluate_take_hub_ids(model_folder, cache, tmp_path, capsys
     assert evaluate_cli.main(["--hf", "org/missing", "--tasks", "lambada"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and all(f"no models--org--missing in the Hugging Face cache {cache}" in e for e in errors)
+
+
+def test_a_folder_is_checked_once_per_load(model_folder, tmp_path, monkeypatch):
+    """analyze and evaluate check a Hugging Face folder (model_files.check_model_folder: every safetensors header
+    read) once per load: load_causal_lm(checked=True) skips the check its caller made (was twice each)."""
+    import megatron_jreg.model_files as model_files
+    from megatron_jreg.analysis.cli import main as analyze
+    from megatron_jreg.evaluate import cli as evaluate_cli
+
+    real = model_files.check_model_folder
+    calls: list[Path] = []
+
+    def counted(folder, *args, **kwargs):
+        calls.append(Path(folder))
+        return real(folder, *args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("megatron_jreg")]:
+        if getattr(module, "check_model_folder", None) is real:  # every module that imported it by name
+            monkeypatch.setattr(module, "check_model_folder", counted)
+    common = ["--num-samples", "3", "--max-length", "40", "--no-progress"]
+    assert analyze(["--model", str(model_folder), "--output", str(tmp_path / "a"), *common]) == 0
+    assert calls == [model_folder]
+    calls.clear()
+    argv = ["--hf", str(model_folder), "--tasks", "lambada", "--limit", "2", "--output", str(tmp_path / "e.json")]
+    assert evaluate_cli.main(argv) == 0
+    assert calls == [model_folder]

@@ -267,11 +267,12 @@ def load_hf_source(
 
         plan = plan_gguf(path, f"--model {path}")  # nothing in the file may be dropped by the loader
         config = plan.config
+    checked = config is not None  # loading.identify checked the folder when it read its config
     config = config or auto_config(folder)
     towers = () if gguf_file else other_towers(config)
     try:
         model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD, *towers), gguf_file=gguf_file,
-                               dtype=dtype, config=config)
+                               dtype=dtype, config=config, checked=checked)
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:

@@ -156,7 +156,7 @@ def load_hf_lm(
             "tokenizer files save_pretrained writes"
         ) from None
     try:
-        model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=torch_dtype)
+        model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=torch_dtype, checked=True)
     except ModelFileError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:
