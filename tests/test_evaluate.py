@@ -529,3 +529,32 @@ def test_results_table_and_round_trip(tmp_path):
         "lambada  acc         0.5000   0.1000",
         "lambada  perplexity  12.0000  -",
     ]
+
+
+@pytest.mark.slow  # three processes that load torch and lm-eval
+def test_entry_processes_let_openmp_threads_sleep(monkeypatch):
+    """evaluate, generate and the lm-eval wrapper set OMP_WAIT_POLICY=PASSIVE before torch loads libgomp
+    (evaluate/omp.py: libgomp's spinning threads cost several times the CPU on shared cores); a wait the
+    user chose is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_jreg.evaluate.omp import sleep_while_waiting
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    probe = ("import os, sys, megatron_jreg.cli; assert 'torch' not in sys.modules; import {}; "
+             "assert 'torch' in sys.modules; print(os.environ.get('OMP_WAIT_POLICY'))")
+    for module in ("megatron_jreg.evaluate.cli", "megatron_jreg.generate.cli", "megatron_jreg.evaluate.lm_eval_model"):
+        done = subprocess.run([sys.executable, "-c", probe.format(module)], env=env, capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0 and done.stdout.strip() == "PASSIVE", (module, done.stderr[-2000:])
+
+    monkeypatch.delitem(sys.modules, "torch")  # as in a process that has not loaded it yet
+    for chosen, expected in (({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"), ({"GOMP_SPINCOUNT": "300000"}, None)):
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        for name, value in chosen.items():
+            monkeypatch.setenv(name, value)
+        sleep_while_waiting()
+        assert os.environ.get("OMP_WAIT_POLICY") == expected

@@ -21,6 +21,7 @@ config.json or a hub id: hf=, else load=): lm-eval names its `--output_path` fol
 `megatron-jreg evaluate` uses, so both give the same numbers.
 """
 
+# ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.evaluate.omp import sleep_while_waiting
+
+sleep_while_waiting()  # the wrapper's process, as evaluate's: before torch loads libgomp (evaluate/omp.py)
 import torch
 from lm_eval.api.registry import register_model
 
