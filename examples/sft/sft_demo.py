@@ -16,7 +16,7 @@ jump again and write answers for a judge.
     python examples/sft/sft_demo.py [--demo-output demo_output] [--output sft_output] [--train-iters 300]
 
 The paper's comparison over seeds (both models fine-tuned at λ = 0, ζ before and after on held-out text) is
-the SFT part of examples/study.py (docs/sft.md).
+the SFT part of experiments/study/study.py (study v2; docs/sft.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ measures, the v3 report is made from its raw files with these functions only. Wh
 (docs/study.md, "Earlier designs"), and why:
 
 - Regime: 12 layers × 64 (2 heads, FFN 176), the regime in which a top-of-stack jump formed in 7 of 8 baseline
-  seeds (docs/results/demo_regimes.txt). Seeds 9..20: fresh, never used to choose the regime (that used 1..8).
+  seeds (experiments/demo_regimes/regimes.txt). Seeds 9..20: fresh, never used to choose the regime (that used 1..8).
 - Arms at one token budget (4 × 3,000 × 128 = 1,536,000 tokens): baseline-small (batch 4, 3,000 steps),
   baseline-large (batch 16, 750 steps), jreg-a1 (λ = 1, α = 1) and jreg-a0 (λ = 1, α = 0) at the small batch.
 - Primary endpoints that do not depend on which layer jumps: the top-of-stack rise R = 100 · max over
