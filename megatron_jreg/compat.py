@@ -1,41 +1,17 @@
 """megatron-core on CPU with the gloo backend, for laptops, CI and tests.
 
-megatron-core is written for GPUs; a handful of CUDA-only calls stop it on a machine without one. This
-module redirects exactly those calls, and nothing when CUDA is available. `apply_cpu_compat()` is called
-once at process start by every entry point (and by the test workers). Each redirect is a row of
-`megatron_jreg.patches.PATCHES` (why, the version it was written for, when it can go), applied through it
-for the life of the process.
+megatron-core is written for GPUs; a handful of CUDA-only calls stop it on a machine without one. This module
+redirects exactly those calls, and nothing when CUDA is available: `apply_cpu_compat()` (every entry point, at
+process start) for megatron-core, `apply_cpu_training_compat()` (the train entry) for what
+`megatron.training.pretrain` needs besides, because those tell the process a device exists. Each redirect is a
+row of `megatron_jreg.patches.PATCHES` (why, the version it was written for, when it can go); DEVELOPERS.md,
+"megatron-core on CPU", lists them. A `TorchFunctionMode` (`_CudaToCpu`) maps `device="cuda"` arguments and
+`Tensor.cuda()` to the CPU; a mode is not active inside autograd's backward, so the one factory that runs
+there (the default causal mask rebuilt by activation recomputation) is replaced instead.
 
-What is redirected and why:
-- `torch.cuda.current_device()` returns the CPU device (rotary embedding, attention and p2p buffers).
-- `torch.cuda.synchronize`, `current_stream`, `stream`, `Stream`, `Event` become no-ops (p2p
-  communication, DDP's gradient sync on a side stream).
-- The RNG tracker of `tensor_parallel.random` keeps real CPU generator states in a generator of its own
-  (sharing the one global CPU RNG would trip megatron's "CPU RNG state changed" warning on every fork).
-- A `TorchFunctionMode` maps `device="cuda"` arguments of tensor factories and `Tensor.cuda()` to the CPU
-  (schedules' token counter, optimizer flags, grad scaler), and answers `Tensor.type()` with the CUDA
-  type name that the (distributed) optimizer's dtype checks expect.
-- A mode is not active inside autograd's backward (a mode's handler runs with the mode popped), so the
-  one factory that runs there, the default causal mask rebuilt by activation recomputation, is replaced.
-
-Megatron-LM's training package (`megatron.training`) needs a few more, applied by the train entry only
-(`apply_cpu_training_compat()`), because they tell the process a device exists:
-- `torch.cuda.device_count()` answers 1: megatron builds its model-parallel groups and seeds its RNG
-  tracker only when it sees a device; `torch.cuda.set_device` becomes a no-op.
-- `initialize_megatron` is called with `allow_no_cuda=True` (pretrain() does not pass it).
-- `arguments.get_device_arch_version()` answers 9 (Hopper's rules: TP/CP need
-  CUDA_DEVICE_MAX_CONNECTIONS=1), as validate_args asks the GPU for it.
-- the distributed backend is gloo (NCCL needs GPUs), CUDA_DEVICE_MAX_CONNECTIONS=1 (which Megatron-LM
-  asks for with TP/CP), and the fused kernels Megatron-LM turns on by
-  default (gradient-accumulation fusion, masked softmax, bias-activation, bias-dropout-add, RoPE fusion,
-  persistent layer norm) are off: they exist only as CUDA/apex/TE kernels.
-
-Training on the CPU is automatic only on a machine with no sign of a GPU (`gpu_signs`: no NVIDIA device
-node, no GPU in the Slurm or container environment, CUDA_VISIBLE_DEVICES unset, ranks on one node), so
-Megatron-LM's launch commands still run unchanged on a laptop, in tests and in CI. Anywhere else a run
-without usable CUDA is refused before any work (`cpu_training_refusal`), in one line naming why torch sees
-no GPU (`cuda_diagnosis`: driver vs torch CUDA version where the driver library loads) and the train
-entry's `--allow-cpu` flag, which chooses the CPU on purpose.
+CPU training is automatic only on a machine with no sign of a GPU (`gpu_signs`); anywhere else a run without
+usable CUDA is refused before any work (`cpu_training_refusal`), in one line naming why torch sees no GPU
+(`cuda_diagnosis`) and the train entry's `--allow-cpu`, which chooses the CPU on purpose.
 """
 
 from __future__ import annotations
@@ -201,8 +177,6 @@ def apply_cpu_training_compat(args: Any | None = None) -> bool:
         return False
     patches.apply_process(_CPU_TRAINING_PATCHES)
     if args is not None:
-        import os
-
         args.distributed_backend = "gloo"
         # Megatron-LM asks for it with TP/CP (CUDA kernel ordering); nothing to order on a CPU
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -3,7 +3,8 @@
 Bad input (a flag, a file, a model folder, a checkpoint) raises a `JregError` whose message is one line naming
 the flag or file and the fix; `exit_code` is 2 for usage and input errors (argparse's convention, in every
 command) and 1 when the run or the machine failed (a full disk, a lost rank). `error_line` formats any error
-the same way, and `run_command` is the one place where a command turns them into that line and its exit code.
+the same way, and `report` (through `run_command`, or the train entry's per-rank handler) is the one place where
+a command turns them into that line and its exit code.
 The layer below every other module: it imports nothing from megatron_jreg.
 """
 
@@ -76,11 +77,19 @@ def error_line(prog: str, error: BaseException) -> str:
     return f"{prog}: error: {one_line(message)}"
 
 
+def report(prog: str, error: BaseException, debug: bool = False) -> int:
+    """Print `error_line` (after the traceback behind it, with `debug`) on stderr; return `exit_code`."""
+    if debug:
+        import traceback
+
+        traceback.print_exception(error.__cause__ or error, file=sys.stderr)
+    print(error_line(prog, error), file=sys.stderr)
+    return exit_code(error)
+
+
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body; expected failures (JregError, ValueError, OSError) become `error_line` on stderr
-    and `exit_code`."""
+    """Run a command body; expected failures (JregError, ValueError, OSError) are `report`ed."""
     try:
         return body()
     except (JregError, ValueError, OSError) as e:
-        print(error_line(prog, e), file=sys.stderr)
-        return exit_code(e)
+        return report(prog, e)

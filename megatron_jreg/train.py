@@ -91,20 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     _single_process_env()
-    from megatron_jreg.errors import JregError
+    from megatron_jreg.errors import JregError, report
     from megatron_jreg.training.checkpointing import RankLost
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
-    except JregError as e:
-        if debug:
-            import traceback
-
-            traceback.print_exception(e.__cause__ or e, file=sys.stderr)
+    except JregError as e:  # only ours: anything else is a failure whose traceback every rank shows
         # one line per run, not per rank; a lost rank is reported by every survivor (rank 0 may be the lost one)
         if debug or os.environ.get("RANK", "0") == "0" or isinstance(e, RankLost):
-            print(f"megatron-jreg train: error: {e}", file=sys.stderr)
+            return report("megatron-jreg train", e, debug)
         return e.exit_code
 
 

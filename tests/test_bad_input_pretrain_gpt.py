@@ -50,13 +50,15 @@ def test_refused_in_one_line(results, name):
     assert "Traceback" not in err
 
 
-def _args(*flags: str, **fields):
-    from megatron_jreg.training.arguments import parse_args
+def _check(*flags: str, **fields) -> None:
+    """check_pretrain_gpt_flags on TINY plus `flags`, with `fields` set on the parsed args."""
+    from megatron_jreg.plugin import JregConfig
+    from megatron_jreg.training.arguments import check_pretrain_gpt_flags, parse_args
 
     args = parse_args(TINY + list(flags))
     for key, value in fields.items():
         setattr(args, key, value)
-    return args
+    check_pretrain_gpt_flags(args, JregConfig.from_args(args))
 
 
 @pytest.mark.parametrize("flags,fields,needle", [
@@ -74,10 +76,10 @@ def _args(*flags: str, **fields):
     ([], {"sft": True, "hybrid_context_parallel": True}, "--context-parallel-size 1 --hybrid-context-parallel: "),
 ])
 def test_layout_dependent_refusals(flags, fields, needle):
-    from megatron_jreg.training.arguments import UsageError, check_pretrain_gpt_flags
+    from megatron_jreg.training.arguments import UsageError
 
     with pytest.raises(UsageError, match=re.escape(needle)):
-        check_pretrain_gpt_flags(_args(*flags, **fields))
+        _check(*flags, **fields)
 
 
 @pytest.mark.parametrize("flags,fields", [
@@ -89,6 +91,4 @@ def test_layout_dependent_refusals(flags, fields, needle):
     (["--mtp-num-layers", "1"], {}),
 ])
 def test_accepted_where_exact(flags, fields):
-    from megatron_jreg.training.arguments import check_pretrain_gpt_flags
-
-    check_pretrain_gpt_flags(_args(*flags, **fields))
+    _check(*flags, **fields)

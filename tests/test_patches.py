@@ -179,22 +179,28 @@ def test_a_refused_row_undoes_the_rows_applied_before_it():
 
 def _loop_args(**changes) -> SimpleNamespace:
     return SimpleNamespace(**{**dict(
-        jreg_lambda=0.1, jreg_alpha=1.0, jreg_distance="angular", jreg_layers=None, rank=0, world_size=1,
-        metrics_file=None, progress=False, train_iters=1, log_interval=1, sft=False, sft_tokenizer_prompt_format=None,
-        eval_iters=3, eval_global_batch_size=8, eval_micro_batch_size=2, data_parallel_size=2,
-        gtp_weight_remat_size=1, save=None, load=None, pretrained_checkpoint=None, ckpt_step=None), **changes})
+        rank=0, world_size=1, metrics_file=None, progress=False, train_iters=1, log_interval=1, sft=False,
+        sft_tokenizer_prompt_format=None, eval_iters=3, eval_global_batch_size=8, eval_micro_batch_size=2,
+        data_parallel_size=2, gtp_weight_remat_size=1, save=None, load=None, pretrained_checkpoint=None,
+        ckpt_step=None), **changes})
+
+
+def _loop(args: SimpleNamespace):  # noqa: ANN202 - a JregLoop of λ = 0.1 that starts from no checkpoint
+    from megatron_jreg.plugin import JregConfig
+    from megatron_jreg.training.loop import JregLoop
+
+    return JregLoop(args, JregConfig(lam=0.1), None)
 
 
 def test_training_patches_are_the_training_rows_and_are_undone(monkeypatch):
     from megatron_jreg.training import sft
-    from megatron_jreg.training.loop import JregLoop
     from megatron_jreg.training.run import training_patches
 
     monkeypatch.setattr(sft, "chat_targets", lambda tokenizer: "chat targets")
     args = _loop_args(sft=True, sft_tokenizer_prompt_format="default")
     rows = [p for p in patches.PATCHES if p.scope == patches.TRAINING]
     before = {p.target: getattr(*patches.resolve(p.target)) for p in rows}
-    loop = JregLoop(args)
+    loop = _loop(args)
     with pytest.raises(RuntimeError, match="pretrain failed"):
         with training_patches(args, loop):
             for p in rows:
@@ -256,9 +262,7 @@ def test_evaluate_reads_eval_iters_by_name(monkeypatch):
 
 
 def test_jreg_loop_counts_the_eval_microbatches_of_the_call():
-    from megatron_jreg.training.loop import JregLoop
-
-    loop = JregLoop(_loop_args())
+    loop = _loop(_loop_args())
     started: list = []
     loop.plugin = SimpleNamespace(start_step=lambda n, record: started.append((n, record)))
     loop.on_eval_start(7)
@@ -285,14 +289,14 @@ def test_relied_on_names_exist_with_their_parameters():
 def test_the_adapter_refuses_a_function_whose_parameters_moved(monkeypatch):
     from megatron.training import training
 
-    from megatron_jreg.training.loop import EVALUATE, JregLoop, MegatronLoopAdapter
+    from megatron_jreg.training.loop import EVALUATE, MegatronLoopAdapter
 
     originals = {name: getattr(training, name) for name in ("train_step", "training_log", "evaluate",
                                                              "evaluate_and_print_results")}
     params = list(inspect.signature(training.train_step).parameters.values())
     params[2], params[3] = params[3], params[2]  # optimizer before model
     monkeypatch.setattr(training, "train_step", _like(training.train_step, parameters=params))
-    makers = MegatronLoopAdapter(JregLoop(_loop_args())).makers()
+    makers = MegatronLoopAdapter(_loop(_loop_args())).makers()
     makers = {EVALUATE: makers[EVALUATE], **makers}  # one applied before the refused one
     with pytest.raises(patches.SignatureDrift, match=r"^megatron\.training\.training\.train_step: .*reordered model, "
                                                      r"optimizer"):

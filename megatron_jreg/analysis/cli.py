@@ -17,8 +17,7 @@ from pathlib import Path
 
 from megatron_jreg import jreg
 from megatron_jreg.analysis.config import DTYPES, POSITIONS, AnalyzeConfig
-from megatron_jreg.analysis.source import AnalysisError
-from megatron_jreg.errors import ModelFileError
+from megatron_jreg.errors import run_command
 from megatron_jreg.usage import example
 
 
@@ -136,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmegatron-jreg analyze: interrupted while starting; nothing written", file=sys.stderr)
         return 130
+    measured: list = []  # (results, files written)
+
+    def body() -> int:
+        measured.extend(run_analysis(AnalyzeConfig(**vars(args))))  # one config field per flag
+        return 0
+
     try:
-        cfg = AnalyzeConfig(**vars(args))  # one field per flag
-        results, files = run_analysis(cfg)
-    except (AnalysisError, ModelFileError) as e:
-        print(f"megatron-jreg analyze: error: {e}", file=sys.stderr)
-        return 2
+        code = run_command("megatron-jreg analyze", body)
     except Interrupted as e:
         saved = f"; the {e.measured} model(s) measured before it are in {args.output}" if e.files else \
             "; nothing written"
@@ -150,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmegatron-jreg analyze: interrupted before any model was measured; nothing written", file=sys.stderr)
         return 130
-    print_report(results, files)
-    return 0
+    if measured:
+        print_report(*measured)
+    return code
 
 
 if __name__ == "__main__":

@@ -18,9 +18,13 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_jreg.errors import UsageError
 from megatron_jreg.plugin import JregConfig
+
+if TYPE_CHECKING:
+    from megatron_jreg.training.run_folder import Start
 
 PROG = "megatron-jreg train"
 
@@ -200,16 +204,18 @@ def _check_sft(args: argparse.Namespace) -> None:
     if args.reset_position_ids or args.reset_attention_mask:
         raise UsageError("--sft restarts positions per conversation itself: drop --reset-position-ids / "
                          "--reset-attention-mask")
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for value in getattr(args, name, None) or []:
+    from megatron_jreg.training.data import data_flags
+
+    for option, values in data_flags(args):
+        for value in values:
             try:
                 float(value)
                 continue  # a blend weight
             except ValueError:
                 pass
             if not Path(value).is_file():
-                raise UsageError(f"--{name.replace('_', '-')} {value}: no such chat JSONL file (--sft reads "
-                                 "JSONL lines with a `messages` list; see megatron-jreg prepare-chat)")
+                raise UsageError(f"{option} {value}: no such chat JSONL file (--sft reads JSONL lines with a "
+                                 "`messages` list; see megatron-jreg prepare-chat)")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -226,7 +232,6 @@ def _check_data(args: argparse.Namespace) -> None:
 def _assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
     """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
     made, with `args.foo_bar` (and, given `args`, any bare argument name) spelled as the flag `--foo-bar`."""
-    import re
     import traceback
 
     text = " ".join(str(e).split())
@@ -257,7 +262,7 @@ def _check_cpu(args: argparse.Namespace) -> None:
                          "--use-pytorch-profiler to profile on a CPU")
 
 
-def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
+def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None:
     """Flags of Megatron-LM's pretrain_gpt.py (and its loop) that megatron-jreg train does not run as
     Megatron-LM would, refused in one line before any work (the full list: training/step.py). Runs before
     Megatron-LM's validation, which already calls CUDA for some of them."""
@@ -300,7 +305,7 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
     virtual = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
     readers_only = not packed and (args.pipeline_model_parallel_size > 2 or (
         args.pipeline_model_parallel_size > 1 and virtual is not None))
-    if args.eod_mask_loss and args.calculate_per_token_loss and args.jreg_lambda > 0 and readers_only:
+    if args.eod_mask_loss and args.calculate_per_token_loss and jreg.lam > 0 and readers_only:
         raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
                          "microbatch by its loss tokens, which the pipeline stages between the first and last do "
                          "not read here (more than 2 stages, or virtual stages); drop one of the three")
@@ -311,26 +316,19 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
                          "the padding; use --context-parallel-size 1 (tensor/sequence or pipeline parallelism)")
 
 
-def _args_from_checkpoint(args: argparse.Namespace) -> None:
-    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint, reading the checkpoint safely."""
+def _args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
+    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the checkpoint the run starts from (already
+    checked by run_folder.find_start)."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
-    from megatron_jreg.checkpoints import CheckpointError, install_safe_checkpoint_reader, resolve
-
-    if args.load is None and args.pretrained_checkpoint is None:
-        raise UsageError("--use-checkpoint-args needs --load (or --pretrained-checkpoint) to read the model from")
-    install_safe_checkpoint_reader()
-    for name in ("pretrained_checkpoint", "load"):
-        root = getattr(args, name)
-        if root is None:
-            continue
-        try:
-            resolve(root)
-            load_args_from_checkpoint(args, load_arg=name)
-        except CheckpointError as e:
-            raise UsageError(f"--use-checkpoint-args: {e}") from None
-        except (AssertionError, ValueError, KeyError, OSError) as e:
-            raise UsageError(f"--use-checkpoint-args: cannot read the args of {root} ({_assertion_text(e)})") from None
+    if start is None:
+        raise UsageError("--use-checkpoint-args needs a checkpoint in --load (or --pretrained-checkpoint) to read the "
+                         "model from")
+    try:
+        load_args_from_checkpoint(args, load_arg=start.option[2:].replace("-", "_"))
+    except (AssertionError, ValueError, KeyError, OSError) as e:
+        raise UsageError(f"--use-checkpoint-args: cannot read the args of {start.root} "
+                         f"({_assertion_text(e)})") from None
 
 
 def _check_model_config(args: argparse.Namespace) -> None:
@@ -431,8 +429,9 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
                              "code: save it as a fast tokenizer (tokenizer.json) and drop --trust-remote-code")
 
 
-def parse_and_validate(argv: list[str]) -> argparse.Namespace:
-    """Flags → Megatron-LM's validated args (global state set), or UsageError before any work.
+def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
+    """Flags → (Megatron-LM's validated args (global state set), the run's JREG config, the checkpoint it starts
+    from), each built once and handed down; or UsageError before any work.
 
     Megatron-LM's own order (parse_and_validate_args): parse, validate_args, set_global_variables
     (tokenizer, timers, TensorBoard/W&B writers, signal handler); our checks run before its validation.
@@ -442,6 +441,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
 
     from megatron_jreg.compat import apply_cpu_training_compat, cpu_training_refusal
     from megatron_jreg.training.model import check_transformer_impl
+    from megatron_jreg.training.run_folder import find_start
 
     args = parse_args(argv)
     if args.yaml_cfg is not None:
@@ -450,14 +450,15 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     refusal = cpu_training_refusal() if cpu and not args.allow_cpu else None
     if refusal is not None:  # never train on the CPU by accident (compat.py)
         raise UsageError(refusal)
+    start = find_start(args)
     if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
-        _args_from_checkpoint(args)
+        _args_from_checkpoint(args, start)
     _check_numbers(args)
-    JregConfig.from_args(args)  # --jreg-* before Megatron-LM's own checks
+    jreg = JregConfig.from_args(args)  # --jreg-* before Megatron-LM's own checks
     _check_paths(args)
     _check_sft(args)
     _check_data(args)
-    check_pretrain_gpt_flags(args)
+    check_pretrain_gpt_flags(args, jreg)
     if not args.jreg_no_exit_signal_handler:
         args.exit_signal_handler = True
     if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
@@ -472,7 +473,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         raise UsageError(_assertion_text(e, args)) from None
     _check_model_config(args)
-    JregConfig.from_args(args)  # --jreg-layers against num_layers, which may only now be known
+    jreg.check_layers(args.num_layers)  # --jreg-layers against num_layers, which may only now be known
     if args.wandb_project:
         try:
             import wandb  # noqa: F401
@@ -490,7 +491,7 @@ def parse_and_validate(argv: list[str]) -> argparse.Namespace:
     from megatron_jreg.training.data import check_vocabulary
 
     check_vocabulary(args)
-    return args
+    return args, jreg, start
 
 
 def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:

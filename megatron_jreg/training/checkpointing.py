@@ -1,9 +1,8 @@
 """What megatron-jreg adds to Megatron-LM's checkpointing when training (the format stays Megatron-LM's).
 
-- Before any work, `--load` is checked (`check_load`): a malformed tracker, a missing or incomplete
-  iteration directory, or hostile `.metadata` stop with one line (Megatron-LM exits 0 on a bad tracker,
-  and torch unpickles `.metadata` with plain pickle). The run's `--save` folder is locked and what the
-  checkpoint means is kept across resumes by `run_folder.RunFolder` (opened by the training loop).
+- The checkpoint a run starts from is resolved and checked once, before any work (`run_folder.find_start`);
+  the run's `--save` folder is locked and what the checkpoint means is kept across resumes by
+  `run_folder.RunFolder` (opened by the training loop), which hands that start to the load wrapper here.
 - Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; on by default,
   `--no-verify-integrity`), computed by all ranks together before the tracker names the save — each rank the
   files it wrote, in threads (`checkpoints.files.share`) — instead of Megatron-LM's --verify-integrity, where
@@ -49,27 +48,10 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megatron_jreg.checkpoints import (
-    CheckpointError,
-    failure_text,
-    install_safe_checkpoint_reader,
-    load_metadata,
-    read_tracker,
-    resolve,
-    verify_integrity,
-    write_integrity,
-)
-from megatron_jreg.checkpoints.files import (
-    SIDECAR,
-    TRACKER,
-    check_storage_paths,
-    checkpoint_files,
-    digest_files,
-    read_sidecar,
-    share,
-)
+from megatron_jreg.checkpoints import CheckpointError, failure_text, verify_integrity, write_integrity
+from megatron_jreg.checkpoints.files import SIDECAR, TRACKER, checkpoint_files, digest_files, share
 from megatron_jreg.errors import FAILED, JregError, UsageError
-from megatron_jreg.training.run_folder import active, has_checkpoint, load_dir
+from megatron_jreg.training.run_folder import active, tracked
 
 
 class SaveError(JregError, RuntimeError):
@@ -91,31 +73,11 @@ def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None
     if isinstance(error, SaveError) or not any(s in text for s in PEER_LOST):
         return None
     seen = " ".join(re.sub(r"^\[[^\]]*\] ", "", text.split(". This is typically")[0]).split())[:160]
-    last = _tracked(args.save) if args.save else None
+    last = tracked(args.save)
     resume = (f"the last complete checkpoint in --save {args.save} is iteration {last}: find why that rank stopped "
               f"(its log, the OOM killer), then rerun the same command with --load {args.save} to resume from it"
               if last is not None else "no checkpoint was saved (no --save, or none yet): this run's progress is lost")
     return RankLost(f"another rank stopped (rank {os.environ.get('RANK', '0')} saw: {seen}); {resume}")
-
-
-def check_load(args: argparse.Namespace) -> None:
-    """--load names nothing yet (start from scratch, as Megatron-LM) or a checkpoint we can read safely."""
-    install_safe_checkpoint_reader()
-    root = load_dir(args)
-    option = "--pretrained-checkpoint" if root is not None and root == args.pretrained_checkpoint else "--load"
-    if option == "--pretrained-checkpoint" and not has_checkpoint(root):
-        raise UsageError(f"--pretrained-checkpoint {root}: no checkpoint there (a folder with "
-                         "latest_checkpointed_iteration.txt, as --save writes)")
-    if root is None or not Path(root).is_dir():
-        return
-    try:
-        if read_tracker(root) is None and args.ckpt_step is None:
-            return  # Megatron-LM: "could not find the metadata file ... will start from random"
-        ckpt, _ = resolve(root, args.ckpt_step)
-        if (ckpt / ".metadata").is_file():
-            check_storage_paths(load_metadata(ckpt / ".metadata"), ckpt)
-    except CheckpointError as e:
-        raise UsageError(f"{option}: {e}") from None
 
 
 def patch_makers() -> dict:
@@ -225,7 +187,7 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
     if args.save is None:
         return None  # Megatron-LM's NaN and signal exits save even without --save
     persistent = not call.get("non_persistent_ckpt", False)
-    previous = _tracked(args.save)
+    previous = tracked(args.save)
     bad, name = _nonfinite_weights(model)
     if bad:
         print_rank_0(f"megatron-jreg train: iteration {iteration} not saved: {bad} weight tensor(s) hold NaN/Inf "
@@ -294,13 +256,6 @@ class _Collect(logging.Filter):
             return True
         self.messages.append(record.getMessage())
         return False
-
-
-def _tracked(root: str) -> int | str | None:
-    try:
-        return read_tracker(root)
-    except CheckpointError:
-        return None
 
 
 def _free(root: str | Path) -> int:
@@ -375,29 +330,19 @@ def _adam_step(opt) -> int | None:
     return None
 
 
-def _saved_adam_step(args: argparse.Namespace) -> int | None:
-    try:
-        ckpt, _ = resolve(load_dir(args), args.ckpt_step)
-        return (read_sidecar(ckpt) or {}).get("torch_adam_step")
-    except (CheckpointError, AttributeError):
-        return None
-
-
 def _load_checkpoint(original, *a, **k):  # noqa: ANN001
     """Megatron-LM's load_checkpoint (`original`), after verifying the checkpoint's digests (every rank its share,
     all raise)."""
     import torch
     from megatron.training import get_args, print_rank_0
 
-    args = get_args()
-    root = load_dir(args)
-    resuming = root is not None and Path(root).is_dir() and read_tracker(root) is not None
-    if resuming and not args.jreg_no_verify_integrity:
+    args, start = get_args(), active().start
+    root = start.root if start else args.load
+    if start and not args.jreg_no_verify_integrity:
         dist = torch.distributed
-        rank, world = dist.get_rank(), dist.get_world_size()
         try:
-            ckpt, _ = resolve(root, args.ckpt_step)
-            outcome: int | str | None = verify_integrity(ckpt, rank, world, digest_threads())
+            outcome: int | str | None = verify_integrity(start.ckpt, dist.get_rank(), dist.get_world_size(),
+                                                         digest_threads())
         except CheckpointError as e:
             outcome = str(e)
         gathered = _all_gather(outcome)
@@ -405,13 +350,13 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
         if failed is not None:
             raise UsageError(f"--load: {failed}")
         if gathered[0] is None:
-            print_rank_0(f"megatron-jreg: {ckpt} has no integrity.json (saved without --verify-integrity): loading "
-                         "it unverified")
+            print_rank_0(f"megatron-jreg: {start.ckpt} has no integrity.json (saved without --verify-integrity): "
+                         "loading it unverified")
         else:
-            print_rank_0(f"megatron-jreg: verified {sum(gathered)} file(s) of {ckpt} against integrity.json"
-                         f"{f' ({world} ranks)' if world > 1 else ''}")
+            print_rank_0(f"megatron-jreg: verified {sum(gathered)} file(s) of {start.ckpt} against integrity.json"
+                         f"{f' ({len(gathered)} ranks)' if len(gathered) > 1 else ''}")
     optimizer = _bound(original, a, k).get("optimizer")
-    torch_adam = _torch_adam_distributed(optimizer) if resuming else []
+    torch_adam = _torch_adam_distributed(optimizer) if start else []
     for opt in torch_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
@@ -420,17 +365,13 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
             result = original(*a, **k)
     except JregError:
         raise
-    except AssertionError as e:
-        if str(e).startswith("OptimizerParamScheduler:"):
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for unreadable checkpoints
+        if isinstance(e, AssertionError) and str(e).startswith("OptimizerParamScheduler:"):
             raise UsageError(_scheduler_mismatch(root, str(e))) from None
         raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({failure_text(e)}); is it "
                          "truncated, or saved for another model or layout?") from None
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for unreadable checkpoints
-        detail = failure_text(e)
-        raise UsageError(f"--load {root}: Megatron-LM could not load the checkpoint ({detail}); "
-                         "is it truncated, or saved for another model or layout?") from None
     if torch_adam and not args.no_load_optim and not args.finetune:
-        step = _saved_adam_step(args)
+        step = start.sidecar.get("torch_adam_step")
         if step is None:
             print_rank_0("megatron-jreg: the checkpoint does not record torch Adam's step count (saved by "
                          "Megatron-LM without apex/TE); Adam's bias correction restarts")

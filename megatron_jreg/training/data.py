@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import math
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -27,28 +28,28 @@ from megatron_jreg.data.manifest import read_manifest
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import UsageError
 
-_DATA_OPTIONS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+def data_flags(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
+    """(flag, values) of each dataset flag the run gives (--data-path, --train-data-path, ...)."""
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if values := getattr(args, name, None):
+            yield "--" + name.replace("_", "-"), values
 
 
 def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft); UsageError for a blend
     Megatron-LM would assert on (a weight that is negative, zero or NaN)."""
     out = []
-    for name in _DATA_OPTIONS:
-        values = getattr(args, name, None)
-        if not values:
-            continue
+    for option, values in data_flags(args):
         try:
             blend = get_blend_from_list(values)
         except (AssertionError, ValueError) as e:
-            raise UsageError(f"--{name.replace('_', '-')} {' '.join(values)}: {e}; give PREFIX or "
-                             "W1 PREFIX1 W2 PREFIX2 ...") from None
+            raise UsageError(f"{option} {' '.join(values)}: {e}; give PREFIX or W1 PREFIX1 W2 PREFIX2 ...") from None
         bad = [w for w in blend[1] or [] if not (math.isfinite(w) and w > 0)]
         if bad:
-            raise UsageError(f"--{name.replace('_', '-')} {' '.join(values)}: blend weight {bad[0]} is not a positive "
-                             "number; give W1 PREFIX1 W2 PREFIX2 ... with every weight > 0 (drop a dataset instead "
-                             "of weighting it 0)")
-        out += [(f"--{name.replace('_', '-')}", prefix) for prefix in blend[0]]
+            raise UsageError(f"{option} {' '.join(values)}: blend weight {bad[0]} is not a positive number; give W1 "
+                             "PREFIX1 W2 PREFIX2 ... with every weight > 0 (drop a dataset instead of weighting it 0)")
+        out += [(option, prefix) for prefix in blend[0]]
     return [] if args.mock_data or args.sft else out
 
 

@@ -44,8 +44,6 @@ from megatron.core.rerun_state_machine import (
 )
 
 from megatron_jreg import patches
-from megatron_jreg.checkpoints import read_tracker
-from megatron_jreg.checkpoints.files import CheckpointError
 from megatron_jreg.errors import Interrupted
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
 from megatron_jreg.training.metrics import (
@@ -56,7 +54,7 @@ from megatron_jreg.training.metrics import (
     jreg_fields,
     write_scalars,
 )
-from megatron_jreg.training.run_folder import RunFolder
+from megatron_jreg.training.run_folder import RunFolder, Start, tracked
 
 TRAIN_STEP = "megatron.training.training.train_step"
 TRAINING_LOG = "megatron.training.training.training_log"
@@ -76,11 +74,10 @@ class JregLoop:
     """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop; it also holds
     the run's --save folder (run_folder.RunFolder: lock, settings, history) and its Ctrl-C."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.folder = RunFolder.open(args)  # first: a refusal leaves nothing else behind
+    def __init__(self, args: argparse.Namespace, cfg: JregConfig, start: Start | None) -> None:
+        self.args, self.cfg = args, cfg
+        self.folder = RunFolder.open(args, cfg, start)  # first: a refusal leaves nothing else behind
         self.folder.loop_fields = self._checkpoint_fields
-        self.cfg = JregConfig.from_args(args)
         self.plugin: JregPlugin | None = None
         self.stats: JregStats | None = None  # Ψ of the last recorded training iteration
         self.evaluations: list[tuple[JregStats, float | None]] = []  # (Ψ, lm loss) of each `evaluate` call
@@ -151,13 +148,9 @@ class JregLoop:
 
     def _interrupted_line(self) -> str:
         """"interrupted at iteration N; last checkpoint M ...; resume with ..." (one line)."""
-        save = self.args.save
+        save, last = self.args.save, tracked(self.args.save)
         where = (f"at iteration {self._iteration}" if not self.first_step
                  else f"before training started (iteration {self.start or 0})")
-        try:
-            last = read_tracker(save) if save else None
-        except CheckpointError:
-            last = None
         if not save:
             kept = "no --save: nothing was saved, a rerun starts over"
         elif last is None:
@@ -166,7 +159,6 @@ class JregLoop:
             again = "the same command" if self.args.load == save else f"the same command with --load {save}"
             kept = f"last checkpoint: iteration {last} in {save}; to resume, rerun {again}"
         return f"interrupted (Ctrl-C) {where}; {kept}"
-
 
     def _records(self, iteration: int) -> bool:
         """Megatron-LM prints iteration `iteration + 1` (1-based) when this is true."""
@@ -202,14 +194,9 @@ class JregLoop:
         reproduced on this device (resume, ideally on another node, to tell a fault from a divergence),
         exit 17 once it is confirmed. Say so in one line, with the checkpoint to resume from."""
         from megatron.training import print_rank_0
-        from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
 
-        last = "none (no checkpoint saved yet)"
-        for root in (self.args.save, self.args.load):
-            if root and checkpoint_exists(root):
-                with open(get_checkpoint_tracker_filename(root)) as f:
-                    last = f"{root} (iteration {f.read().strip()})"
-                break
+        found = [(root, it) for root in (self.args.save, self.args.load) if (it := tracked(root)) is not None]
+        last = f"{found[0][0]} (iteration {found[0][1]})" if found else "none (no checkpoint saved yet)"
         if not self.args.save:
             advice = (f"exit {exit_code}: no --save, so nothing to resume from; rerun with --save (on another node if "
                       "you suspect the hardware), or lower --lr")
@@ -336,17 +323,10 @@ class MegatronLoopAdapter:
                 EVALUATE_AND_PRINT: self.evaluate_and_print_results}
 
     def train_step(self, original: Callable) -> Callable:
-        signature, events = inspect.signature(original), self.events
-
-        @functools.wraps(original)
-        def train_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            call = _bind(signature, args, kwargs)
-            events.on_train_step_start(call["iteration"])
-            result = original(*args, **kwargs)
-            events.on_train_step_end(call["iteration"], call["model"], _named(TRAIN_STEP, TRAIN_STEP_RESULT, result))
-            return result
-
-        return train_step
+        e = self.events
+        return _around(original, lambda call: e.on_train_step_start(call["iteration"]),
+                       lambda call, result: e.on_train_step_end(call["iteration"], call["model"],
+                                                                _named(TRAIN_STEP, TRAIN_STEP_RESULT, result)))
 
     def training_log(self, original: Callable) -> Callable:
         signature, events = inspect.signature(original), self.events
@@ -373,29 +353,29 @@ class MegatronLoopAdapter:
         return training_log
 
     def evaluate(self, original: Callable) -> Callable:
-        signature, events = inspect.signature(original), self.events
-
-        @functools.wraps(original)
-        def evaluate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            events.on_eval_start(_bind(signature, args, kwargs)["eval_iters"])
-            result = original(*args, **kwargs)
-            events.on_eval_end(_named(EVALUATE, EVALUATE_RESULT, result))
-            return result
-
-        return evaluate
+        e = self.events
+        return _around(original, lambda call: e.on_eval_start(call["eval_iters"]),
+                       lambda call, result: e.on_eval_end(_named(EVALUATE, EVALUATE_RESULT, result)))
 
     def evaluate_and_print_results(self, original: Callable) -> Callable:
-        signature, events = inspect.signature(original), self.events
+        e = self.events
+        return _around(original, lambda call: e.on_eval_report_start(call["prefix"], call["iteration"]),
+                       lambda call, _: e.on_eval_report_end(call["prefix"], call["iteration"]))
 
-        @functools.wraps(original)
-        def evaluate_and_print_results(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            call = _bind(signature, args, kwargs)
-            events.on_eval_report_start(call["prefix"], call["iteration"])
-            result = original(*args, **kwargs)
-            events.on_eval_report_end(call["prefix"], call["iteration"])
-            return result
 
-        return evaluate_and_print_results
+def _around(original: Callable, before: Callable[[dict], None], after: Callable[[dict, Any], None]) -> Callable:
+    """`original` wrapped: `before(call)` and `after(call, result)` around it, `call` its arguments by name."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        call = _bind(signature, args, kwargs)
+        before(call)
+        result = original(*args, **kwargs)
+        after(call, result)
+        return result
+
+    return wrapper
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -3,10 +3,7 @@
 Megatron-LM picks the layer spec (Transformer Engine or local, per `--transformer-impl`) and builds,
 wraps and initialises the model (`megatron.training.models.gpt.GPTModelBuilder`). We add through that
 builder's extension points only:
-- `transformer_layer_spec`: Megatron-LM's own spec, with its `WrappedTorchNorm` (a bare torch norm that
-  refuses sequence parallelism and `persist_layer_norm`) replaced by `TorchNorm` — the same RMSNorm /
-  LayerNorm math, which marks its weight `sequence_parallel` so megatron all-reduces its gradient over TP
-  as it does for TE's norms. Only where Megatron-LM would use WrappedTorchNorm (no TE, no apex).
+- `transformer_layer_spec`: Megatron-LM's own spec with sequence-parallel capable norms (layer_spec.py);
 - a pre-wrap hook for `--init-mode layout-independent` (training/sharding.py);
 - a post-wrap hook that attaches the JREG plugin to the wrapped model chunks (training/loop.py);
 - packed data (`--sft`) at PP > 1 with micro-batch > 1: megatron-core's variable-sequence-length p2p, so the

@@ -1,4 +1,5 @@
-"""One training run: flags → Megatron-LM's args → providers → `megatron.training.pretrain`.
+"""One training run: flags → Megatron-LM's args, the JREG config and the checkpoint to start from (each built
+once, training/arguments.py) → providers → `megatron.training.pretrain`.
 
 Megatron-LM keeps its state in module globals (args, timers, microbatch calculator, parallel groups,
 rerun state machine); `run` tears them down afterwards so that one process can run several trainings
@@ -124,9 +125,8 @@ def run(argv: list[str]) -> int:
     loop = None
     environ = dict(os.environ)  # validate_args exports NVTE_*_ATTN for --attention-backend: restored after
     try:
-        args = parse_and_validate(argv)
-        checkpointing.check_load(args)
-        loop = JregLoop(args)
+        args, jreg, start = parse_and_validate(argv)
+        loop = JregLoop(args, jreg, start)
         # pretrain_gpt.py:520-530 (core_v0.19.0): its config container and pretrain call, with our providers
         config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
         try:

@@ -4,7 +4,9 @@ Megatron-LM writes into `--save` whatever else is there: two runs started on one
 folders, and a new run without `--load` overwrites a finished run's checkpoints and moves its tracker. A
 resume takes the flags of the new command: a changed vocabulary loads the embedding partly (megatron-core
 allows that shape mismatch), a changed global batch ends the run with samples never trained, a changed
-sequence length or JREG setting leaves no trace. `RunFolder.open(args)`, before any work:
+sequence length or JREG setting leaves no trace. Before any work, `find_start(args)` resolves the checkpoint
+the run starts from once (`Start`: --load, or --pretrained-checkpoint while --load holds none; refusals in one
+line), and `RunFolder.open(args, jreg, start)`:
 
 - locks `--save` for the run (`SaveLock`, released at the end; kill -9 leaves no stale lock) and refuses,
   in one line naming the holder's host and pid, a second run on it;
@@ -31,30 +33,79 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_jreg.checkpoints import CheckpointError, read_sidecar, read_tracker, resolve, saved_iterations
+from megatron_jreg.checkpoints import (
+    CheckpointError,
+    install_safe_checkpoint_reader,
+    load_metadata,
+    read_sidecar,
+    read_tracker,
+    resolve,
+    saved_iterations,
+)
+from megatron_jreg.checkpoints.files import check_storage_paths
 from megatron_jreg.errors import UsageError
+
+if TYPE_CHECKING:
+    from megatron_jreg.plugin import JregConfig
 
 LOCK = ".megatron_jreg.lock"  # in --save, while a run may write there
 _HELD: set[str] = set()  # lock files this process holds (POSIX locks never exclude their own process)
 _ACTIVE: list[RunFolder] = []  # the run in progress in this process (its save wrapper reads it)
 
 
-def load_dir(args: argparse.Namespace) -> str | None:
-    """The folder Megatron-LM's load_checkpoint reads: --load when it holds a checkpoint, else
-    --pretrained-checkpoint (fine-tuning starts there; its requeued jobs resume from --load)."""
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained is not None and not has_checkpoint(args.load):
-        return pretrained
-    return args.load
+@dataclass(frozen=True)
+class Start:
+    """The checkpoint a run starts from, resolved once by `find_start` and handed down (the run folder, the load
+    wrapper): `root` is the folder Megatron-LM's load_checkpoint reads, `sidecar` its megatron_jreg.json."""
+
+    root: str
+    option: str  # "--load" or "--pretrained-checkpoint"
+    ckpt: Path
+    iteration: int
+    sidecar: dict
 
 
-def has_checkpoint(root: str | None) -> bool:
+def _has_checkpoint(root: str | None) -> bool:
     try:
         return root is not None and Path(root).is_dir() and read_tracker(root) is not None
     except CheckpointError:
-        return True  # a damaged tracker: reported when it is read
+        return True  # a damaged tracker: reported when it is resolved
+
+
+def find_start(args: argparse.Namespace) -> Start | None:
+    """The checkpoint Megatron-LM will load — --load when it holds one, else --pretrained-checkpoint (fine-tuning
+    starts there; its requeued jobs resume from --load) — checked to be safe to read; None when --load names
+    nothing yet (Megatron-LM starts from scratch). UsageError naming the flag otherwise (Megatron-LM exits 0 on a
+    bad tracker, and torch unpickles `.metadata` with plain pickle)."""
+    install_safe_checkpoint_reader()
+    pretrained = args.pretrained_checkpoint is not None and not _has_checkpoint(args.load)
+    root, option = (args.pretrained_checkpoint, "--pretrained-checkpoint") if pretrained else (args.load, "--load")
+    if pretrained and not _has_checkpoint(root):
+        raise UsageError(f"--pretrained-checkpoint {root}: no checkpoint there (a folder with "
+                         "latest_checkpointed_iteration.txt, as --save writes)")
+    if root is None or not Path(root).is_dir():
+        return None
+    try:
+        if read_tracker(root) is None and args.ckpt_step is None:
+            return None  # Megatron-LM: "could not find the metadata file ... will start from random"
+        ckpt, iteration = resolve(root, args.ckpt_step)
+        if (ckpt / ".metadata").is_file():
+            check_storage_paths(load_metadata(ckpt / ".metadata"), ckpt)
+        return Start(root, option, ckpt, iteration, read_sidecar(ckpt) or {})
+    except CheckpointError as e:
+        raise UsageError(f"{option}: {e}") from None
+
+
+def tracked(root: str | None) -> int | str | None:
+    """The iteration a folder's tracker names; None without one (or an unreadable one)."""
+    try:
+        return read_tracker(root) if root else None
+    except CheckpointError:
+        return None
 
 
 def active() -> RunFolder | None:
@@ -132,17 +183,16 @@ def _holder(fd: int) -> str:
         return "holder unknown"
 
 
-def run_settings(args: argparse.Namespace) -> dict:
+def run_settings(args: argparse.Namespace, jreg: JregConfig) -> dict:
     """What a checkpoint's meaning depends on, as this run sets it (megatron_jreg.json's `run`)."""
     from megatron.training import get_tokenizer
 
-    from megatron_jreg.plugin import JregConfig
     from megatron_jreg.training.data import tokenizer_sha256
 
     return {"padded_vocab_size": args.padded_vocab_size, "vocab_size": get_tokenizer().vocab_size,
             "tokenizer_sha256": tokenizer_sha256(args), "global_batch_size": args.global_batch_size,
             "rampup_batch_size": args.rampup_batch_size, "seq_length": args.seq_length, "seed": args.seed,
-            "jreg": JregConfig.from_args(args).record()}
+            "jreg": jreg.record()}
 
 
 def _settings_from_args(saved: argparse.Namespace) -> dict:
@@ -199,22 +249,22 @@ def _value(value: object) -> str:
 class RunFolder:
     """This run's --save folder and what its checkpoints record (module docstring)."""
 
-    def __init__(self, args: argparse.Namespace, lock: SaveLock | None, start: tuple[Path, int] | None,
-                 settings: dict | None, history: list[dict], base: dict) -> None:
-        self.args, self.lock, self.start, self.history = args, lock, start, history
+    def __init__(self, args: argparse.Namespace, jreg: JregConfig, lock: SaveLock | None, start: Start | None,
+                 settings: dict | None = None, history: list[dict] | None = None) -> None:
+        self.args, self.jreg, self.lock, self.start, self.history = args, jreg, lock, start, history or []
         self._settings = settings
-        self.base = base  # the megatron_jreg.json of the checkpoint this run starts from ({} when none)
+        self.base = start.sidecar if start else {}  # the megatron_jreg.json of the checkpoint this run starts from
         self.loop_fields: Callable[[], dict] | None = None  # what the training loop adds to each sidecar
 
     @classmethod
-    def open(cls, args: argparse.Namespace) -> RunFolder:
+    def open(cls, args: argparse.Namespace, jreg: JregConfig, start: Start | None) -> RunFolder:
         """Lock --save and check the checkpoint this run starts from (module docstring); Megatron-LM's own
         --verify-integrity is switched off (checkpointing.py digests over all ranks instead). Raises UsageError,
         in one line, before any work."""
         args.verify_integrity = False
         lock = SaveLock.acquire(args.save) if args.save and args.rank == 0 else None
         try:
-            folder = cls._open(args, lock, load_dir(args))
+            folder = cls._open(args, jreg, lock, start)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -223,42 +273,37 @@ class RunFolder:
         return folder
 
     @classmethod
-    def _open(cls, args: argparse.Namespace, lock: SaveLock | None, root: str | None) -> RunFolder:
+    def _open(cls, args: argparse.Namespace, jreg: JregConfig, lock: SaveLock | None, start: Start | None) -> RunFolder:
         from megatron.training import print_rank_0
 
-        has_start = root is not None and Path(root).is_dir() and read_tracker(root) is not None
         if args.save:
-            _refuse_foreign(args, root if has_start else None)
-        if not has_start:
-            return cls(args, lock, None, None, [], {})
-        try:
-            ckpt, iteration = resolve(root, args.ckpt_step)
-            base = read_sidecar(ckpt) or {}
-        except CheckpointError:
-            return cls(args, lock, None, None, [], {})  # check_load and the load itself name what is wrong
-        settings = run_settings(args)
-        fresh = bool(args.finetune) or root == getattr(args, "pretrained_checkpoint", None)
-        first = 0 if fresh else iteration  # the iteration this run's steps count from
-        saved = saved_settings(ckpt)
+            _refuse_foreign(args, start.root if start else None)
+        if start is None:
+            return cls(args, jreg, lock, None)
+        settings = run_settings(args, jreg)
+        # Megatron-LM's load_checkpoint starts a release checkpoint (an import, a published model) at iteration 0,
+        # as --finetune does: its batch and sequence length are not a resume's to keep
+        fresh = bool(args.finetune) or start.option == "--pretrained-checkpoint" or start.ckpt.name == "release"
+        first = 0 if fresh else start.iteration  # the iteration this run's steps count from
         vocab_flag = (f"--vocab-size {args.vocab_size}" if args.vocab_size is not None
                       else f"--tokenizer-model {args.tokenizer_model}")
-        changes = _compare(ckpt, saved or {}, settings, fresh, vocab_flag)
-        same_folder = args.save is not None and Path(args.save).resolve() == Path(root).resolve()
-        history = list(base.get("history") or [])
+        changes = _compare(start.ckpt, saved_settings(start.ckpt) or {}, settings, fresh, vocab_flag)
+        same_folder = args.save is not None and Path(args.save).resolve() == Path(start.root).resolve()
+        history = list(start.sidecar.get("history") or [])
         if changes or not same_folder:
-            history.append({"iteration": first, "from": str(ckpt), "changes": changes})
+            history.append({"iteration": first, "from": str(start.ckpt), "changes": changes})
         if changes:
             what = ", ".join(f"{_RECORDED.get(k, '--' + k.replace('_', '-'))} {_value(old)} → {_value(new)}"
                              for k, (old, new) in changes.items())
-            print_rank_0(f"megatron-jreg: {ckpt} (iteration {iteration}) continues with changed settings from "
-                         f"iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
-        return cls(args, lock, (ckpt, iteration), settings, history, base)
+            print_rank_0(f"megatron-jreg: {start.ckpt} (iteration {start.iteration}) continues with changed settings "
+                         f"from iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
+        return cls(args, jreg, lock, start, settings, history)
 
     @property
     def settings(self) -> dict:
         """run_settings of this run (computed when first needed: a run that neither loads nor saves needs none)."""
         if self._settings is None:
-            self._settings = run_settings(self.args)
+            self._settings = run_settings(self.args, self.jreg)
         return self._settings
 
     def sidecar(self, torch_adam_step: int | None) -> dict:

@@ -72,12 +72,12 @@ def check_conversations(args) -> None:  # noqa: ANN001 - Megatron-LM's args
     from megatron.core.datasets.utils import get_blend_from_list
 
     from megatron_jreg.errors import UsageError
+    from megatron_jreg.training.data import data_flags
 
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        values = getattr(args, name, None)
-        for path in get_blend_from_list(values)[0] if values else []:
-            option = f"--{name.replace('_', '-')} {path}"
+    for flag, values in data_flags(args):
+        for path in get_blend_from_list(values)[0]:
+            option = f"{flag} {path}"
             trainable, lines = False, 0
             with open(path, "rb") as f:
                 for number, raw in enumerate(f, 1):

@@ -15,7 +15,7 @@ from megatron_jreg.data.manifest import manifest_path
 from megatron_jreg.data.preprocess.config import PreprocessConfig
 from megatron_jreg.data.preprocess.driver import describe_skips, preprocess
 from megatron_jreg.data.tokenizers import add_tokenizer_args, tokenizer_defaults
-from megatron_jreg.errors import run_command
+from megatron_jreg.errors import Interrupted, run_command
 from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg preprocess"
@@ -99,9 +99,10 @@ def _run(cfg: PreprocessConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return run_command(PROG, lambda: _run(config_from_args(args)))
-    except KeyboardInterrupt:  # before any shard was started (the driver reports one during the work)
-        print(f"{PROG}: error: interrupted before any output was written; run the command again", file=sys.stderr)
-        return 130
+    def body() -> int:
+        try:
+            return _run(config_from_args(build_parser().parse_args(argv)))
+        except KeyboardInterrupt:  # before any shard was started (the driver reports one during the work)
+            raise Interrupted("interrupted before any output was written; run the command again") from None
+
+    return run_command(PROG, body)

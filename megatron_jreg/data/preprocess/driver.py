@@ -31,19 +31,13 @@ from megatron_jreg.data.preprocess.progress import Progress
 from megatron_jreg.data.preprocess.shards import output_prefixes, plan_shards, shard_fingerprint
 from megatron_jreg.data.sources import ERROR_REASONS, InputFile, Unit, iter_units, resolve_inputs
 from megatron_jreg.data.tokenizers import file_sha256, from_args
-from megatron_jreg.errors import JregError
+from megatron_jreg.errors import Interrupted
 
 EXAMPLES_PER_REASON = 5
 
 
 class PreprocessError(DataError):
     """A bad record under --on-error fail, or input that yields no documents at all."""
-
-
-class Interrupted(JregError):
-    """Ctrl-C: the line says which shards are kept and how to resume; exit 130, as a shell reports SIGINT."""
-
-    exit_code = 130
 
 
 def describe_skips(skipped: dict[str, int], examples: dict[str, list[str]]) -> str:
