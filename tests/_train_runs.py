@@ -170,6 +170,9 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
     out["crash"] = crash_during_save(tmp)
     diverge = ["--lr", "1e6", "--clip-grad", "0", "--adam-eps", "1e-30", "--eval-interval", "100"]
     out["nan"] = train(TINY + diverge + ["--train-iters", "20", "--save", f"{tmp}/nan", "--save-interval", "1"])
+    # the resume that exit 16 asks for loads the checkpoint, the rerun machine's record of the NaN result included
+    out["nan-resume"] = train(TINY + diverge + ["--train-iters", "20", "--save", f"{tmp}/nan", "--load", f"{tmp}/nan",
+                                                "--save-interval", "1"])
     out["nan-nosave"] = train(TINY + diverge + ["--train-iters", "20"])
     # NaN weights, Megatron-LM's NaN check off: training goes on, the saves of NaN weights do not happen
     out["nan-weights"] = train(TINY + diverge + [

@@ -305,9 +305,13 @@ def install_safe_checkpoint_reader() -> None:
     unpickle with weights_only=True (process-wide; rows of megatron_jreg.patches.PATCHES)."""
     if patches.is_applied(_READER):
         return
+    from megatron.core.rerun_state_machine import Call, Caller
     from megatron.core.safe_globals import register_safe_globals
 
     register_safe_globals()
+    # the rerun state machine's record of the result it stopped on (saved with the checkpoint of a NaN exit, which
+    # Megatron-LM resumes from to tell a fault from a divergence): two NamedTuples megatron-core's list lacks
+    torch.serialization.add_safe_globals([Call, Caller])
     patches.apply_process({_READER: lambda _original: _read_metadata,
                            "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes":
                                lambda _original: _load_bytes})
