@@ -212,7 +212,8 @@ def load_causal_lm(
     weights unless `allow_pickle`), refusing a model whose weights do not all load: missing, unused or of
     the wrong shape (IncompleteWeightsError; shapes are loaded with ignore_mismatched_sizes so that they
     are reported here rather than raised as a RuntimeError pointing at a report). Transformers' own load
-    report is silenced, since this error replaces it. `where` starts the message (e.g. "--model DIR").
+    report is silenced, since this error replaces it, and so is its weight-loading bar unless stderr is a
+    terminal. `where` starts the message (e.g. "--model DIR").
     checked: the caller has run `check_model_folder` on this folder already (its headers are read once per
     load, not twice); not passed to from_pretrained."""
     from safetensors import SafetensorError
@@ -225,8 +226,10 @@ def load_causal_lm(
             check_model_folder(folder, flag, allow_pickle=allow_pickle)
         if not allow_pickle:
             kwargs["use_safetensors"] = True  # transformers never unpickles a .bin beside them
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    if not sys.stderr.isatty():  # its "Loading weights" bar, redrawn into a log file, is only noise there
+        hf_logging.disable_progress_bar()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(folder), local_files_only=True, trust_remote_code=False, output_loading_info=True,
@@ -236,6 +239,8 @@ def load_causal_lm(
         raise ModelFileError(f"{where}: a safetensors file cannot be read ({e}); download the model again") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     check_loading_info(info, type(model).__name__, where, ignore)
     return model
 

@@ -172,3 +172,14 @@ def test_a_folder_is_checked_once_per_load(model_folder, tmp_path, monkeypatch):
     argv = ["--hf", str(model_folder), "--tasks", "lambada", "--limit", "2", "--output", str(tmp_path / "e.json")]
     assert evaluate_cli.main(argv) == 0
     assert calls == [model_folder]
+
+
+def test_load_shows_no_weight_bar_in_a_log(model_folder, capfd):
+    """transformers 5's "Loading weights" bar is shown on a terminal only (a log file got every redraw), and
+    its bar setting is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    hub.load_causal_lm(model_folder, where=f"--model {model_folder}")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -8,6 +8,7 @@ Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 import zipfile
@@ -101,7 +102,13 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     tensor gets its own) with `model.safetensors.index.json`; the file names written."""
     from huggingface_hub import save_torch_state_dict
 
-    save_torch_state_dict(tensors, folder, max_shard_size=max_shard_bytes)
+    root = logging.getLogger()  # Megatron-LM's training module sets it to INFO, on stdout; huggingface_hub's
+    level = root.level  # saver would print "Model weights successfully saved to <the staging folder>!" there
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        save_torch_state_dict(tensors, folder, max_shard_size=max_shard_bytes)
+    finally:
+        root.setLevel(level)
     umask = os.umask(0)
     os.umask(umask)
     names = sorted(p.name for p in folder.glob("model*.safetensors"))
