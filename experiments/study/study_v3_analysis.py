@@ -336,7 +336,7 @@ SEEN = (
 
 
 def main() -> None:
-    """Print the power statement of the pre-registration (docs/results/study_v3_power.txt)."""
+    """Print the power statement of the pre-registration (experiments/study/power_v3.txt)."""
     level, n = family_level(), len(SEEDS)
     print(f"Study v3: {len(PRIMARY)} primary endpoints in one Holm family; MDE and power for the exact two-sided "
           f"sign-flip test at the hardest Holm step, {LEVEL} / {len(PRIMARY)} = {level:.4f}, n = {n} seed pairs, "
