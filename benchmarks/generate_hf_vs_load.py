@@ -5,7 +5,7 @@ rows, a 4,000-token BPE trained here) saved as a Hugging Face folder and importe
 then `megatron-jreg generate` answers the same questions from each, the runs alternating so that the machine's
 load hits all alike. Issue 33 measured 1.7-1.9 tokens/s for --hf against 7.6 for --load on a SmolLM2 model.
 Each path runs twice: as `generate` runs now (its OpenMP threads sleep while they wait, megatron_jreg/
-evaluate/omp.py), and with libgomp's default spin-then-sleep wait (GOMP_SPINCOUNT=300000), as before.
+process_env.py), and with libgomp's default spin-then-sleep wait (GOMP_SPINCOUNT=300000), as before.
 Reported per run: the new tokens per second generate prints (its decoding loop; the model load excluded),
 the process's CPU seconds, and whether --hf and --load gave identical answers.
 

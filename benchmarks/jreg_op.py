@@ -7,7 +7,8 @@ backward: read them again, write their two gradients); the floor is a plain copy
 rounds (medians), after a warm-up call (which compiles where the op compiles). One profiled call gives the
 aten ops per layer call, and the kernel launches on a GPU. Also timed: allocating and first touching two
 [T, h] tensors, part of the op's time (its gradients are fresh tensors): on CPU that is page faults, which
-torch's THP_MEM_ALLOC_ENABLE=1 (huge pages) can cut, at the kernel's mercy for assembling huge pages.
+torch's THP_MEM_ALLOC_ENABLE=1 (huge pages) cuts. The benchmark runs as `megatron-jreg train` does: with huge
+pages on a machine with no sign of a GPU (megatron_jreg/process_env.py), unless THP_MEM_ALLOC_ENABLE is set.
 
     python benchmarks/jreg_op.py                               # CPU: [16384, 768 | 2048 | 3072] × bf16, fp32
     python benchmarks/jreg_op.py --device cuda --rounds 20     # the GPU check's call
@@ -33,9 +34,13 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from megatron_jreg.process_env import huge_pages_for_cpu_training  # noqa: E402
+
+huge_pages_for_cpu_training()  # as the train entry sets it, before torch loads (THP_MEM_ALLOC_ENABLE=0: without)
+import torch  # noqa: E402
+
 SHAPES = ((16384, 768), (16384, 2048), (16384, 3072))  # the paper's 170M / 1B / 3B widths, 8 × 2048 tokens
 TARGET = (16384, 2048)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -181,7 +186,8 @@ def compile_cost(dtype: str) -> dict:
 
 def report(results: list[dict], variants: list[str], device: str) -> list[str]:
     lines = [f"device {device}; op = jreg.displacement_total forward + backward of one layer call; floor = copy of "
-             f"the same bytes; medians over {results[0]['rounds']} alternated rounds"]
+             f"the same bytes; medians over {results[0]['rounds']} alternated rounds; "
+             f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"]
     for r in results:
         head = f"[{r['shape'][0]}, {r['shape'][1]}] {r['dtype']:>8}: floor {1e3 * r['seconds']['floor']:8.1f} ms, " \
                f"{r['bytes'] / 2**20:7.0f} MiB moved; allocating + first touch of the two gradients " \

@@ -21,7 +21,6 @@ import ctypes
 import functools
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_jreg import patches
+from megatron_jreg.process_env import gpu_signs
 
 log = logging.getLogger(__name__)
 
@@ -198,50 +198,6 @@ def device() -> torch.device:
 
 def dist_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-# -- never train on the CPU by accident --------------------------------------------------------------------
-_SLURM_GPU = re.compile(r"SLURM_(?:JOB_|STEP_)?GPUS(?:_[A-Z_]+)?")  # SLURM_JOB_GPUS, SLURM_GPUS_ON_NODE, ...
-_SLURM_TRES = ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES", "SLURM_STEP_GRES")  # "cpu=8,gres/gpu=1", "gpu:8"
-_NOT_A_GPU = ("", "0", "none", "void", "NoDevFiles")  # values that allocate no GPU
-
-
-def _int(environ: Mapping[str, str], key: str) -> int:
-    try:
-        return int(environ.get(key, ""))
-    except ValueError:
-        return 0
-
-
-def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
-    """What says this run expects a GPU: NVIDIA device nodes, CUDA_VISIBLE_DEVICES set (even empty), a
-    container runtime's NVIDIA_VISIBLE_DEVICES, a Slurm GPU allocation, or ranks spread over several nodes
-    (torchrun's GROUP_WORLD_SIZE, WORLD_SIZE > LOCAL_WORLD_SIZE, NNODES, Slurm's node count). Empty: a
-    machine with no sign of a GPU, where CPU training is what the user has."""
-    env = os.environ if environ is None else environ
-    signs = []
-    nodes = sorted(p.name for p in dev.glob("nvidia*")) if dev.is_dir() else []
-    if nodes:
-        shown = ", ".join(str(dev / n) for n in nodes[:2]) + (", ..." if nodes[2:] else "")
-        signs.append(f"NVIDIA device nodes ({shown})")
-    if "CUDA_VISIBLE_DEVICES" in env:
-        signs.append(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}")
-    if env.get("NVIDIA_VISIBLE_DEVICES", "") not in _NOT_A_GPU:
-        signs.append(f"NVIDIA_VISIBLE_DEVICES={env['NVIDIA_VISIBLE_DEVICES']} (a GPU container)")
-    # SLURM_JOB_GPUS / SLURM_STEP_GPUS list GPU indices ("0" is GPU 0); the others count ("0", "h100:0": none)
-    slurm = [k for k in sorted(env) if _SLURM_GPU.fullmatch(k) and env[k] and (
-        k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS") or not re.fullmatch(r"(?:\w+:)?0", env[k]))]
-    slurm += [k for k in _SLURM_TRES if "gpu" in env.get(k, "")]
-    if slurm:
-        signs.append("a Slurm GPU allocation (" + ", ".join(f"{k}={env[k]}" for k in slurm[:2]) + ")")
-    world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
-    spread = [(k, env[k]) for k in ("GROUP_WORLD_SIZE", "NNODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-              if _int(env, k) > 1]
-    if local and world > local:
-        spread.append(("WORLD_SIZE/LOCAL_WORLD_SIZE", f"{world}/{local}"))
-    if spread:
-        signs.append("ranks on several nodes (" + ", ".join(f"{k}={v}" for k, v in spread[:2]) + ")")
-    return signs
 
 
 # cuInit's answers worth naming (CUDA driver API, cuda.h)

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("MEGATRON_JREG_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     _single_process_env()
+    from megatron_jreg.process_env import huge_pages_for_cpu_training
+
+    huge_pages_for_cpu_training()  # before torch loads (process_env.py)
     from megatron_jreg.errors import JregError, report
     from megatron_jreg.training.checkpointing import RankLost
     from megatron_jreg.training.run import run

@@ -534,13 +534,13 @@ def test_results_table_and_round_trip(tmp_path):
 @pytest.mark.slow  # three processes that load torch and lm-eval
 def test_entry_processes_let_openmp_threads_sleep(monkeypatch):
     """evaluate, generate and the lm-eval wrapper set OMP_WAIT_POLICY=PASSIVE before torch loads libgomp
-    (evaluate/omp.py: libgomp's spinning threads cost several times the CPU on shared cores); a wait the
+    (process_env.py: libgomp's spinning threads cost several times the CPU on shared cores); a wait the
     user chose is kept."""
     import os
     import subprocess
     import sys
 
-    from megatron_jreg.evaluate.omp import sleep_while_waiting
+    from megatron_jreg.process_env import sleep_while_waiting
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     probe = ("import os, sys, megatron_jreg.cli; assert 'torch' not in sys.modules; import {}; "

@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.evaluate.omp import sleep_while_waiting
+from megatron_jreg.process_env import sleep_while_waiting
 
-sleep_while_waiting()  # the wrapper's process, as evaluate's: before torch loads libgomp (evaluate/omp.py)
+sleep_while_waiting()  # the wrapper's process, as evaluate's: before torch loads libgomp (megatron_jreg/process_env.py)
 import torch
 from lm_eval.api.registry import register_model
 

@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_jreg.evaluate.omp import sleep_while_waiting
+from megatron_jreg.process_env import sleep_while_waiting
 
-sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (evaluate/omp.py)
+sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (megatron_jreg/process_env.py)
 from megatron_jreg.evaluate.models import DTYPES
 from megatron_jreg.hub import force_offline
 from megatron_jreg.usage import example

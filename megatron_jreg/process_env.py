@@ -1,0 +1,85 @@
+"""Process settings that must be in place before torch loads: read once, by libgomp or torch's CPU allocator, when
+torch is imported, so each entry point calls these first. Torch-free, the lowest layer.
+
+- `gpu_signs`: what says a run expects a GPU (the train entry's CPU guard, compat.cpu_training_refusal, and
+  the huge-page default below).
+- `sleep_while_waiting` (evaluate, generate, the lm-eval wrapper): OpenMP threads that sleep while they wait.
+  torch runs each CPU op on its intra-op threads (GNU OpenMP in the PyPI wheels: one per core). Between parallel
+  regions libgomp's idle threads spin for a while before they sleep; decoding and scoring run hundreds of small
+  regions per token, so on a CPU shared with other work a spinning thread holds a core its partner is waiting
+  for (benchmarks/generate_hf_vs_load.py, docs/results/generate_hf_vs_load.txt). The policy is OpenMP's
+  standard `OMP_WAIT_POLICY`; a wait the user chose is kept: OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT.
+- `huge_pages_for_cpu_training` (train, on a machine with no sign of a GPU): torch's CPU allocator asks for
+  transparent huge pages for tensors of 2 MB and more (`THP_MEM_ALLOC_ENABLE=1`). Each fresh large tensor
+  (JREG's two gradients of a layer, the layers' activations) is otherwise first touched 4 KB page by page: at
+  [16384, 2048] that was 64 ms (bf16) / 151 ms (fp32) of the JREG op's 109 / 220 ms
+  (benchmarks/jreg_op.py, docs/results/jreg_op.txt). A value the user set is kept (`THP_MEM_ALLOC_ENABLE=0`
+  turns it off).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+_SLURM_GPU = re.compile(r"SLURM_(?:JOB_|STEP_)?GPUS(?:_[A-Z_]+)?")  # SLURM_JOB_GPUS, SLURM_GPUS_ON_NODE, ...
+_SLURM_TRES = ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES", "SLURM_STEP_GRES")  # "cpu=8,gres/gpu=1", "gpu:8"
+_NOT_A_GPU = ("", "0", "none", "void", "NoDevFiles")  # values that allocate no GPU
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ.get(key, ""))
+    except ValueError:
+        return 0
+
+
+def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
+    """What says this run expects a GPU: NVIDIA device nodes, CUDA_VISIBLE_DEVICES set (even empty), a
+    container runtime's NVIDIA_VISIBLE_DEVICES, a Slurm GPU allocation, or ranks spread over several nodes
+    (torchrun's GROUP_WORLD_SIZE, WORLD_SIZE > LOCAL_WORLD_SIZE, NNODES, Slurm's node count). Empty: a
+    machine with no sign of a GPU, where CPU training is what the user has."""
+    env = os.environ if environ is None else environ
+    signs = []
+    nodes = sorted(p.name for p in dev.glob("nvidia*")) if dev.is_dir() else []
+    if nodes:
+        shown = ", ".join(str(dev / n) for n in nodes[:2]) + (", ..." if nodes[2:] else "")
+        signs.append(f"NVIDIA device nodes ({shown})")
+    if "CUDA_VISIBLE_DEVICES" in env:
+        signs.append(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}")
+    if env.get("NVIDIA_VISIBLE_DEVICES", "") not in _NOT_A_GPU:
+        signs.append(f"NVIDIA_VISIBLE_DEVICES={env['NVIDIA_VISIBLE_DEVICES']} (a GPU container)")
+    # SLURM_JOB_GPUS / SLURM_STEP_GPUS list GPU indices ("0" is GPU 0); the others count ("0", "h100:0": none)
+    slurm = [k for k in sorted(env) if _SLURM_GPU.fullmatch(k) and env[k] and (
+        k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS") or not re.fullmatch(r"(?:\w+:)?0", env[k]))]
+    slurm += [k for k in _SLURM_TRES if "gpu" in env.get(k, "")]
+    if slurm:
+        signs.append("a Slurm GPU allocation (" + ", ".join(f"{k}={env[k]}" for k in slurm[:2]) + ")")
+    world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
+    spread = [(k, env[k]) for k in ("GROUP_WORLD_SIZE", "NNODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+              if _int(env, k) > 1]
+    if local and world > local:
+        spread.append(("WORLD_SIZE/LOCAL_WORLD_SIZE", f"{world}/{local}"))
+    if spread:
+        signs.append("ranks on several nodes (" + ", ".join(f"{k}={v}" for k, v in spread[:2]) + ")")
+    return signs
+
+
+def sleep_while_waiting() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless the environment chooses a wait; a no-op once torch is loaded (the policy
+    is read then: a process that imported torch first, e.g. a test session, keeps its own and its children's)."""
+    if "torch" not in sys.modules and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def huge_pages_for_cpu_training(environ: Mapping[str, str] | None = None) -> bool:
+    """THP_MEM_ALLOC_ENABLE=1 where training will run on the CPU (no `gpu_signs`), unless set or torch is loaded
+    (torch reads it at its first CPU allocation). True when this call set it."""
+    env = os.environ if environ is None else environ
+    if "torch" in sys.modules or "THP_MEM_ALLOC_ENABLE" in env or gpu_signs(env):
+        return False
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    return True
