@@ -10,6 +10,7 @@ rank 0, not one per rank.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -521,8 +522,11 @@ def test_a_rank_killed_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
     logs = [tmp_path / f"rank{r}.err" for r in (0, 1)]  # files, not pipes: an undrained pipe would block a rank
+    # each rank in a session of its own, so that the cleanup also ends the children a rank started (the killed
+    # rank's checkpoint writer would otherwise outlive the test)
     ranks = [subprocess.Popen([sys.executable, "-m", "megatron_jreg.train", *argv], stdout=subprocess.DEVNULL,
-                              stderr=logs[r].open("w"), env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+                              stderr=logs[r].open("w"), env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              start_new_session=True)
              for r in (0, 1)]
     try:
         deadline = time.monotonic() + 600  # a guard against a hang, not a timing claim
@@ -533,7 +537,8 @@ def test_a_rank_killed_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
         ranks[0].wait(timeout=600)
     finally:
         for p in ranks:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     err = logs[0].read_text()
     lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
