@@ -309,10 +309,12 @@ def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(bpe, tok, articles
     os.killpg(proc.pid, signal.SIGINT)
     after = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, "".join(before) + after
-    assert after.strip().splitlines() == [
-        "megatron-jreg preprocess: error: interrupted: shard 0 of 2 finished and kept; shard 1's partial files were "
-        "removed; run the same command again to resume (finished shards are skipped, an unfinished one is redone)"
-    ], after
+    # "partial files were removed" when the signal found shard 1 started (almost always; a busy machine may still
+    # be between the two shards, with nothing partial to remove)
+    assert len(after.strip().splitlines()) == 1 and re.fullmatch(
+        r"megatron-jreg preprocess: error: interrupted: shard 0 of 2 finished and kept; (shard 1's partial files were "
+        r"removed; )?run the same command again to resume \(finished shards are skipped, an unfinished one is "
+        r"redone\)", after.strip()), after
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [f"x_00000_text_document{s}" for s in (".bin", ".idx",
                                                                                           ".manifest.json")]
