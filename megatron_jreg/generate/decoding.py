@@ -98,7 +98,7 @@ class MegatronDecoder:
         self._device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         from megatron.core.inference.utils import InferenceMode
 
