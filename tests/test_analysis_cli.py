@@ -10,6 +10,7 @@ import pytest
 
 from megatron_jreg.cli import main as jreg_main
 from megatron_jreg.data.text import lambada_passages
+from tests._terminal import sigint_default
 from tests.test_analysis import VOCAB, family_config, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
 
@@ -309,7 +310,7 @@ def test_sigint_during_a_measurement_is_one_line(models, tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.cli", "analyze", "--model", str(models / "llama"),
                              "--num-samples", "all", "--no-progress", "--output", str(tmp_path / "out")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     lines = []
     while not any("loading" in line for line in lines):
         line = proc.stderr.readline()

@@ -23,6 +23,7 @@ from megatron_jreg.data.text import wikitext_articles
 from megatron_jreg.data.tokenizers import build_tokenizer
 from megatron_jreg.data.train_tokenizer import train_tokenizer
 from tests._indexed import read_documents
+from tests._terminal import sigint_default
 
 ROOT = Path(__file__).resolve().parent.parent
 WIKI = ROOT / "examples" / "data" / "wikitext-2"
@@ -300,7 +301,8 @@ def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(bpe, tok, articles
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe, "--append-eod", "--workers", "2",
             "--block-mb", "0.005"]
     proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_SCRIPT, *argv], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                            preexec_fn=sigint_default)
     before = []
     for line in proc.stderr:
         before.append(line)

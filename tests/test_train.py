@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._terminal import sigint_default
 from tests._train_runs import MEGATRON_LM_LOSSES, MEGATRON_LM_MTP_LOSSES, TINY, records, single_rank_runs, two_rank_runs
 from tests.distributed import run_ranks
 
@@ -302,7 +303,7 @@ def test_two_ranks_digest_their_own_shards_and_one_process_verifies_them(runs):
 def _train_process(argv: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "megatron_jreg.train", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
+                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=sigint_default, **kwargs)
 
 
 def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume(tmp_path):
