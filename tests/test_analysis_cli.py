@@ -300,6 +300,21 @@ def test_megatron_run_folder_steps_and_an_incomplete_iteration(models, tmp_path)
     assert [r["step"] for r in records] == [10, 20]
 
 
+def test_progress_bars_only_on_a_terminal_by_default(models, tmp_path, capsys):
+    """No --progress flag: no bar when stderr is not a terminal (a Slurm log, a pipe), as evaluate, generate and
+    train; --progress draws one (layer removal's too)."""
+    from megatron_jreg.analysis.cli import main
+
+    argv = ["--model", str(models / "llama"), "--num-samples", "3", "--max-length", "24", "--remove-layers",
+            "--top-k", "1"]
+    assert main(argv + ["--output", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr().err
+    assert "tok/s" not in quiet and "layer/s" not in quiet and "\r" not in quiet, quiet
+    assert main(argv + ["--output", str(tmp_path / "bars"), "--progress"]) == 0
+    bars = capsys.readouterr().err
+    assert "tok/s" in bars and "layer/s" in bars, bars
+
+
 @pytest.mark.slow
 def test_sigint_during_a_measurement_is_one_line(models, tmp_path):
     """A real Ctrl-C (SIGINT) while the first model is measured: exit 130, the last line says so, no traceback."""

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="read the safetensors one decoder layer at a time, any family (memory: one layer + the samples' "
         "hidden states); default: stream only when the weights do not fit in free memory",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: when stderr is a terminal)")
     return p
 
 

@@ -53,7 +53,8 @@ class AnalyzeConfig:
     stream: bool | None = None
     """--stream / --no-stream: layer-by-layer from safetensors (any family), or in memory; None: stream
     only the models whose weights do not fit in free memory (`stream_source.should_stream`)."""
-    progress: bool = True
+    progress: bool | None = None
+    """--progress / --no-progress: bars on stderr; None: when stderr is a terminal (`progress.show_progress`)."""
     remove_layers: bool = False
     """--remove-layers: also measure layer removal (`removal.py`): ΔCE per skipped layer and for the top k."""
     top_k: tuple[int, ...] = (1, 2, 3)

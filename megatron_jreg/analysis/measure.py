@@ -29,8 +29,8 @@ from megatron_jreg.analysis.source import (
     AnalysisError,
     HiddenStateSource,
     last_token_mask,
-    progress_bar,
 )
+from megatron_jreg.progress import progress_bar
 
 
 @dataclass
@@ -206,7 +206,7 @@ def measure(
                for ids, mask in padded_batches(samples, batch_size, source.pad_id, side)]
     total, label = (tokens * source.num_layers, f"{spec.label} (layers × tokens)") if streaming else \
         (tokens, spec.label)
-    with progress_bar(total, label, progress) as bar:
+    with progress_bar(total, label, "tok", progress) as bar:
         if streaming:
             stats = source.stream_stats(batches, kind, bar.update)
         else:
@@ -246,5 +246,5 @@ def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tens
     if not any(bool((t >= 0).any()) for _, _, t in with_targets):
         raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
                             "needs samples of two tokens or more")
-    with progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, progress, "layer") as bar:
+    with progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, "layer", progress) as bar:
         return removal_totals(source, with_targets, ks, bar.update).as_dict()

@@ -37,8 +37,8 @@ from megatron_jreg.analysis.source import (
     first_tensor,
     last_token_mask,
     planned_layers,
-    progress_bar,
 )
+from megatron_jreg.progress import progress_bar
 
 TOP_K = (1, 2, 3)
 IGNORE = -100  # target id of a position that predicts nothing (padding, a sample's last token)
@@ -266,7 +266,7 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
         ks = check_top_k(top_k, source.num_layers)
         batches = [(w[:, :-1].contiguous(), torch.ones_like(w[:, :-1]), w[:, 1:].contiguous())
                    for w in windows.split(batch_size)]
-        bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", progress, "layer")
+        bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", "layer", progress)
         try:
             totals = removal_totals(source, batches, ks, bar.update)
         finally:

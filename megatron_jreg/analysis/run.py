@@ -20,6 +20,7 @@ from megatron_jreg.analysis.report import format_table, write_results
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
 from megatron_jreg.errors import ModelFileError, one_line
+from megatron_jreg.progress import show_progress
 
 
 def _stderr(message: str) -> None:
@@ -130,7 +131,7 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
                 max_length=cfg.max_length,
                 kind=cfg.distance,
                 padding_side=cfg.padding_side,
-                progress=cfg.progress,
+                progress=show_progress(cfg.progress),
                 positions=cfg.positions,
                 remove_layers=cfg.top_k if cfg.remove_layers else None,
             )

@@ -169,14 +169,6 @@ def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, ski
                 del layer.forward
 
 
-def progress_bar(total: int, label: str, enabled: bool, unit: str = "tok") -> Any:
-    """A tqdm bar on stderr (with its rate and time left); a silent one when disabled."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=label, unit=unit, unit_scale=True, leave=True, dynamic_ncols=True,
-                disable=not enabled)
-
-
 class LayerDisplacementHooks:
     """Forward hooks on decoder layers that accumulate Σ d(h_in, h_out) and the token count per layer.
 

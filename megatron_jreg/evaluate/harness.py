@@ -50,7 +50,7 @@ class HarnessLM(LM):
         return self.model.max_length
 
     def _bar(self, total: int, kind: str, disable_tqdm: bool):  # noqa: ANN202 - a tqdm bar
-        from megatron_jreg.evaluate.progress import progress_bar
+        from megatron_jreg.progress import progress_bar
 
         return progress_bar(total, f"lm-eval {kind}", "request", self.progress and not disable_tqdm)
 

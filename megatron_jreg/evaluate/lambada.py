@@ -118,7 +118,7 @@ def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
 
 def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False) -> list[Scored]:
     """Per-passage target scores, in passage order; `progress`: a bar of passages on stderr."""
-    from megatron_jreg.evaluate.progress import progress_bar
+    from megatron_jreg.progress import progress_bar
 
     pairs = [encode_pair(lm, *split_passage(p)) for p in passages]
     with progress_bar(len(pairs), "lambada", "passage", progress) as bar:

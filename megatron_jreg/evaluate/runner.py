@@ -9,10 +9,10 @@ from megatron_jreg import hub
 from megatron_jreg.evaluate.config import EvaluateConfig
 from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
 from megatron_jreg.evaluate.models import CausalLM, load_hf_lm, load_megatron_lm
-from megatron_jreg.evaluate.progress import show_progress
 from megatron_jreg.evaluate.results import EvalResults, add_harness
 from megatron_jreg.evaluate.tasks import TaskError, check_datasets, task_manager, task_plans
 from megatron_jreg.hub import force_offline
+from megatron_jreg.progress import show_progress
 
 
 def load_model(cfg: EvaluateConfig) -> CausalLM:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_jreg.evaluate.progress import progress_bar, show_progress
 from megatron_jreg.generate.config import ConfigError, GenerateConfig
 from megatron_jreg.generate.decoding import Decoder, HFDecoder, MegatronDecoder, Sampling, complete
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
+from megatron_jreg.progress import progress_bar, show_progress
 
 _HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 

@@ -1,4 +1,4 @@
-"""The progress bar evaluate and generate show on stderr (tqdm, as train, analyze and lm-eval's own models do)."""
+"""The progress bar every command shows on stderr (tqdm, as Megatron-LM's tools and lm-eval's models do)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ def show_progress(flag: bool | None) -> bool:
 
 
 def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr (a no-op one when not `enabled`); use as a context manager, `update(n)` per step."""
+    """A tqdm bar on stderr with its rate and time left (a no-op one when not `enabled`); use as a context
+    manager, `update(n)` per step."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True)
