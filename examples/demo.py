@@ -94,10 +94,11 @@ def summarize(runs: dict[str, Path], data, out: Path) -> dict:
     import logging
     import warnings
 
-    # megatron-core's import-time notes (no TE/apex on a CPU) and INFO lines would bury the table; the
-    # training runs' own logs keep them
+    # megatron-core's import-time notes (no TE/apex on a CPU) and INFO lines (ours: "runs on CPU") would bury the
+    # table; the training runs' own logs keep them
     warnings.filterwarnings("ignore")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    for name in ("megatron", "megatron_jreg.compat"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     from measure import Measurer, token_windows
 
     heldout = token_windows(data.heldout_prefix, SEQ_LENGTH)
