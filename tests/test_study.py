@@ -248,6 +248,14 @@ def test_merge_adds_new_runs_and_compares_reruns_of_committed_ones(tmp_path):
     assert rep["rerun"]["zeta_L-1"] - rep["committed"]["zeta_L-1"] == pytest.approx(0.5)
     assert json.loads((committed / "baseline-small__seed-3.json").read_text())["measures"] != rerun["measures"]
     assert merged["invocations"][-1]["start"] == 1.0
+    with_removal = {**rerun, "removal": {"single": [0.1], "top_k": [1], "top": [0.1]}}
+    (new / "baseline-small__seed-3.json").write_text(json.dumps(with_removal))  # the committed run has none
+    assert study_report.merge_raw(new, committed)[0] == ("re-run of baseline-small/seed-3 replaced the committed "
+                                                         "one (which had no layer removal)")
+    assert json.loads((committed / "baseline-small__seed-3.json").read_text()) == with_removal
+    merged = json.loads((committed / "study.json").read_text())
+    rep = {r["run"]: r for r in merged["reproductions"]}["baseline-small/seed-3"]
+    assert rep["replaced"] and rep["rerun"]["zeta_L-1"] - rep["committed"]["zeta_L-1"] == pytest.approx(0.5)
     other = {**study_json, "config": {**study_json["config"], "seeds": 9}}
     (new / "study.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="other settings"):

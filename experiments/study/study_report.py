@@ -129,7 +129,10 @@ def merge_raw(new: Path, into: Path) -> list[str]:
     """Add the runs of another invocation's raw folder (`study.py --runs`) to a committed one: runs the committed
     folder lacks are copied in; a run it already has (a pretrained model re-trained to fine-tune it) is kept as
     committed, and the re-run's final held-out values beside the committed ones go to study.json's
-    `reproductions`. Its invocations are appended. The settings must be the same. Returns what it did."""
+    `reproductions` — unless the committed run lacks the layer-removal record the re-run has (v3 runs whose final
+    checkpoint was lost before removal was measured, re-trained for it): then the re-run replaces it, so that
+    every figure of the run comes from one model, and `reproductions` keeps the committed values (`replaced`).
+    Its invocations are appended. The settings must be the same. Returns what it did."""
     old_study, new_study = (json.loads((d / "study.json").read_text()) for d in (into, new))
     if old_study["config"] != new_study["config"]:
         diff = sorted(k for k in set(old_study["config"]) | set(new_study["config"])
@@ -155,6 +158,11 @@ def merge_raw(new: Path, into: Path) -> list[str]:
             "committed_commit": old["attempts"][0].get("commit"), "rerun_commit": rec["attempts"][0].get("commit"),
             "rerun_command": rec["command"], "rerun_attempts": rec["attempts"],
         }
+        if "removal" in rec and "removal" not in old:
+            target.write_text(path.read_text())
+            reproductions[rec["run"]]["replaced"] = True
+            done.append(f"re-run of {rec['run']} replaced the committed one (which had no layer removal)")
+            continue
         done.append(f"re-run of {rec['run']} compared with the committed one")
     known = {i["start"] for i in old_study["invocations"]}
     old_study["invocations"] += [i for i in new_study["invocations"] if i["start"] not in known]
