@@ -82,11 +82,12 @@ def _portable(text: str, cfg) -> str:
 
 
 def export_raw(cfg, runs: list) -> Path:
-    """OUTPUT/raw/<arm>__seed-<s>.json for every measured run, and OUTPUT/raw/study.json."""
+    """OUTPUT/raw/<arm>__seed-<s>.json for every measured run (v3: its layer removal too), and
+    OUTPUT/raw/study.json."""
     raw = cfg.output / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for run in runs:
-        if not (run.dir / "post.done").exists():
+        if not (run.dir / "post.done").exists() or (cfg.design == "v3" and not (run.dir / "removal.done").exists()):
             continue
         records = _jsonl(run.dir / "metrics.jsonl")
         train = {r["iteration"]: r for r in records if "lm_loss" in r}  # a resume repeats steps: the last wins
