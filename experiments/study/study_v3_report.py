@@ -50,11 +50,13 @@ def finals(runs: dict) -> tuple[dict, dict]:
 
 
 def _mean_sd(values: list[float]) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
+    """Mean ± sd of the values there are (a run without layer removal gives NaN), with their count when some
+    are missing; one value alone has no sd."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
         return "—"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
+    text = f"{statistics.fmean(known):.3f}" + (f" ± {statistics.stdev(known):.3f}" if len(known) > 1 else "")
+    return text + (f" (n = {len(known)})" if len(known) < len(values) else "")
 
 
 def _num(v: float | None, spec: str = "{:+.3f}") -> str:
