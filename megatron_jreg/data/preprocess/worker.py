@@ -58,8 +58,8 @@ def sentence_splitter(lang: str, keep_newlines: bool) -> Any:
         punkt = PunktTokenizer(lang)
     except (LookupError, OSError, ValueError) as e:
         raise DataError(f"--split-sentences: no nltk Punkt model for --lang {lang} ({str(e).split(chr(10))[0][:120]}); "
-                        "install nltk's punkt_tab data where NLTK_DATA points (nltk.download('punkt_tab') on a "
-                        "machine with internet)") from None
+                        "install nltk's punkt_tab data where NLTK_DATA points (`python -m nltk.downloader -d DIR "
+                        "punkt_tab` on a machine with internet)") from None
     if not keep_newlines:
         return punkt
 
