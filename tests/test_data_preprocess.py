@@ -326,6 +326,35 @@ def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(bpe, tok, articles
     assert not list(out.glob("*.partial"))
 
 
+@pytest.mark.parametrize("where", ["builder opened", "shard finished, manifest not yet written"])
+def test_ctrl_c_anywhere_in_a_shard_leaves_only_finished_shards(bpe, articles, tmp_path, monkeypatch, where):
+    """Wherever Ctrl-C lands in shard 1 (its partial .bin just opened, or its dataset renamed into place before its
+    manifest is written), the one line names shard 0 as kept and nothing of shard 1 stays on disk."""
+    from megatron_jreg.data.preprocess import driver
+    from megatron_jreg.errors import Interrupted
+
+    files = [_write_jsonl(tmp_path / "a.jsonl", articles[:8]), _write_jsonl(tmp_path / "b.jsonl", articles[8:])]
+    if where == "builder opened":
+        class Interrupting(driver.Builder):
+            def __init__(self, prefix, dtype):
+                super().__init__(prefix, dtype)
+                if "_00001_" in str(prefix):
+                    raise KeyboardInterrupt
+        monkeypatch.setattr(driver, "Builder", Interrupting)
+    else:
+        write = driver.write_json_atomic
+
+        def interrupting(path, data):
+            if "_00001_" in str(path):
+                raise KeyboardInterrupt
+            write(path, data)
+        monkeypatch.setattr(driver, "write_json_atomic", interrupting)
+    with pytest.raises(Interrupted, match="shard 0 of 2 finished and kept; shard 1's partial files were removed"):
+        _run(bpe, files, tmp_path / "out" / "x", output_shards=2)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        f"x_00000_text_document{s}" for s in (".bin", ".idx", ".manifest.json")]
+
+
 def test_output_shards_resume_and_merge(bpe, articles, tmp_path):
     files = [_write_jsonl(tmp_path / f"part{i}.jsonl", articles[i * 8 : (i + 1) * 8]) for i in range(3)]
     _run(bpe, files, tmp_path / "single")

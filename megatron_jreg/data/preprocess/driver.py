@@ -87,17 +87,17 @@ def _write_shard(cfg: PreprocessConfig, files: list[InputFile], prefixes: dict[s
     """Tokenize one shard's files into finished datasets (one per key); returns their counts and the skips.
 
     Old outputs of the shard go first, so that an interruption leaves nothing that looks finished; any
-    exception (Ctrl-C included) deletes the partial files.
+    exception (Ctrl-C included) closes the partial files (the caller removes the shard's files).
     """
-    for p in prefixes.values():
-        manifest_path(p).unlink(missing_ok=True)
-        remove_dataset(p)
-    written = {k: Written(Builder(p, dtype)) for k, p in prefixes.items()}
+    _remove_shard(prefixes.values())
+    written: dict[str, Written] = {}
     skips: collections.Counter = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
     columns = [*cfg.json_keys, *(["int_score"] if cfg.min_int_score is not None else [])]
     kept = kept_before
     try:
+        for k, p in prefixes.items():
+            written[k] = Written(Builder(p, dtype))
         units = iter_units(files, columns, int(cfg.block_mb * (1 << 20)))
         for result in _results(units, pool, 2 * cfg.workers + 2):
             if cfg.max_documents is not None:
@@ -190,30 +190,24 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     progress = Progress(sum(f.size for _, fs, _, _ in todo for f in fs), cfg.log_interval)
     kept = summary["documents"]
     unreported: list[str] = []  # "shard i: wrote ..." lines, held back until the run has kept a document
-    current = None
+    current, current_prefixes = None, {}
     try:
         for i, shard_files, prefixes, fp in todo:
             if cfg.max_documents is not None and kept >= cfg.max_documents:
                 summary["shards"]["not_written"].append(i)
                 continue
-            current = i
+            current, current_prefixes = i, prefixes
             hashes = {f.path: hasher.submit(file_sha256, f.path) for f in shard_files}
             written, shard_skips, shard_examples = _write_shard(cfg, shard_files, prefixes, dtype, pool, progress, kept)
             first = written[cfg.json_keys[0]]
             kept += first.documents
-            try:
-                inputs = [{"path": f.path, "bytes": f.size, "sha256": hashes[f.path].result()} for f in shard_files]
-                for k, p in prefixes.items():
-                    write_json_atomic(manifest_path(p), _manifest(
-                        cfg, p, k, written[k], fingerprint=fp, shard=[i, len(shards)], dtype=np.dtype(dtype).name,
-                        tokenizer=tokenizer.identity, sentence_splitter=summary["sentence_splitter"],
-                        skipped=dict(sorted(shard_skips.items())), skipped_examples=dict(shard_examples),
-                        inputs=inputs))
-            except BaseException:  # e.g. a full disk, or Ctrl-C: no dataset may stay without its manifest
-                for p in prefixes.values():
-                    manifest_path(p).unlink(missing_ok=True)
-                    remove_dataset(p)
-                raise
+            inputs = [{"path": f.path, "bytes": f.size, "sha256": hashes[f.path].result()} for f in shard_files]
+            for k, p in prefixes.items():
+                write_json_atomic(manifest_path(p), _manifest(
+                    cfg, p, k, written[k], fingerprint=fp, shard=[i, len(shards)], dtype=np.dtype(dtype).name,
+                    tokenizer=tokenizer.identity, sentence_splitter=summary["sentence_splitter"],
+                    skipped=dict(sorted(shard_skips.items())), skipped_examples=dict(shard_examples),
+                    inputs=inputs))
             current = None
             summary["shards"]["written"].append(i)
             summary["outputs"] += list(prefixes.values())
@@ -228,8 +222,12 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             if kept:  # else the run may still end with nothing written (removed, an error)
                 print("\n".join(unreported), file=sys.stderr)
                 unreported.clear()
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted(summary["shards"], current, len(shards))) from None
+    except BaseException as e:  # Ctrl-C, a full disk, ...: wherever it lands, the unfinished shard leaves nothing
+        if current is not None:
+            _remove_shard(current_prefixes.values())
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(_interrupted(summary["shards"], current, len(shards))) from None
+        raise
     finally:
         hasher.shutdown(wait=False, cancel_futures=True)
         if pool is not None:
@@ -239,13 +237,18 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     summary["skipped_examples"] = dict(examples)
     summary.update(progress.rates())
     if summary["shards"]["written"] and summary["documents"] == 0:
-        for prefix in summary["outputs"]:
-            manifest_path(prefix).unlink(missing_ok=True)
-            remove_dataset(prefix)
+        _remove_shard(summary["outputs"])
         why = describe_skips(summary["skipped"], summary["skipped_examples"]) if summary["skipped"] else "no records"
         raise PreprocessError(f"--input {' '.join(cfg.input)}: no documents kept, so nothing was written ({why}); "
                               "check the files, --json-keys and the filters against the data")
     return summary
+
+
+def _remove_shard(prefixes: Iterable[str]) -> None:
+    """Delete datasets with their manifests and partial files (the manifest first: nothing half looks finished)."""
+    for p in prefixes:
+        manifest_path(p).unlink(missing_ok=True)
+        remove_dataset(p)
 
 
 def _interrupted(shards: dict[str, list[int]], current: int | None, n_shards: int) -> str:
