@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megatron_jreg.process_env import sleep_while_waiting
 
 sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (megatron_jreg/process_env.py)
 from megatron_jreg.data.text import DEFAULT_LAMBADA
-from megatron_jreg.errors import JregError
+from megatron_jreg.errors import run_command
 from megatron_jreg.evaluate.config import ConfigError, EvaluateConfig
 from megatron_jreg.evaluate.models import DTYPES
 from megatron_jreg.evaluate.tasks import PAPER_TASKS
@@ -135,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     force_offline()  # before anything imports a Hugging Face library
     from megatron_jreg.evaluate.runner import evaluate
 
-    try:
-        cfg = parse_config(argv)
-        results = evaluate(cfg)
-    except (JregError, FileNotFoundError) as e:  # flags, tasks, files, the model, non-finite logits
-        print(f"megatron-jreg evaluate: error: {e}", file=sys.stderr)
-        return 2
+    return run_command("megatron-jreg evaluate", lambda: _run(parse_config(argv), evaluate))
+
+
+def _run(cfg: EvaluateConfig, evaluate: Callable[[EvaluateConfig], Any]) -> int:
+    """Evaluate, report skipped examples on stderr, print the table and write --output."""
+    results = evaluate(cfg)
     for task, counts in results.skipped.items():
         reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
         print(f"megatron-jreg evaluate: {task}: skipped {sum(counts.values())} example(s): {reasons}", file=sys.stderr)

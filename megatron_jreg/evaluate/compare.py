@@ -23,6 +23,7 @@ from pathlib import Path
 
 from scipy import stats
 
+from megatron_jreg.errors import run_command
 from megatron_jreg.evaluate.results import EvalResults
 from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided, untested
 from megatron_jreg.usage import example
@@ -407,24 +408,25 @@ def _few_seeds_warning(n: int, confidence: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if not 0.0 < args.confidence < 1.0:  # also refuses NaN
-            raise ValueError(f"--confidence {args.confidence}: must be between 0 and 1, e.g. 0.95")
-        if args.output is not None and args.output.is_dir():
-            raise ValueError(f"--output {args.output}: is a folder; pass a file name, e.g. {args.output}/compare.json")
-        overrides = _metric_overrides(args.task_metric)
-        directions = _direction_overrides(args.higher_is_better, args.lower_is_better)
-        metric = metric_name(args.metric)
-        runs = {p: EvalResults.read(p) for p in [*args.baseline, *args.jreg]}
-        if len(runs) < len(args.baseline) + len(args.jreg):
-            raise ValueError("a result file is given twice; each seed's file belongs to one arm, once")
-        check_scores(runs, overrides, metric)
-        check_settings(runs)
-        pairs, pairing = pair_runs(args.baseline, args.jreg, runs, args.pair_by_order)
-        comparison = compare_runs(pairs, runs, overrides, metric, args.confidence, directions)
-    except ValueError as e:
-        print(f"megatron-jreg compare: error: {e}", file=sys.stderr)
-        return 2
+    return run_command("megatron-jreg compare", lambda: _compare(args))
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Read, check and pair the result files, print the table and write --output."""
+    if not 0.0 < args.confidence < 1.0:  # also refuses NaN
+        raise ValueError(f"--confidence {args.confidence}: must be between 0 and 1, e.g. 0.95")
+    if args.output is not None and args.output.is_dir():
+        raise ValueError(f"--output {args.output}: is a folder; pass a file name, e.g. {args.output}/compare.json")
+    overrides = _metric_overrides(args.task_metric)
+    directions = _direction_overrides(args.higher_is_better, args.lower_is_better)
+    metric = metric_name(args.metric)
+    runs = {p: EvalResults.read(p) for p in [*args.baseline, *args.jreg]}
+    if len(runs) < len(args.baseline) + len(args.jreg):
+        raise ValueError("a result file is given twice; each seed's file belongs to one arm, once")
+    check_scores(runs, overrides, metric)
+    check_settings(runs)
+    pairs, pairing = pair_runs(args.baseline, args.jreg, runs, args.pair_by_order)
+    comparison = compare_runs(pairs, runs, overrides, metric, args.confidence, directions)
     if warning := _few_seeds_warning(len(pairs), args.confidence):
         print(warning, file=sys.stderr)
     print(f"{len(pairs)} seed pair{'s' * (len(pairs) > 1)}, paired by {pairing}"
