@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md; benchmarks/gpu_check.py --help): bf16 Ψ and its gradient vs fp64, the JREG op
 # against its memory floor, tokens/s and MFU of the 170M and 1B presets at λ = 0 and λ = 1 beside Megatron-LM's
-# own pretrain_gpt.py, peak memory at PP = 1 and PP = 2, a sync-debug run of JREG steps; ≤ 7 minutes; its last
+# own pretrain_gpt.py, peak memory at PP = 1 and PP = 2, a sync-debug run of JREG steps; ≤ 5 minutes; its last
 # line is key=value.
 #
 #     make gpu-wheels                        # here, once (PyPI and GitHub, or MEGATRON_LM=/path/to/clone): .whl/

