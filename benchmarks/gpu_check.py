@@ -28,9 +28,10 @@ in .whl/megatron-lm. Steps, each reported even when another fails:
      WORLD_SIZE and RANK name the stage), the larger of the two stages' ratios.
 5. one `key=value` line (`KEYS` first, `nan` where a step failed or is absent).
 
-`--dry-run` does all of it on the CPU at tiny sizes (CPU values: MFU against a measured fp32 matmul rate, peak
-memory the worker's peak RSS reset per run); `--out DIR` (default $OUT) keeps the console, a JSON of every
-figure and each run's log. Exit status: 0 all steps ran (absent jreg_op.py included), 1 a step failed, 2 no GPU.
+`--dry-run` does all of it on the CPU at tiny sizes, within 7 minutes (CPU values: MFU against a measured fp32
+matmul rate, peak memory the worker's peak RSS reset per run); `--out DIR` (default $OUT) keeps the console, a
+JSON of every figure and each run's log. Exit status: 0 all steps ran (absent jreg_op.py included), 1 a step
+failed, 2 no GPU.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ MEGATRON_LM_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py") 
 REQUIRED = {"megatron-core": "0.19.2"}  # must import after step 1 (setup.py's pin)
 # 5 minutes: a machine start (minutes), this check, a rerun and the idle between them fit the device's 15.
 BUDGET_S = 300.0
+DRY_RUN_BUDGET_S = 420.0  # here, on a shared CPU: the issue's 7 minutes (a loaded 2-core machine needs ~4)
 CONSTRAINTS = REPO / "constraints.txt"
 # Dense (not sparse) bf16 tensor-core peaks of NVIDIA's datasheets, TFLOP/s, by device name (first match wins).
 PEAKS = (("H200 NVL", "H200 NVL", 835.0), ("H200", "H200 SXM", 989.0), ("GH200", "GH200", 989.0),
@@ -100,7 +102,7 @@ class Sizes:
         self.numerics = (256, 64) if dry_run else (8192, 2048)  # tokens, hidden size
         self.recipe = RECIPE_FLAGS
         # the JREG op's step: at most op_cap_s, and never into the training step's share of the budget
-        self.op_cap_s, self.training_s = (120.0, 150.0) if dry_run else (45.0, 220.0)
+        self.op_cap_s, self.training_s = (120.0, 250.0) if dry_run else (45.0, 220.0)
 
 
 # -- output ----------------------------------------------------------------------------------------------
@@ -599,7 +601,7 @@ class Check:
         self.figures["peak_tflops"] = tflops
         self.figures["device"] = torch.cuda.get_device_name() if not self.args.dry_run else "cpu"
         self.details["peak"] = name
-        self.say(f"   MFU against {tflops:.1f} TFLOP/s: {name}")
+        self.say(f"   MFU against {fmt(tflops)} TFLOP/s: {name}")
 
     # -- 2 ---------------------------------------------------------------------------------------------
     def numerics(self) -> None:
@@ -883,11 +885,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="where missing wheels are unpacked; must be on PYTHONPATH (gpu_check.sh sees to it)")
     p.add_argument("--out", default=os.environ.get("OUT") or None, help="output folder (default: $OUT)")
     p.add_argument("--work", default=None, help="parent of the scratch folder (default: the system's temp)")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S,
-                   help=f"time for the whole check (default {BUDGET_S:.0f})")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"time for the whole check (default {BUDGET_S:.0f}; --dry-run {DRY_RUN_BUDGET_S:.0f})")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak, for a device not in the table (docs/gpu.md)")
     args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = DRY_RUN_BUDGET_S if args.dry_run else BUDGET_S
     import logging
     import warnings
 
