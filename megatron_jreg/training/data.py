@@ -27,6 +27,7 @@ from megatron_jreg.data.indexed import verify_dataset
 from megatron_jreg.data.manifest import read_manifest
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import UsageError
+from megatron_jreg.training.sft import check_conversations
 
 
 def data_flags(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
@@ -112,9 +113,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
     from megatron.training import get_tokenizer
 
     if args.sft:
-        from megatron_jreg.training.sft import check_conversations
-
-        check_conversations(args)
+        check_conversations(args, data_flags(args))
         return
     vocab_size = get_tokenizer().vocab_size
     for option, prefix in data_prefixes(args):

@@ -16,6 +16,7 @@ for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU ru
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import torch
 
@@ -63,7 +64,7 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Te
 _ROLES = ("system", "user", "assistant")
 
 
-def check_conversations(args) -> None:  # noqa: ANN001 - Megatron-LM's args
+def check_conversations(args, flags: Iterable[tuple[str, list[str]]]) -> None:  # noqa: ANN001 - Megatron-LM's args
     """Every --sft JSONL file as Megatron-LM's SFTDataset reads it, before any work (UsageError naming the file,
     the line and the fix): each line a JSON object with a `messages` list of {"role", "content"} turns (its
     `datasets` JSON reader stops at the first bad line with a traceback; a turn without `role` fails in a data
@@ -72,10 +73,9 @@ def check_conversations(args) -> None:  # noqa: ANN001 - Megatron-LM's args
     from megatron.core.datasets.utils import get_blend_from_list
 
     from megatron_jreg.errors import UsageError
-    from megatron_jreg.training.data import data_flags
 
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
-    for flag, values in data_flags(args):
+    for flag, values in flags:
         for path in get_blend_from_list(values)[0]:
             option = f"{flag} {path}"
             trainable, lines = False, 0
