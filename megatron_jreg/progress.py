@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -19,3 +22,32 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, file=sys.stderr,
                 dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def library_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own bars while a model loads only when `enabled` (the command's --progress): its
+    weight-loading bar and, for a GGUF file, "Converting and de-quantizing GGUF tensors", a plain tqdm of
+    `modeling_gguf_pytorch_utils` that transformers' `disable_progress_bar` does not reach (so it is swapped
+    for a disabled one while the context lasts, and restored after)."""
+    if enabled:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support draws no such bar
+        gguf_utils = None
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if shown:
+            hf_logging.enable_progress_bar()

@@ -259,3 +259,23 @@ def test_what_cannot_be_applied_is_refused_naming_it(name, tmp_path, tokenizer):
     with pytest.raises(AnalysisError, match="would drop what changes the model") as e:
         load_hf_source(path, label="g")
     assert needle in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_dequantizing_bar_follows_the_progress_flag(tmp_path, tokenizer, capsys):
+    """transformers' "Converting and de-quantizing GGUF tensors" bar is its own tqdm, which its
+    disable_progress_bar does not reach: with --no-progress (or stderr not a terminal) it must not be drawn
+    into the log, with --progress it is; and the bar is the library's own again afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from megatron_jreg.analysis.cli import main
+    from tests._toy import save_random_model
+
+    folder = save_random_model(family_config("llama", hidden=64), tmp_path / "hf", tokenizer)
+    path = write_gguf(transformers.AutoModelForCausalLM.from_pretrained(folder), tokenizer, tmp_path / "tiny.gguf")
+    bar = gguf_utils.tqdm
+    argv = ["--model", str(path), "--num-samples", "2", "--max-length", "16"]
+    for flags, drawn in (([], False), (["--no-progress"], False), (["--progress"], True)):
+        assert main([*argv, *flags, "--output", str(tmp_path / f"out{len(flags)}{drawn}")]) == 0
+        err = capsys.readouterr().err
+        assert ("de-quantizing GGUF tensors" in err) is drawn, (flags, err)
+        assert gguf_utils.tqdm is bar

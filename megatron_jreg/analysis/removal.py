@@ -38,7 +38,7 @@ from megatron_jreg.analysis.source import (
     last_token_mask,
     planned_layers,
 )
-from megatron_jreg.progress import progress_bar
+from megatron_jreg.progress import library_bars, progress_bar
 
 TOP_K = (1, 2, 3)
 IGNORE = -100  # target id of a position that predicts nothing (padding, a sample's last token)
@@ -205,15 +205,18 @@ def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]]
 # The library entry.
 
 
-def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None, stream: bool) -> tuple[Any, bool]:
+def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None, stream: bool,
+               progress: bool = False) -> tuple[Any, bool]:
     """(source, owned) for a path, a loaded checkpoint (`checkpoints.MegatronModel`), a transformers causal LM
-    or a source (`HFSource`, `MegatronSource`, `StreamingSource`); owned: loaded here, closed after."""
+    or a source (`HFSource`, `MegatronSource`, `StreamingSource`); owned: loaded here, closed after.
+    progress: transformers' own loading bars too (`progress.library_bars`)."""
     if isinstance(model, (str, Path)):
         path = Path(model)
         kind, config = identify(path, "model")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return load_source(ModelSpec(path, path.name, kind, config=config), dtype=dtype, device=device,
-                           stream=stream and kind != "megatron", with_tokenizer=False), True
+        with library_bars(progress):
+            return load_source(ModelSpec(path, path.name, kind, config=config), dtype=dtype, device=device,
+                               stream=stream and kind != "megatron", with_tokenizer=False), True
     if hasattr(model, "layers") and (hasattr(model, "logits") or hasattr(model, "stream_removal")):
         return model, False
     from megatron_jreg.checkpoints.model import MegatronModel
@@ -260,7 +263,7 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
     """
     if batch_size < 1:
         raise AnalysisError(f"batch_size must be >= 1, got {batch_size}")
-    source, owned = _as_source(model, dtype, device, stream)
+    source, owned = _as_source(model, dtype, device, stream, progress)
     try:
         windows = check_windows(windows, getattr(source, "vocab_size", None))
         ks = check_top_k(top_k, source.num_layers)

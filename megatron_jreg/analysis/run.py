@@ -20,7 +20,7 @@ from megatron_jreg.analysis.report import format_table, write_results
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
 from megatron_jreg.errors import ModelFileError, one_line
-from megatron_jreg.progress import show_progress
+from megatron_jreg.progress import library_bars, show_progress
 
 
 def _stderr(message: str) -> None:
@@ -111,15 +111,17 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
         stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device, spec.config)
         log(f"{tag} {spec.path} ({spec.kind}): {why}")
     log(f"{tag} {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
+    progress = show_progress(cfg.progress)
     with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
-        source = load_source(
-            spec,
-            dtype=cfg.torch_dtype,
-            device=cfg.torch_device,
-            include_final_norm=cfg.include_final_norm,
-            tokenizer=cfg.tokenizer,
-            stream=bool(stream),
-        )
+        with library_bars(progress):  # transformers' loading and GGUF de-quantizing bars follow --progress too
+            source = load_source(
+                spec,
+                dtype=cfg.torch_dtype,
+                device=cfg.torch_device,
+                include_final_norm=cfg.include_final_norm,
+                tokenizer=cfg.tokenizer,
+                stream=bool(stream),
+            )
         for note in getattr(source, "notes", ()):
             log(f"    note: {note}")
         try:
@@ -131,7 +133,7 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
                 max_length=cfg.max_length,
                 kind=cfg.distance,
                 padding_side=cfg.padding_side,
-                progress=show_progress(cfg.progress),
+                progress=progress,
                 positions=cfg.positions,
                 remove_layers=cfg.top_k if cfg.remove_layers else None,
             )
