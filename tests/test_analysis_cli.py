@@ -159,8 +159,9 @@ def test_layer_redundancy_outputs_and_labels(models, tmp_path, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     table = captured.out
-    for fragment in ("cosine distance 1 − cos", "the last token of each sample", "Ψ_L/mid", "ΔCE top1", "ΔCE top3",
-                     "Reading", "largest rise of Ψ is at layer", "Reference: Shibata et al. 2026", "Table 2"):
+    for fragment in ("cosine distance 1 − cos", "the last token of each sample", "Ψ_L/mid", "‖h_L‖/‖h_0‖",
+                     "ΔCE top1", "ΔCE top3", "Reading", "largest rise of Ψ is at layer",
+                     "Reference: Shibata et al. 2026", "Table 2"):
         assert fragment in table, fragment
     assert "truncated to --max-length 40" in captured.err and "model's context" not in captured.err
 
@@ -175,12 +176,17 @@ def test_layer_redundancy_outputs_and_labels(models, tmp_path, capsys):
     assert removal["predicted_tokens"] == 4 and "nats per predicted token" in removal["definition"]
     assert record["layer_distances"][0] == pytest.approx(record["psi"], abs=1e-7)
     assert len(record["layer_distances"]) == 4 and len(record["residual_norms"]) == 5
+    growth = record["residual_norms"][-1] / record["residual_norms"][0]
+    assert record["residual_growth"] == pytest.approx(growth) and "residual_growth" in payload["definitions"]
+    header, row = table.splitlines()[1:4:2]  # the header and the first model's row (cells right-aligned)
+    assert row[: header.index("‖h_L‖/‖h_0‖") + len("‖h_L‖/‖h_0‖")].split()[-1] == f"{growth:.2f}"
     assert record["largest_rise"]["layer"] in range(2, 5) and record["reading"].startswith("llama: Ψ_L = ")
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {row["distance"] for row in rows} == {"cosine"} and {row["positions"] for row in rows} == {"last"}
     assert float(rows[0]["delta_ce_top3"]) == pytest.approx(removal["delta_ce_top"][1])
+    assert float(rows[0]["residual_growth"]) == pytest.approx(growth)
     with open(out / "layers.csv", newline="") as f:
         layers = list(csv.DictReader(f))
     assert {row["distance"] for row in layers} == {"cosine"}

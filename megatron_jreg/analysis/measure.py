@@ -133,6 +133,13 @@ class ModelResult:
         return [s / self.tokens if self.tokens else math.nan for s in self.norm_sums]
 
     @property
+    def residual_growth(self) -> float:
+        """‖h_L‖ / ‖h_0‖ (mean norms): the residual stream's growth over the stack, the table's summary of the
+        norms (pre-norm models grow it with depth, so that deep layers turn it less: Sun et al. 2025)."""
+        norms = self.residual_norms
+        return norms[-1] / norms[0] if len(norms) > 1 and norms[0] and math.isfinite(norms[0]) else math.nan
+
+    @property
     def layer_distances(self) -> list[list[float]]:
         """Gromov et al.'s distance between h_ℓ and h_{ℓ+n}: row n − 1 (n = 1..L) holds ℓ = 0..L − n; the
         n = 1 row is Ψ_1..Ψ_L when each layer's input is the previous layer's output."""

@@ -18,10 +18,11 @@ from pathlib import Path
 from megatron_jreg.analysis.measure import ModelResult
 
 TABLE_COLUMNS = ("model", "step", "L", "zeta_L", "zeta_L-1", "zeta_L-2", "psi_L", "psi_mid_median", "psi_L_over_mid",
-                 "largest_rise_layer", "largest_rise", "tokens", "distance", "positions")
+                 "largest_rise_layer", "largest_rise", "residual_growth", "tokens", "distance", "positions")
 _HEADERS = {"model": "model", "step": "step", "L": "L", "zeta_L": "ζ_L", "zeta_L-1": "ζ_L-1", "zeta_L-2": "ζ_L-2",
             "psi_L": "Ψ_L", "psi_mid_median": "median Ψ mid", "psi_L_over_mid": "Ψ_L/mid",
-            "largest_rise_layer": "rise at", "largest_rise": "rise", "tokens": "tokens", "base_ce": "CE"}
+            "largest_rise_layer": "rise at", "largest_rise": "rise", "residual_growth": "‖h_L‖/‖h_0‖",
+            "tokens": "tokens", "base_ce": "CE"}
 DISTANCES = {"angular": "angular distance arccos(cos)/π (the paper's Ψ)", "cosine": "cosine distance 1 − cos"}
 POSITIONS = {"all": "all real tokens", "last": "the last token of each sample"}
 JUMP_RATIO = 1.5
@@ -39,6 +40,8 @@ DEFINITIONS = {
     "largest_rise": "max over ℓ = 2..L of 100 · (Ψ_ℓ − Ψ_{ℓ−1}) (ζ's units) and the ℓ where it is reached",
     "residual_norms": "mean ‖h_ℓ‖ over the measured tokens, ℓ = 0..L (h_0: the embeddings entering layer 1); "
                       "the residual-stream growth of 'The Curse of Depth in LLMs' (Sun et al. 2025)",
+    "residual_growth": "residual_norms[L] / residual_norms[0]: how many times the mean ‖h_ℓ‖ grew from the "
+                       "embeddings to the last layer's output (the table's summary of residual_norms)",
     "layer_distances": "layer_distances[n−1][ℓ] = mean d(h_ℓ, h_{ℓ+n}), ℓ = 0..L−n, n = 1..L (Gromov et al. 2024, "
                        "The Unreasonable Ineffectiveness of the Deeper Layers, who use the angular distance at the "
                        "last token: --positions last); the n = 1 row equals psi",
@@ -70,6 +73,7 @@ def summary_row(result: ModelResult) -> dict:
         "psi_L_over_mid": result.psi_ratio,
         "largest_rise_layer": rise_layer,
         "largest_rise": rise,
+        "residual_growth": result.residual_growth,
         "tokens": result.tokens,
         "distance": result.distance,
         "positions": result.positions,
