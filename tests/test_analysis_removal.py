@@ -39,16 +39,33 @@ def windows():
     return torch.randint(0, VOCAB, (5, 19), generator=torch.Generator().manual_seed(0))
 
 
+# Where each family keeps its decoder layers (named here, not found by the code under test); others: model.layers.
+LAYERS_AT = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+
+
+def decoder_layers(model) -> list:
+    return list(model.get_submodule(LAYERS_AT.get(model.config.model_type, "model.layers")))
+
+
+def own_input(module, args: tuple, kwargs: dict, out):
+    """A forward hook that skips its layer: the layer's input, in the structure of its output (a tensor, or a
+    tuple led by the hidden states)."""
+    import torch
+
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
+
+
 def reference(folder: Path, windows, top_k=TOP_K) -> dict:
     """CE of the model and of each variant, skipping by forward hooks that return the layer's input."""
     import torch
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    layers = model.model.layers
+    layers = decoder_layers(model)
+    num = len(layers)
 
     def ce(skipped) -> float:
-        handles = [layers[i].register_forward_hook(lambda m, args, kwargs, out: args[0] if args else
-                                                   kwargs["hidden_states"], with_kwargs=True) for i in skipped]
+        handles = [layers[i].register_forward_hook(own_input, with_kwargs=True) for i in skipped]
         try:
             with torch.no_grad():
                 logits = model(windows[:, :-1]).logits.double()
@@ -59,17 +76,18 @@ def reference(folder: Path, windows, top_k=TOP_K) -> dict:
         return torch.nn.functional.cross_entropy(flat, windows[:, 1:].reshape(-1)).item()
 
     base = ce([])
-    return {"base_ce": base, "ce_skip": [ce([i]) for i in range(LAYERS)],
-            "ce_skip_top": [ce(range(LAYERS - k, LAYERS)) for k in top_k]}
+    return {"base_ce": base, "ce_skip": [ce([i]) for i in range(num)],
+            "ce_skip_top": [ce(range(num - k, num)) for k in top_k]}
 
 
-def assert_matches(result: dict, ref: dict) -> None:
+def assert_matches(result: dict, ref: dict, matter: float = 100) -> None:
+    """result equals ref to REL, and skipping any one layer moves CE by at least `matter` × that tolerance."""
     assert result["base_ce"] == pytest.approx(ref["base_ce"], rel=REL)
     assert result["ce_skip"] == pytest.approx(ref["ce_skip"], rel=REL)
     assert result["ce_skip_top"] == pytest.approx(ref["ce_skip_top"], rel=REL)
     delta = [c - ref["base_ce"] for c in ref["ce_skip"]]
     assert result["delta_ce"] == pytest.approx(delta, abs=REL * ref["base_ce"])
-    assert min(abs(d) for d in delta) > 100 * REL * ref["base_ce"]  # the layers really matter
+    assert min(abs(d) for d in delta) > matter * REL * ref["base_ce"]  # the layers really matter
 
 
 def test_layer_removal_equals_hook_reference_in_memory_and_streamed(llama, windows):
@@ -187,11 +205,11 @@ def reference_on_samples(folder: Path, samples: list[list[int]], positions: str,
     import torch
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    layers = model.model.layers
+    layers = decoder_layers(model)
+    num = len(layers)
 
     def ce(skipped) -> float:
-        handles = [layers[i].register_forward_hook(lambda m, args, kwargs, out: args[0] if args else
-                                                   kwargs["hidden_states"], with_kwargs=True) for i in skipped]
+        handles = [layers[i].register_forward_hook(own_input, with_kwargs=True) for i in skipped]
         total, count = 0.0, 0
         try:
             for ids in samples:
@@ -208,8 +226,8 @@ def reference_on_samples(folder: Path, samples: list[list[int]], positions: str,
                 h.remove()
         return total / count
 
-    return {"base_ce": ce([]), "ce_skip": [ce([i]) for i in range(LAYERS)],
-            "ce_skip_top": [ce(range(LAYERS - k, LAYERS)) for k in top_k]}
+    return {"base_ce": ce([]), "ce_skip": [ce([i]) for i in range(num)],
+            "ce_skip_top": [ce(range(num - k, num)) for k in top_k]}
 
 
 def reference_states(folder: Path, samples: list[list[int]], positions: str) -> tuple[list, list]:
@@ -279,3 +297,42 @@ def test_measure_on_samples_equals_references(llama, samples, positions):
         assert result.layer_distances[0] == pytest.approx(result.psi, abs=1e-7)
         assert result.zero_tokens == [0] * (LAYERS + 1)
     assert results[1].removal["ce_skip"] == pytest.approx(results[0].removal["ce_skip"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Other families: removal swaps each decoder layer's forward (`source.planned_layers`), whatever the layer returns
+# and whatever the model does between layers.
+
+FAMILY_CONFIGS = {
+    "gpt2": lambda: family_config("gpt2", layers=LAYERS),  # learned positions, Conv1D, tied head
+    "gpt_neox": lambda: family_config("gpt_neox", layers=LAYERS),  # parallel attention/MLP, partial rotary
+    "mixtral": lambda: transformers.MixtralConfig(  # sparse MoE: router, per-expert tensors fused on load
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_other_families_equal_the_hook_reference(family, llama, samples, windows, tmp_path):
+    """GPT-2, GPT-NeoX and Mixtral, tiny and random (initial weights of std 0.3, so that each layer matters): layer
+    removal on token windows and on padded text samples, in memory and streamed, equals the hook reference."""
+    from megatron_jreg.analysis.hf_source import load_hf_source
+    from megatron_jreg.analysis.loading import ModelSpec
+    from megatron_jreg.analysis.measure import measure
+    from megatron_jreg.analysis.removal import layer_removal
+    from megatron_jreg.analysis.stream_source import load_stream_source
+    from tests._toy import save_random_model
+
+    config = FAMILY_CONFIGS[family]()
+    config.initializer_range = 0.3  # GPT-2 scales its output projections down by depth: larger than the Llama's
+    texts, ids = samples  # the Llama's tokenizer, saved with this model too
+    folder = save_random_model(config, tmp_path / family, transformers.AutoTokenizer.from_pretrained(llama))
+    ref = reference(folder, windows)
+    for stream in (False, True):  # random layers move CE less than the Llama's: ≥ 20x the tolerance, not 100x
+        assert_matches(layer_removal(folder, windows, top_k=TOP_K, batch_size=2, stream=stream), ref, matter=20)
+    ref = reference_on_samples(folder, ids, "all")
+    for load in (load_hf_source, load_stream_source):
+        result = measure(load(folder, label=family), texts, ModelSpec(folder, family, "hf"), batch_size=3,
+                         remove_layers=TOP_K)
+        assert_matches(result.removal, ref, matter=20)

@@ -304,6 +304,24 @@ def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = N
         return None
     if gguf_tensors is not None:
         return None if "output.weight" in gguf_tensors else f"{path} holds no output.weight (the LM head)"
-    if any(f".{HEAD}" in f".{name}" for name in read_safetensors_folder(path)):
+    names = list(read_safetensors_folder(path))
+    if any(f".{HEAD}" in f".{name}" for name in names):
+        return None
+    head_key = next(f"{n}.weight" for n, m in model.named_modules() if m is head)
+    if head_key in renamed_keys(model, names):  # a head saved under an older name: GPT-NeoX's embed_out
         return None
     return f"{path} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
+
+
+def renamed_keys(model: nn.Module, names: list[str]) -> set[str]:
+    """The model keys that checkpoint tensors `names` load into under transformers' renamings of older names
+    (GPT-NeoX's `embed_out.weight` → `lm_head.weight`), as `from_pretrained` applies them; fused conversions
+    (several tensors into one) are not followed."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    keys = model.state_dict()
+    return {rename_source_key(name, renamings, converters, model.base_model_prefix, keys)[0] for name in names}
