@@ -13,6 +13,8 @@ to resume (exit 1); `--debug` (or MEGATRON_JREG_DEBUG=1) prints the traceback be
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -36,9 +38,9 @@ _HELP_SOURCES = ("training/arguments.py", "plugin.py", "usage.py", "train.py")
 
 
 def _help_cache() -> Path:
-    """Where `train --help` is kept: one file per megatron-core version, help sources and terminal width."""
+    """Where `train --help` is kept: one file per megatron-core version and help sources. The file holds the
+    parser's layout, not its text, so one file serves every terminal width."""
     import hashlib
-    import shutil
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -49,38 +51,123 @@ def _help_cache() -> Path:
     key = hashlib.sha256(core.encode())
     for name in _HELP_SOURCES:
         key.update((here / name).read_bytes())
-    key.update(str(shutil.get_terminal_size().columns).encode())
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-jreg"
-    return root / f"train-help-{key.hexdigest()[:16]}.txt"
+    return root / f"train-help-{key.hexdigest()[:16]}.json"
+
+
+# Formatters that print a help string as given (HelpFormatter's subclasses that change it, e.g.
+# ArgumentDefaultsHelpFormatter, would add to the already expanded text).
+_PLAIN_FORMATTERS = ("HelpFormatter", "RawDescriptionHelpFormatter", "RawTextHelpFormatter")
+
+
+def help_layout(parser: argparse.ArgumentParser) -> dict:
+    """What `parser.format_help()` reads, as JSON-ready data free of the terminal width: sections, each
+    flag's strings, metavar, nargs, choices and help with its %(default)s-style fields filled in, the
+    mutually exclusive groups. `render_help` wraps it at the width of the terminal it prints to."""
+    formatter_name = parser.formatter_class.__name__
+    if getattr(argparse, formatter_name, None) is not parser.formatter_class or formatter_name not in _PLAIN_FORMATTERS:
+        raise TypeError(f"help_layout: {formatter_name} may rewrite help strings; use one of {_PLAIN_FORMATTERS}")
+    formatter = parser._get_formatter()
+    group_of = {id(a): i for i, g in enumerate(parser._action_groups) for a in g._group_actions}
+    mutex = [m for m in parser._mutually_exclusive_groups if m._group_actions]
+    mutex_of = {id(a): j for j, m in enumerate(mutex) for a in m._group_actions}
+    actions = []
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            raise TypeError("help_layout: subcommands are not kept")
+        text = a.help
+        if isinstance(text, str) and text is not argparse.SUPPRESS:
+            text = formatter._expand_help(a).replace("%", "%%")
+        actions.append({"flags": a.option_strings, "dest": a.dest, "nargs": a.nargs, "metavar": a.metavar,
+                        "choices": None if a.choices is None else [str(c) for c in a.choices],
+                        "required": a.required, "help": text, "usage": a.format_usage() if a.option_strings else None,
+                        "group": group_of[id(a)], "mutex": mutex_of.get(id(a))})
+    return {"prog": parser.prog, "usage": parser.usage, "description": parser.description, "epilog": parser.epilog,
+            "formatter": formatter_name, "groups": [[g.title, g.description] for g in parser._action_groups],
+            "mutex": [[group_of[id(m._group_actions[0])], m.required] for m in mutex], "actions": actions}
+
+
+class _Shown(argparse.Action):
+    """A flag as `help_layout` kept it: enough for argparse's formatter, nothing to parse with."""
+
+    def __init__(self, usage: str | None, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._usage = usage
+
+    def format_usage(self) -> str:  # BooleanOptionalAction's `--x | --no-x`
+        return self._usage or ""
+
+
+def render_help(layout: dict) -> str:
+    """`help_layout`'s parser's `format_help()`, wrapped for this terminal (argparse's own formatter)."""
+
+    def kept(value: object) -> object:  # argparse tests SUPPRESS by identity
+        return argparse.SUPPRESS if value == argparse.SUPPRESS else value
+
+    parser = argparse.ArgumentParser(prog=layout["prog"], usage=kept(layout["usage"]),
+                                     description=layout["description"], epilog=layout["epilog"],
+                                     formatter_class=getattr(argparse, layout["formatter"]), add_help=False,
+                                     allow_abbrev=False)
+    parser._action_groups = []
+    groups = [parser.add_argument_group(kept(title), kept(text)) for title, text in layout["groups"]]
+    mutex = [groups[g].add_mutually_exclusive_group(required=required) for g, required in layout["mutex"]]
+    for a in layout["actions"]:
+        metavar = tuple(a["metavar"]) if isinstance(a["metavar"], list) else kept(a["metavar"])
+        action = _Shown(a["usage"], option_strings=a["flags"], dest=kept(a["dest"]), nargs=kept(a["nargs"]),
+                        metavar=metavar, choices=a["choices"], required=a["required"], help=kept(a["help"]))
+        (groups[a["group"]] if a["mutex"] is None else mutex[a["mutex"]])._add_action(action)
+    return parser.format_help()
+
+
+class _ParserBuilt(Exception):
+    """Stops Megatron-LM's parse_args once the parser holds every flag, before it parses anything."""
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's parser with our flags, built as `megatron-jreg train` builds it (parse_args)."""
+    from megatron.training import arguments
+
+    from megatron_jreg.training.arguments import add_jreg_args
+
+    built: list[argparse.ArgumentParser] = []
+
+    def capture(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        built.append(add_jreg_args(parser))
+        raise _ParserBuilt
+
+    try:
+        arguments.parse_args(extra_args_provider=capture)
+    except _ParserBuilt:
+        pass
+    return built[0]
 
 
 def print_help() -> None:
     """Megatron-LM's help with our group. Importing megatron.training costs 5-10 s and prints a dozen warnings
-    about absent apex/Transformer Engine, none of which the help needs: the text is built once, quietly, and
-    kept in the user's cache (a new megatron-core, a changed flag or another terminal width builds it anew)."""
+    about absent apex/Transformer Engine, none of which the help needs: the parser's layout is built once,
+    quietly, and kept in the user's cache (a new megatron-core or a changed flag builds it anew); every
+    `--help` formats it for its own terminal's width."""
+    import json
+
     cache = _help_cache()
-    if cache.is_file():
-        sys.stdout.write(cache.read_text(encoding="utf-8"))
-        return
-    import contextlib
-    import io
-    import logging
-    import warnings
+    try:
+        layout = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        layout = None
+    if layout is None:
+        import logging
+        import warnings
 
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron_jreg.training.arguments import parse_args
-
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
-            parse_args(["--help"])  # argparse prints the help, then exits
-    sys.stdout.write(text.getvalue())
-    with contextlib.suppress(OSError):  # a read-only home just means no cache
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(text.getvalue(), encoding="utf-8")
-        partial.replace(cache)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layout = help_layout(_train_parser())
+        with contextlib.suppress(OSError):  # a read-only home just means no cache
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(layout), encoding="utf-8")
+            partial.replace(cache)
+    sys.stdout.write(render_help(layout))
 
 
 def main(argv: list[str] | None = None) -> int:
