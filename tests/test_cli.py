@@ -41,6 +41,54 @@ def test_every_command_help_ends_with_an_example(command, capsys):
     _ends_with_example(out, command.split()[0] if command.startswith("convert") else command)
 
 
+def _parser(command: str) -> argparse.ArgumentParser:
+    """The parser of `megatron-jreg COMMAND` (`convert mcore-to-hf`: that direction's)."""
+    import importlib
+
+    name, _, direction = command.partition(" ")
+    parser = importlib.import_module(cli.COMMANDS[name][0]).build_parser()
+    if direction:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[direction]
+    return parser
+
+
+def _without_default(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags whose --help does not say what they default to. Needing no word: required flags, a switch that
+    is off unless given (--no-tokenizer), one of a mutually exclusive choice (--hf | --load), a repeatable flag
+    that adds nothing unless given, subcommands."""
+    chosen = {id(a) for group in parser._mutually_exclusive_groups for a in group._group_actions}
+    silent = (argparse._HelpAction, argparse._SubParsersAction)
+    missing = []
+    for a in parser._actions:
+        switch = isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction) and a.default is not a.const
+        repeatable = isinstance(a, argparse._AppendAction) and not a.default
+        if a.help == argparse.SUPPRESS or isinstance(a, silent) or a.required or switch or repeatable \
+                or id(a) in chosen:
+            continue
+        if "default" not in (a.help or ""):
+            missing.append(a)
+    return missing
+
+
+# Commands whose --help is not yet complete (files outside this change): preprocess's own flags (--json-keys,
+# --lang, --workers, ...), analyze's --revision/--checkpoints/--device/--tokenizer, compare's --output.
+_DEFAULTS_PENDING = ("preprocess", "analyze", "compare")
+
+
+@pytest.mark.parametrize("command", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="flags without their default in --help"))
+    if c in _DEFAULTS_PENDING else c for c in IN_PROCESS])
+def test_every_flag_says_its_default_in_help(command):
+    """issue 33: several `--help` entries lacked their defaults (evaluate --batch-size and train-tokenizer --kind
+    had no help at all). Megatron-LM's own tokenizer flags in preprocess are as Megatron-LM wrote them, as train's."""
+    missing = _without_default(_parser(command))
+    if command == "preprocess":
+        from megatron_jreg.data.tokenizers import tokenizer_defaults
+
+        missing = [a for a in missing if a.dest not in tokenizer_defaults()]
+    assert [a.option_strings[0] for a in missing] == []
+
+
 @pytest.mark.slow
 def test_train_help_is_megatron_lms_with_ours_quiet_and_then_quick_at_any_width(tmp_path):
     """megatron-core 0.19.2's help for --moe-paged-stash-buffer-size-factor-cuda holds a bare `%` that makes

@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(must not exist or be empty)")
     layout = ("checked against the model and recorded (Megatron-LM's flag). The checkpoint is written once at "
               "TP=1/PP=1: dist_checkpointing reshards on load, so it loads at any layout")
-    inp.add_argument("--tensor-model-parallel-size", type=int, default=1, help=f"intended TP size, {layout}")
-    inp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=f"intended PP size, {layout}")
+    inp.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help=f"intended TP size, {layout} (default: %(default)s)")
+    inp.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                     help=f"intended PP size, {layout} (default: %(default)s)")
     inp.add_argument("--seq-length", type=int, help="training sequence length (default: max_position_embeddings)")
     inp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="megatron pads the vocabulary to a multiple of this × TP (default 128)")

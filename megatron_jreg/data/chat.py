@@ -469,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "--tokenizer data/tok/hf --seq-length 2048"))
     p.add_argument("--input", nargs="+", required=True, help="chat JSONL(.gz/.zst) file(s), folders or globs")
     p.add_argument("--output", required=True, help="the clean chat JSONL for --sft --data-path")
-    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder: check each conversation with it")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a local Hugging Face tokenizer folder: check each conversation with it (default: none, the "
+                   "records' structure only)")
     p.add_argument("--chat-template", metavar="NAME|FILE",
                    help=f"template when the tokenizer has none ({', '.join(TEMPLATES)} or a .jinja file; default "
                    "simple); given, it replaces the tokenizer's own in the copy")
@@ -478,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-token", metavar="TOKEN",
                    help="the copy's pad token (Megatron-LM's SFTDataset masks pad targets; default: the "
                    "tokenizer's, else a reserved <|pad|> or <pad>, else its EOS)")
-    p.add_argument("--seq-length", type=int, help="skip conversations longer than this many tokens (too_long)")
+    p.add_argument("--seq-length", type=int, metavar="N",
+                   help="with --tokenizer: skip conversations longer than N tokens (too_long) (default: no limit)")
     return p
 
 

@@ -164,13 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 "--kind hf-bpe --vocab-size 4096 --output data/bpe4k"))
     p.add_argument("--input", nargs="+", required=True, help="files, directories or globs (.txt too)")
     p.add_argument("--output", required=True, help="sentencepiece: PATH(.model); hf-bpe: a folder")
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--kind", choices=KINDS, default="sentencepiece")
-    p.add_argument("--json-key", default="text", help="JSONL key / parquet column with the text")
-    p.add_argument("--max-chars", type=int, default=None, help="train on at most N characters of input")
-    p.add_argument("--hf-split", default=None, help="split of a saved HF DatasetDict folder")
-    p.add_argument("--special-tokens", nargs="+", default=[],
-                   help="tokens to reserve in the vocabulary, e.g. <|pad|> <|user|> <|assistant|> for a later SFT")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                   help="entries in the vocabulary, the special tokens included (at least 300)")
+    p.add_argument("--kind", choices=KINDS, default="sentencepiece",
+                   help="sentencepiece: OUTPUT.model for --tokenizer-type SentencePieceTokenizer; hf-bpe: a folder "
+                   "(tokenizer.json) for --tokenizer-type HuggingFaceTokenizer (default: %(default)s)")
+    p.add_argument("--json-key", default="text",
+                   help="JSONL key / parquet column with the text (default: %(default)s)")
+    p.add_argument("--max-chars", type=int, default=None, metavar="N",
+                   help="train on at most the first N characters of input (default: all)")
+    p.add_argument("--hf-split", default=None,
+                   help="split of a saved HF DatasetDict folder (default: train, when the folder has one)")
+    p.add_argument("--special-tokens", nargs="+", default=[], metavar="TOKEN",
+                   help="tokens to reserve in the vocabulary, e.g. <|pad|> <|user|> <|assistant|> for a later SFT "
+                   "(default: none)")
     return p
 
 

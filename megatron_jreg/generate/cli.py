@@ -28,22 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--load", type=Path, metavar="CKPT", help="a Megatron-LM or megatron-jreg checkpoint")
     p.add_argument("--iteration", type=int, help="checkpoint iteration for --load (default: the latest)")
     p.add_argument("--tokenizer", type=Path, metavar="DIR",
-                   help="--load: a Hugging Face tokenizer folder instead of the run's --tokenizer-model")
+                   help="--load: a Hugging Face tokenizer folder instead of the run's --tokenizer-model (default: the "
+                   "run's)")
     p.add_argument("--prompts", type=Path, required=True, metavar="FILE",
                    help='questions, FastChat MT-bench format: {"question_id", "category", "turns": [...]} a line')
     p.add_argument("--output", required=True, metavar="FILE",
                    help="answer JSONL (FastChat's model_answer/<model-id>.jsonl); an existing one is resumed")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (512)")
+    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N",
+                   help="longest answer per turn, in tokens (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1: the whole distribution)")
-    p.add_argument("--seed", type=int, default=0, help="sampling: draws depend on the seed and the question id only")
-    p.add_argument("--batch-size", type=int, default=8, help="questions answered together")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sampling: nucleus mass (default: %(default)s, the whole distribution)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling: draws depend on the seed and the question id only (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="questions answered together (default: %(default)s)")
     p.add_argument("--model-id", help="model name in the answers (default: the model folder's name)")
     p.add_argument("--chat-template", metavar="NAME|FILE",
                    help="replace the tokenizer's chat template (simple, or a .jinja file); default: the tokenizer's "
                    "own, else simple")
     p.add_argument("--device", help="torch device for --hf (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights dtype; auto = float32 on CPU")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights dtype; auto = float32 on CPU (default: %(default)s)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     return p
