@@ -172,7 +172,14 @@ def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[l
     foreign = _checkpoint_copy(good, tmp, "foreign")
     locked = tmp / "locked"
     locked.mkdir()
+    legacy = _hostile_legacy(tmp)
     return {
+        "resume-rampup": (TINY + SAVE + ["--load", str(good), "--rampup-batch-size", "2", "2", "8"],
+                          f"--rampup-batch-size 2 2 8: {ckpt} was trained without --rampup-batch-size and a resume "
+                          "must keep it (the consumed samples follow its ramp): leave out --rampup-batch-size"),
+        "legacy-hostile": (TINY + SAVE + ["--ckpt-format", "torch", "--load", str(legacy)],
+                           f"--load: {legacy / 'iter_0000002' / 'mp_rank_00' / 'model_optim_rng.pt'}: refused to load "
+                           "(Trying to load unsupported GLOBAL posix.mkdir"),
         "resume-global-batch": (TINY + SAVE + ["--load", str(good), "--global-batch-size", "8"],
                                 f"--global-batch-size 8: {ckpt} was trained with --global-batch-size 4 and a resume "
                                 "must keep it"),
@@ -190,6 +197,19 @@ def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[l
         "save-locked": (TINY + SAVE + ["--save", str(locked)],
                         f"--save {locked}: another run is writing there (pid "),
     }
+
+
+def _hostile_legacy(tmp: Path) -> Path:
+    """A legacy `--ckpt-format torch` checkpoint (no megatron_jreg.json, as Megatron-LM writes it) whose
+    model_optim_rng.pt runs code when unpickled: reading its saved args must refuse it."""
+    import torch
+
+    root = tmp / "legacy-hostile"
+    (root / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": RunsCode(str(tmp / "pickle-ran")), "iteration": 2},
+               root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    return root
 
 
 def _tokenizer(nomock: list[str], folder: Path) -> list[str]:
@@ -443,7 +463,8 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "cp-without-te", "ep-alltoall-on-gloo", "async-save-on-cpu", "optimizer-build-adam-beta",
     "optimizer-build-sgd-momentum", "tokenizer-custom-code", "tokenizer-trust-remote-code",
     "blend-weight-negative", "blend-weight-zero", "blend-weight-nan", "data-other-tokenizer",
-    "resume-global-batch", "resume-seq-length", "resume-vocab", "resume-tokenizer", "foreign-save", "save-locked",
+    "resume-global-batch", "resume-seq-length", "resume-vocab", "resume-tokenizer", "resume-rampup", "legacy-hostile",
+    "foreign-save", "save-locked",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]

@@ -317,6 +317,30 @@ def install_safe_checkpoint_reader() -> None:
                                lambda _original: _load_bytes})
 
 
+def read_legacy_state(ckpt: str | Path) -> dict | None:
+    """The state of a legacy `--ckpt-format torch` iteration folder (its first mp_rank_*/model_optim_rng.pt: args,
+    iteration, model, optimizer, ...), read as Megatron-LM's own load reads it but through
+    `install_safe_checkpoint_reader`'s allow-list with weights_only=True, and memory-mapped (the tensors are not
+    read); None for a folder without one (torch_dist). CheckpointError naming the file for a refused class or an
+    unreadable file."""
+    found = sorted(Path(ckpt).glob("mp_rank_*/model_optim_rng.pt"))
+    if not found:
+        return None
+    install_safe_checkpoint_reader()
+    try:
+        state = torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = next((line for line in str(e).splitlines() if "GLOBAL" in line), " ".join(str(e).split())[:200])
+        raise CheckpointError(f"{found[0]}: refused to load ({first.strip()}); this file could run code: do not use "
+                              "this checkpoint") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{found[0]}: unreadable ({failure_text(e)}); the file is truncated or corrupt: resume "
+                              "from another iteration") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{found[0]}: not a Megatron-LM checkpoint (a {type(state).__name__}, not a dict)")
+    return state
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open_regular(path) as f:

@@ -12,7 +12,8 @@ line), and `RunFolder.open(args, jreg, start)`:
   in one line naming the holder's host and pid, a second run on it;
 - refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder;
 - compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args
-  saved in its common state) with this run: a changed vocabulary or tokenizer is refused, and on a resume
+  saved with it: a torch_dist common state, or a legacy `--ckpt-format torch` file read weights-only) with
+  this run: a changed vocabulary or tokenizer is refused, and on a resume
   (not --finetune / --pretrained-checkpoint) a changed global batch, batch ramp-up or sequence length too,
   in one line naming the flag, the checkpoint's value and this run's; what may legitimately change
   (JREG's settings, the seed; batch and length when fine-tuning) is printed and appended to the sidecar's
@@ -46,7 +47,7 @@ from megatron_jreg.checkpoints import (
     resolve,
     saved_iterations,
 )
-from megatron_jreg.checkpoints.files import check_storage_paths
+from megatron_jreg.checkpoints.files import check_storage_paths, read_legacy_state
 from megatron_jreg.errors import UsageError
 
 if TYPE_CHECKING:
@@ -208,13 +209,16 @@ def _settings_from_args(saved: argparse.Namespace) -> dict:
 
 
 def saved_settings(ckpt: Path) -> dict | None:
-    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args in its common state
-    (torch_dist checkpoints of Megatron-LM itself); None when neither is readable."""
+    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args Megatron-LM saved with it
+    (checkpoints of Megatron-LM itself: a torch_dist common state, or a legacy `--ckpt-format torch` file read
+    weights-only); None when neither is readable. CheckpointError for a legacy file refused or unreadable."""
     recorded = (read_sidecar(ckpt) or {}).get("run")
     if isinstance(recorded, dict):
         return recorded
     if not (ckpt / ".metadata").is_file():
-        return None
+        legacy = read_legacy_state(ckpt)
+        saved = legacy.get("args") if legacy is not None else None
+        return _settings_from_args(saved) if isinstance(saved, argparse.Namespace) else None
     from megatron.core import dist_checkpointing
     from megatron.core.safe_globals import register_safe_globals
 
@@ -243,7 +247,14 @@ def _flat(settings: dict) -> dict:
 
 
 def _value(value: object) -> str:
+    if value is None:
+        return "(not set)"
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _with(flag: str, value: object) -> str:
+    """"--flag V", or "no --flag" for a flag not given."""
+    return f"no {flag}" if value is None else f"{flag} {_value(value)}"
 
 
 class RunFolder:
@@ -287,7 +298,11 @@ class RunFolder:
         first = 0 if fresh else start.iteration  # the iteration this run's steps count from
         vocab_flag = (f"--vocab-size {args.vocab_size}" if args.vocab_size is not None
                       else f"--tokenizer-model {args.tokenizer_model}")
-        changes = _compare(start.ckpt, saved_settings(start.ckpt) or {}, settings, fresh, vocab_flag)
+        try:
+            saved = saved_settings(start.ckpt) or {}
+        except CheckpointError as e:
+            raise UsageError(f"{start.option}: {e}") from None
+        changes = _compare(start.ckpt, saved, settings, fresh, vocab_flag)
         same_folder = args.save is not None and Path(args.save).resolve() == Path(start.root).resolve()
         history = list(start.sidecar.get("history") or [])
         if changes or not same_folder:
@@ -366,9 +381,11 @@ def _compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) -
     for key, (flag, why) in _KEPT_ON_RESUME.items():
         if old.get(key) != new.get(key) and key in saved:
             if not fresh:
-                raise UsageError(f"{flag} {_value(new.get(key))}: {ckpt} was trained with {flag} "
-                                 f"{_value(old.get(key))} and a resume must keep it ({why}): give {flag} "
-                                 f"{_value(old.get(key))}, or start a new run from its weights with --finetune")
+                was = old.get(key)
+                trained, keep = ((f"without {flag}", f"leave out {flag}") if was is None
+                                 else (f"with {flag} {_value(was)}", f"give {flag} {_value(was)}"))
+                raise UsageError(f"{_with(flag, new.get(key))}: {ckpt} was trained {trained} and a resume must keep "
+                                 f"it ({why}): {keep}, or start a new run from its weights with --finetune")
             changes[key] = [old.get(key), new.get(key)]
     for key in _RECORDED:
         if key in old and old[key] != new.get(key):
