@@ -147,21 +147,37 @@ def test_the_lock_is_released_when_its_holder_process_ends_however_it_ends(tmp_p
             time.sleep(0.1)
 
 
-def test_a_foreign_save_is_refused_unless_loaded_or_overwrite_save(tmp_path):
+def test_a_foreign_save_is_refused_unless_loaded_or_overwrite_save(tmp_path, capsys):
     """--save holding another run's checkpoints: refused in one line naming --overwrite-save; allowed when the run
-    loads that folder or says --overwrite-save (the flag Megatron-LM's parser accepts through ours)."""
+    loads that folder (or one of its iterations) or says --overwrite-save (the flag Megatron-LM's parser accepts
+    through ours), which moves that run's iterations, complete or not, and its tracker into overwritten-DATE/
+    (rank 0 only; a second overwrite in the same second gets a folder of its own)."""
     import argparse
 
     from megatron_jreg.errors import UsageError
     from megatron_jreg.training.run_folder import _refuse_foreign
 
-    _iteration(tmp_path, 8)
+    _iteration(tmp_path, 8, {"__0_0.distcp": b"x"})
+    (tmp_path / "iter_0000010").mkdir()  # an interrupted save
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("8")
     args = argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=False)
     with pytest.raises(UsageError, match=r"holds the checkpoints of another run \(iterations 8.*or --overwrite-save"):
         _refuse_foreign(args, None)
     _refuse_foreign(args, str(tmp_path))  # continuing that run
-    _refuse_foreign(argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True), None)
+    _refuse_foreign(args, str(tmp_path / "iter_0000008"))
+    _refuse_foreign(argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True, rank=1), None)
+    assert (tmp_path / "iter_0000008").is_dir() and not list(tmp_path.glob("overwritten-*"))  # rank 0 moves
+    _refuse_foreign(argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True, rank=0), None)
+    [aside] = tmp_path.glob("overwritten-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000008", "iter_0000010",
+                                                       "latest_checkpointed_iteration.txt"]
+    assert (aside / "iter_0000008" / "__0_0.distcp").read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
+    assert (f"--overwrite-save: the checkpoints of the run that wrote {tmp_path} before (iterations 8; tracker at 8) "
+            f"moved to {aside}") in capsys.readouterr().out
+    _iteration(tmp_path, 2)
+    _refuse_foreign(argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True, rank=0), None)
+    assert len(list(tmp_path.glob("overwritten-*"))) == 2 and not list(tmp_path.glob("iter_*"))
 
 
 def test_overwrite_save_is_a_train_flag():

@@ -10,7 +10,9 @@ line), and `RunFolder.open(args, jreg, start)`:
 
 - locks `--save` for the run (`SaveLock`, released at the end; kill -9 leaves no stale lock) and refuses,
   in one line naming the holder's host and pid, a second run on it;
-- refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder;
+- refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder; with
+  `--overwrite-save` it moves them (every iter_* folder and the tracker) into `--save`/overwritten-DATE/ first,
+  so that no reader (a resume, `analyze --checkpoints`) mixes two runs' iterations;
 - compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args
   saved with it: a torch_dist common state, or a legacy `--ckpt-format torch` file read weights-only) with
   this run: a changed vocabulary or tokenizer is refused, and on a resume
@@ -47,7 +49,7 @@ from megatron_jreg.checkpoints import (
     resolve,
     saved_iterations,
 )
-from megatron_jreg.checkpoints.files import check_storage_paths, read_legacy_state
+from megatron_jreg.checkpoints.files import TRACKER, check_storage_paths, read_legacy_state
 from megatron_jreg.errors import UsageError
 
 if TYPE_CHECKING:
@@ -336,21 +338,42 @@ class RunFolder:
 
 def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
     """--save holds checkpoints of another run, and this run does not continue that folder (`root`: the folder it
-    loads a checkpoint from, if any)."""
+    loads a checkpoint from, if any): UsageError, or with --overwrite-save those checkpoints moved aside (rank 0)."""
     save = Path(args.save)
     found = saved_iterations(save)
     tracker = _tracker_text(save)
     if not found and tracker is None:
         return
-    if root is not None and Path(root).resolve() == save.resolve():
-        return
-    if getattr(args, "jreg_overwrite_save", False):
-        return
+    if root is not None and (Path(root).resolve() == save.resolve() or save.resolve() in Path(root).resolve().parents):
+        return  # continuing that folder (its tracker, or one of its iterations)
     shown = ", ".join(map(str, found[-6:])) if found else "none complete"
+    if getattr(args, "jreg_overwrite_save", False):
+        if getattr(args, "rank", 0) == 0:
+            aside = _move_aside(save)
+            print(f"megatron-jreg: --overwrite-save: the checkpoints of the run that wrote {args.save} before "
+                  f"(iterations {shown}; {tracker or 'no tracker'}) moved to {aside}, so that no reader mixes them "
+                  "with this run's; delete that folder when it is no longer needed", flush=True)
+        return
     loading = f"it loads {root}" if root is not None else "it has no --load"
     raise UsageError(f"--save {args.save} holds the checkpoints of another run (iterations {shown}; "
                      f"{tracker or 'no tracker'}) and this run would overwrite them ({loading}): add --load "
                      f"{args.save} to continue that run, give this run an empty --save, or --overwrite-save")
+
+
+def _move_aside(save: Path) -> Path:
+    """Every iter_*/release folder (complete or not) and the tracker of `save` into a new `save`/overwritten-DATE/
+    (renames on one file system: nothing copied, nothing lost)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = save / f"overwritten-{stamp}", 1
+    while aside.exists():
+        aside, n = save / f"overwritten-{stamp}-{n}", n + 1
+    aside.mkdir()
+    if (save / TRACKER).exists():  # first: a tracker never names a folder already moved
+        os.replace(save / TRACKER, aside / TRACKER)
+    for path in sorted(save.iterdir()):
+        if path.name == "release" or (path.name.startswith("iter_") and path.is_dir()):
+            os.replace(path, aside / path.name)
+    return aside
 
 
 def _tracker_text(save: Path) -> str | None:
