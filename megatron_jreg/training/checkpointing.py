@@ -14,8 +14,8 @@
   calls): the manifest is verified first when the checkpoint has one (Megatron-LM's own check would refuse
   checkpoints saved without it, e.g. by Megatron-LM's defaults), and the loaded checkpoint is reported.
 - Saves: megatron_jreg.json is written after the save's files, before the manifest (which covers it) and the
-  tracker; a save whose weights hold NaN/Inf is
-  not written (one line; the tracker keeps naming the last finite checkpoint, which a NaN stop's "resume with
+  tracker; a save whose weights or optimizer state (main parameters, Adam's moments) hold NaN/Inf is not
+  written (one line; the tracker keeps naming the last finite checkpoint, which a NaN stop's "resume with
   --load" then loads); without --save, Megatron-LM's exit paths that save have nothing to do.
 - A save that fails (a full disk: the writer's OSError reaches Megatron-LM only as "Worker failure ...
   <class 'OSError'>") stops the run with one line naming the folder, the space free and the space a
@@ -188,9 +188,11 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         return None  # Megatron-LM's NaN and signal exits save even without --save
     persistent = not call.get("non_persistent_ckpt", False)
     previous = tracked(args.save)
-    bad, name = _nonfinite_weights(model)
-    if bad:
-        print_rank_0(f"megatron-jreg train: iteration {iteration} not saved: {bad} weight tensor(s) hold NaN/Inf "
+    (weights, state), name = _nonfinite(model, optimizer)
+    if weights or state:
+        what = " and ".join(text for count, text in ((weights, f"{weights} weight tensor(s)"),
+                                                     (state, f"{state} optimizer state tensor(s)")) if count)
+        print_rank_0(f"megatron-jreg train: iteration {iteration} not saved: {what} hold NaN/Inf "
                      f"(first: {name}); {TRACKER} in {args.save} still names "
                      f"{'iteration ' + str(previous) if previous is not None else 'no checkpoint'}")
         return None
@@ -220,22 +222,63 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
     return result
 
 
-def _nonfinite_weights(model) -> tuple[int, str | None]:  # noqa: ANN001 - Megatron-LM's model chunks
-    """(weight tensors holding NaN/Inf over all ranks, the name of one), from one reduction (a save's cost only)."""
+def _nonfinite(model, optimizer) -> tuple[tuple[int, int], str | None]:  # noqa: ANN001 - Megatron-LM objects
+    """((weight tensors, optimizer state tensors) holding NaN/Inf over all ranks, the name of the first), from one
+    reduction (a save's cost only: no host sync per tensor). The optimizer's tensors are its main parameters where
+    they are copies (fp16/bf16 training, a distributed optimizer's shards) and its state (Adam's exp_avg,
+    exp_avg_sq): an inf exp_avg_sq leaves the weights finite (the update divides by it) yet would make the
+    checkpoint a resume starts from useless."""
     import torch
 
     dist = torch.distributed
     named = [(n, p) for chunk in (model if isinstance(model, list) else [model]) for n, p in chunk.named_parameters()]
-    if not named:
-        return 0, None
-    bad = torch.stack([~torch.isfinite(p.detach()).all() for _, p in named])
-    count = bad.sum().to(torch.int64).reshape(1)
+    state = _optimizer_tensors(optimizer, {id(p): n for n, p in named})
+    flags = [~torch.isfinite(t.detach()).all() for _, t in named + state]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    for part, items in enumerate((flags[:len(named)], flags[len(named):])):
+        by_device: dict = {}  # an offloaded optimizer keeps its state on the host
+        for flag in items:
+            by_device.setdefault(flag.device, []).append(flag)
+        for group in by_device.values():
+            counts[part] += torch.stack(group).sum().to(device)
     if dist.get_world_size() > 1:
-        dist.all_reduce(count)
-    if not int(count.item()):
-        return 0, None
-    first = next((n for (n, _), b in zip(named, bad.tolist(), strict=True) if b), None)
-    return int(count.item()), next((n for n in _all_gather(first) if n is not None), None)
+        dist.all_reduce(counts)
+    weights, moments = counts.tolist()
+    if not weights and not moments:
+        return (0, 0), None
+    first = next((n for (n, _), flag in zip(named + state, flags, strict=True) if bool(flag)), None)
+    return (weights, moments), next((n for n in _all_gather(first) if n is not None), None)
+
+
+# a main parameter's model parameter: (the model's group lists, the optimizer's main groups), Megatron-LM's
+# Float16OptimizerWithFloat16Params and DistributedOptimizer (megatron/core/optimizer, core_v0.19.0)
+_MAIN_OF = (("float16_groups", "fp32_from_float16_groups"), ("model_float16_groups", "shard_fp32_from_float16_groups"),
+            ("model_fp32_groups", "shard_fp32_groups"))
+
+
+def _optimizer_tensors(optimizer, names: dict[int, str]) -> list[tuple[str, object]]:  # noqa: ANN001
+    """The floating-point tensors of Megatron-LM's optimizer (chained or not) that are not model weights, named
+    after the model parameter they belong to (`names`: id of a model parameter → its name)."""
+    import torch
+
+    found: list[tuple[str, object]] = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        owner = {id(main): model for models, mains in _MAIN_OF
+                 for group, main_group in zip(getattr(opt, models, None) or [], getattr(opt, mains, None) or [],
+                                              strict=False)
+                 for model, main in zip(group, main_group, strict=False) if main is not None}
+        for g, group in enumerate(inner.param_groups):
+            for i, param in enumerate(group["params"]):
+                name = names.get(id(owner.get(id(param), param)), f"parameter {i} of group {g}")
+                if id(param) not in names:
+                    found.append((f"main parameter of {name}", param))
+                found += [(f"optimizer {key} of {name}", value) for key, value in inner.state.get(param, {}).items()
+                          if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    return found
 
 
 _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
