@@ -11,6 +11,7 @@ import functools
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,7 +164,15 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
     )[0]
     # a second run with another λ and seed from the first run's iteration 2, into its own --save: recorded
     out["second"] = train(TINY + ["--load", f"{tmp}/ckpt", "--ckpt-step", "2", "--save", f"{tmp}/second",
-                                  "--save-interval", "2", "--jreg-lambda", "0.5", "--seed", "7"])
+                                  "--save-interval", "1", "--jreg-lambda", "0.5", "--seed", "7"])
+    # ... resumed in its own folder from iteration 3 with every JREG setting changed: recorded after the first
+    out["second-changed"] = train(TINY + ["--load", f"{tmp}/second", "--ckpt-step", "3", "--save", f"{tmp}/second",
+                                          "--save-interval", "1", "--seed", "7", "--jreg-lambda", "0.25",
+                                          "--jreg-alpha", "2", "--jreg-distance", "cosine", "--jreg-layers", "2", "3"])
+    # --overwrite-save over a finished run's copy (iterations 2 and 4) by a run that saves only iteration 2
+    shutil.copytree(Path(tmp, "ckpt"), Path(tmp, "overwrite"))
+    out["overwrite"] = train(TINY + ["--save", f"{tmp}/overwrite", "--save-interval", "2", "--train-iters", "2",
+                                     "--overwrite-save"])
     out["one-from-tp2"] = train(
         TINY + ["--load", f"{tmp}/tp2-ckpt", "--skip-train", "--metrics-file", f"{tmp}/one-from-tp2.jsonl"]
     )[0]
@@ -186,12 +195,59 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
                               "3", "--metrics-file", f"{tmp}/split{interval}.jsonl"]
         out[f"split{interval}"] = (train(split + ["--exit-interval", "3"])[0],
                                    train(split + ["--load", f"{tmp}/split{interval}"])[0])
+    # ... and once more from iteration 3 after running to 6: rows 4-6 of the lost run are moved aside, then replayed
+    out["replay"] = train(TINY + six + ["--save", f"{tmp}/split1", "--save-interval", "3", "--metrics-file",
+                                        f"{tmp}/split1.jsonl", "--load", f"{tmp}/split1", "--ckpt-step", "3"])
     # the legacy torch format (Megatron-LM's manifest refused it: every run crashed)
     legacy = ["--ckpt-format", "torch", "--save", f"{tmp}/legacy", "--save-interval", "2",
               "--metrics-file", f"{tmp}/legacy.jsonl"]
     out["legacy"] = (train(TINY + legacy + ["--exit-interval", "2"])[0],
                      train(TINY + legacy + ["--load", f"{tmp}/legacy"]))
+    # ... as Megatron-LM itself writes it (no megatron_jreg.json, no manifest): its saved args are checked
+    shutil.copytree(Path(tmp, "legacy"), Path(tmp, "legacy-mlm"))
+    for extra in [*Path(tmp, "legacy-mlm").glob("iter_*/megatron_jreg.json"),
+                  *Path(tmp, "legacy-mlm").glob("iter_*/integrity.json")]:
+        extra.unlink()
+    mlm = ["--ckpt-format", "torch", "--load", f"{tmp}/legacy-mlm", "--ckpt-step", "2"]
+    out["legacy-mlm"] = {name: train(TINY + mlm + extra) for name, extra in (
+        ("global-batch", ["--global-batch-size", "8"]), ("vocab", ["--vocab-size", "1024"]),
+        ("seq-length", ["--seq-length", "16"]), ("same", ["--jreg-lambda", "0.5"]))}
+    out.update(fp16_runs(tmp))
+    out["optimizer-inf"] = optimizer_state_turns_inf(tmp)
     return out
+
+
+def fp16_runs(tmp: str) -> dict:
+    """Megatron-LM's own skipped iterations (its fp16 loss scaler finds inf/NaN gradients and skips the update):
+    with a loss scale too large for an iteration's gradients, and with hidden states that overflow float16 in
+    the forward (every iteration skipped; Megatron-LM turns its NaN check off under dynamic loss scaling)."""
+    fp16 = TINY + ["--fp16", "--eval-interval", "100"]
+    return {
+        "fp16-scale": train(fp16 + ["--initial-loss-scale", "1048576", "--train-iters", "3",
+                                    "--metrics-file", f"{tmp}/fp16-scale.jsonl"]),
+        "fp16-overflow": train(fp16 + ["--init-method-std", "4", "--log-interval", "2",
+                                       "--metrics-file", f"{tmp}/fp16-overflow.jsonl"]),
+    }
+
+
+def optimizer_state_turns_inf(tmp: str) -> tuple[tuple[int, str, str], int]:
+    """Adam's exp_avg_sq turns inf after the third step (as a squared gradient beyond float32 makes it): the
+    weights stay finite (the update divides by it), the saves of iterations 3 and 4 must not happen."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = {"n": 0}
+
+    def poison(optimizer, args, kwargs) -> None:
+        steps["n"] += 1
+        if steps["n"] == 3:
+            next(iter(optimizer.state.values()))["exp_avg_sq"].fill_(float("inf"))
+
+    hook = register_optimizer_step_post_hook(poison)
+    try:
+        result = train(TINY + ["--save", f"{tmp}/optimizer-inf", "--save-interval", "1", "--eval-interval", "100"])
+    finally:
+        hook.remove()
+    return result, steps["n"]
 
 
 def crash_during_save(tmp: str) -> dict:

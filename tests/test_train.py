@@ -113,7 +113,8 @@ def test_resume_continues_exactly(runs, name, reference):
 
 
 def test_metrics_file_of_a_resumed_run_equals_the_uninterrupted_run(runs):
-    """Issue 32's check: --log-interval 1, 6 iterations straight vs 3 + resume + 3, every row equal; at
+    """Issue 32's check: --log-interval 1, 6 iterations straight vs 3 + resume + 3 (then replayed from 3: the next
+    test), every row equal; at
     --log-interval 2 the row of iteration 4 covers iterations 3 and 4, across the resume (its window kept in the
     checkpoint), as Megatron-LM's float32 sum of the two."""
     import numpy as np
@@ -136,6 +137,24 @@ def test_metrics_file_of_a_resumed_run_equals_the_uninterrupted_run(runs):
         assert every2[it] == float(total) / len(members), it
 
 
+def test_a_resume_from_an_earlier_checkpoint_moves_the_lost_rows_aside(runs):
+    """Run to 6, then resume from iteration 3 (--ckpt-step 3): the rows of 4-6 (and of the validation after training)
+    move to PATH.replaced (one line says so) and the replayed ones take their place; both equal the uninterrupted
+    run's, one row per iteration."""
+    rc, out, err = runs["one"]["replay"]
+    path = runs["tmp"] / "split1.jsonl"
+    assert rc == 0, (out + err)[-3000:]
+    assert (f"megatron-jreg: --metrics-file {path}: 5 row(s) after iteration 3 (not in the checkpoint this run starts "
+            f"from) moved to {path}.replaced") in out
+    straight = {r["iteration"]: r for r in records(runs["tmp"] / "straight6.jsonl") if "lm_loss" in r}
+    rows = [r for r in records(path) if "lm_loss" in r]
+    moved = [r for r in records(f"{path}.replaced") if "lm_loss" in r]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["iteration"] for r in moved] == [4, 5, 6]
+    for row in rows + moved:
+        for key in ("lm_loss", "grad_norm", "lr", "consumed_samples", "jreg_loss", "psi"):
+            assert row[key] == straight[row["iteration"]][key], (row["iteration"], key)
+
+
 def test_a_second_run_from_the_first_runs_checkpoint_records_what_changed(runs):
     """Another λ and seed from the first run's iteration 2: printed, and in every later checkpoint's history."""
     rc, out, err = runs["one"]["second"]
@@ -143,10 +162,49 @@ def test_a_second_run_from_the_first_runs_checkpoint_records_what_changed(runs):
     assert rc == 0, (out + err)[-3000:]
     assert (f"megatron-jreg: {source} (iteration 2) continues with changed settings from iteration 2: --seed 1234 → 7, "
             "--jreg-lambda 1.0 → 0.5") in out
-    sidecar = json.loads((runs["tmp"] / "second" / "iter_0000004" / "megatron_jreg.json").read_text())
-    assert sidecar["history"] == [{"iteration": 2, "from": str(source),
-                                   "changes": {"seed": [1234, 7], "jreg.lambda": [1.0, 0.5]}}]
+    sidecar = json.loads((runs["tmp"] / "second" / "iter_0000003" / "megatron_jreg.json").read_text())
+    first = {"iteration": 2, "from": str(source), "changes": {"seed": [1234, 7], "jreg.lambda": [1.0, 0.5]}}
+    assert sidecar["history"] == [first]
     assert sidecar["jreg"]["lambda"] == 0.5 and sidecar["run"]["seed"] == 7
+
+
+def test_jreg_settings_changed_resuming_in_the_same_folder_are_printed_and_appended(runs):
+    """λ, α, the distance and the layers changed on a resume of the same --save (from its iteration 3): one line,
+    and the change appended to the history the checkpoint carried, with the iteration it took effect."""
+    rc, out, err = runs["one"]["second-changed"]
+    source = runs["tmp"] / "second" / "iter_0000003"
+    assert rc == 0, (out + err)[-3000:]
+    assert (f"megatron-jreg: {source} (iteration 3) continues with changed settings from iteration 3: "
+            "--jreg-lambda 0.5 → 0.25, --jreg-alpha 1.0 → 2.0, --jreg-distance angular → cosine, "
+            "--jreg-layers (not set) → 2 3; recorded in each checkpoint's megatron_jreg.json `history`") in out
+    sidecar = json.loads((runs["tmp"] / "second" / "iter_0000004" / "megatron_jreg.json").read_text())
+    assert sidecar["history"][0]["iteration"] == 2 and len(sidecar["history"]) == 2
+    assert sidecar["history"][1] == {"iteration": 3, "from": str(source), "changes": {
+        "jreg.lambda": [0.5, 0.25], "jreg.alpha": [1.0, 2.0], "jreg.distance": ["angular", "cosine"],
+        "jreg.layers": [None, [2, 3]]}}
+    assert sidecar["jreg"] == {"lambda": 0.25, "alpha": 2.0, "distance": "cosine", "layers": [2, 3]}
+
+
+def test_overwrite_save_moves_the_earlier_runs_checkpoints_aside(runs):
+    """--overwrite-save into a finished run's folder (iterations 2 and 4, tracker at 4) by a run that saves only
+    iteration 2: the earlier run's iterations and tracker move, untouched, into overwritten-DATE/, so --save holds
+    this run's alone (before: its iteration 4 stayed beside the new run's 2, the tracker naming 2)."""
+    from megatron_jreg.checkpoints import verify_integrity
+
+    rc, out, err = runs["one"]["overwrite"]
+    save = runs["tmp"] / "overwrite"
+    assert rc == 0, (out + err)[-3000:]
+    [aside] = save.glob("overwritten-*")
+    assert (f"megatron-jreg: --overwrite-save: the checkpoints of the run that wrote {save} before (iterations 2, 4; "
+            f"tracker at 4) moved to {aside}, so that no reader mixes them with this run's") in out
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000002", "iter_0000004",
+                                                       "latest_checkpointed_iteration.txt"]
+    assert (aside / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    for it in ("iter_0000002", "iter_0000004"):  # the earlier run's files as they were
+        assert verify_integrity(aside / it) == len(json.loads((aside / it / "integrity.json").read_text())["files"])
+    assert verify_integrity(save / "iter_0000002") is not None
 
 
 def test_megatron_lm_checkpoint_layout(runs):
@@ -243,7 +301,8 @@ def test_non_finite_weights_are_never_saved(runs):
     skipped = [line for line in (out + err).splitlines() if "not saved:" in line]
     last = int((root / "latest_checkpointed_iteration.txt").read_text())
     assert rc == 0 and skipped and last < 6 and "Traceback" not in out + err, (out + err)[-3000:]
-    assert "weight tensor(s) hold NaN/Inf (first: module." in skipped[0]
+    assert re.search(r"\d+ weight tensor\(s\)( and \d+ optimizer state tensor\(s\))? hold NaN/Inf \(first: module\.",
+                     skipped[0]), skipped[0]
     assert f"still names iteration {last}" in skipped[-1]
     assert sorted(int(p.name[5:]) for p in root.glob("iter_*")) == list(range(1, last + 1))
     for ckpt in root.glob("iter_*"):
@@ -255,6 +314,82 @@ def test_non_finite_weights_are_never_saved(runs):
     for r in nan_psi:
         first = r["first_nonfinite_layer"]
         assert r["psi"][first - 1] is None and None not in r["psi"][:first - 1], r
+
+
+def test_non_finite_optimizer_state_is_never_saved(runs):
+    """Adam's exp_avg_sq turned inf after step 3, the weights still finite: the saves of iterations 3 and 4 do not
+    happen (one line each, naming the state), the tracker keeps iteration 2 (before: saved, tracker at 4)."""
+    (rc, out, err), steps = runs["one"]["optimizer-inf"]
+    root = runs["tmp"] / "optimizer-inf"
+    skipped = [line for line in (out + err).splitlines() if "not saved:" in line]
+    assert rc == 0 and steps == 4 and "Traceback" not in out + err, (out + err)[-3000:]
+    assert [line.split(" not saved:")[0] for line in skipped] == [f"megatron-jreg train: iteration {it}"
+                                                                  for it in (3, 4)]
+    for line in skipped:
+        assert "not saved: 1 optimizer state tensor(s) hold NaN/Inf (first: optimizer exp_avg_sq of module." in line
+        assert f"latest_checkpointed_iteration.txt in {root} still names iteration 2" in line
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    for ckpt in root.glob("iter_*"):
+        assert _nonfinite_tensors(ckpt) == [], ckpt
+
+
+def test_skipped_iterations_are_written_as_skipped(runs):
+    """Megatron-LM's fp16 loss scaler skips an iteration whose scaled gradients overflow (its console line then has
+    no grad norm): that row's lm_loss is null with skipped_iterations 1 (was 0.0), the others' the loss."""
+    rc, out, err = runs["one"]["fp16-scale"]
+    assert rc == 0, (out + err)[-3000:]
+    lines = {int(m[1]): m[0] for m in re.finditer(r"iteration +(\d+)/ +\d+ \|.*", out)}
+    skipped = {it: "grad norm:" not in line for it, line in lines.items()}
+    assert sorted(skipped) == [1, 2, 3] and any(skipped.values()) and not all(skipped.values()), lines
+    rows = {r["iteration"]: r for r in records(runs["tmp"] / "fp16-scale.jsonl") if "lm_loss" in r}
+    assert sorted(rows) == [1, 2, 3]
+    for it, was_skipped in skipped.items():
+        row = rows[it]
+        if was_skipped:
+            assert row["lm_loss"] is None and row["skipped_iterations"] == 1 and row["grad_norm"] is None, row
+            assert "nonfinite" not in row  # skipped, not NaN
+        else:
+            assert isinstance(row["lm_loss"], float) and "skipped_iterations" not in row, row
+
+
+def test_a_float16_forward_overflow_is_skipped_and_named_where_it_starts(runs):
+    """Hidden states beyond float16 in the forward: Megatron-LM skips every iteration; each row says so (lm_loss
+    null, skipped_iterations = its window's iterations) and Ψ is NaN (null) from the first layer whose states
+    overflowed, named in the row and on the console line, finite before it; ζ and L_cos NaN (never 0 or 0.5)."""
+    rc, out, err = runs["one"]["fp16-overflow"]
+    assert rc == 0, (out + err)[-3000:]
+    named = {int(m[1]): int(m[2]) for m in re.finditer(r"iteration +(\d+)/ +\d+ \|.*first non-finite layer: (\d+) \|",
+                                                       out)}
+    rows = [r for r in records(runs["tmp"] / "fp16-overflow.jsonl") if "lm_loss" in r]
+    assert [r["iteration"] for r in rows] == [1, 2, 4] and sorted(named) == [1, 2, 4], out[-3000:]
+    for row, window in zip(rows, (1, 2, 2), strict=True):  # --log-interval 2, after a fresh run's first row
+        first = row["first_nonfinite_layer"]
+        assert row["lm_loss"] is None and row["skipped_iterations"] == window and row["grad_norm"] is None, row
+        assert "lm_loss" not in row["nonfinite"] and first == named[row["iteration"]], row
+        assert row["psi"][first - 1] is None and None not in row["psi"][:first - 1], row
+        assert row["jreg_loss"] is None and row["zeta_L"] is None, row
+
+
+def test_a_legacy_checkpoint_of_megatron_lm_itself_is_checked_by_its_saved_args(runs):
+    """--ckpt-format torch saved without megatron_jreg.json (as Megatron-LM writes it): the args inside its
+    model_optim_rng.pt, read weights-only, refuse a changed global batch, vocabulary or sequence length in one line
+    (before: resumed, exit 0), and record a changed λ."""
+    cases = runs["one"]["legacy-mlm"]
+    ckpt = runs["tmp"] / "legacy-mlm" / "iter_0000002"
+    for name, needle in (
+            ("global-batch", f"--global-batch-size 8: {ckpt} was trained with --global-batch-size 4 and a resume must "
+                             "keep it"),
+            ("vocab", f"--vocab-size 1024: this run's vocabulary is 1024 tokens (embedding 1024 rows), {ckpt}'s 512 "
+                      "(512 rows)"),
+            ("seq-length", f"--seq-length 16: {ckpt} was trained with --seq-length 32")):
+        rc, out, err = cases[name]
+        lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+        assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, (name, err[-2000:])
+    rc, out, err = cases["same"]
+    assert rc == 0, (out + err)[-3000:]
+    assert (f"megatron-jreg: {ckpt} (iteration 2) continues with changed settings from iteration 2: --jreg-lambda "
+            "1.0 → 0.5") in out
 
 
 def test_legacy_torch_checkpoint_format_saves_verifies_and_resumes(runs):
