@@ -92,3 +92,53 @@ def test_layout_dependent_refusals(flags, fields, needle):
 ])
 def test_accepted_where_exact(flags, fields):
     _check(*flags, **fields)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty folder to run in and an empty Hugging Face cache, the hub offline (huggingface_hub's switch)."""
+    from huggingface_hub import constants
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def _tokenizer_check(model: str) -> None:
+    import argparse
+
+    from megatron_jreg.training.arguments import _check_tokenizer_path
+
+    _check_tokenizer_path(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=model))
+
+
+def test_mistyped_folder_read_as_hub_id_is_one_line_when_offline(offline_hub):
+    """issue 33.3: `data/bpe4` run where there is no data/ reads as a hub id `org/name`; offline, and not in the
+    cache, it is neither: one line (transformers retried the network five times, then "couldn't connect")."""
+    from megatron_jreg.training.arguments import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(
+            "--tokenizer-type HuggingFaceTokenizer --tokenizer-model data/bpe4: neither a folder here nor a model in "
+            f"the local Hugging Face cache {offline_hub} (offline: HF_HUB_OFFLINE); give the tokenizer's folder, or "
+            "run `hf download data/bpe4` on a machine with internet")):
+        _tokenizer_check("data/bpe4")
+    (offline_hub / "models--org--tok").mkdir(parents=True)  # there, but no snapshot: the cache's own reason
+    with pytest.raises(UsageError, match=re.escape("--tokenizer-model org/tok: ") + ".*holds no snapshot"):
+        _tokenizer_check("org/tok")
+
+
+def test_hub_id_in_the_cache_or_online_is_left_to_transformers(offline_hub, monkeypatch):
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = offline_hub / "models--org--tok"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "tokenizer.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    _tokenizer_check("org/tok")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    _tokenizer_check("data/bpe4")  # online: a hub id transformers may download
+

@@ -349,7 +349,8 @@ def _check_tokenizer_path(args: argparse.Namespace) -> None:
     """A local --tokenizer-model that does not exist: transformers would take `data/bpe4` for a hub id and retry
     the network for a minute before failing. A path counts as local when it starts with / . or ~, has more
     parts than a hub id's `org/name`, or its first folder exists here; a tokenizer file of the other types
-    always is."""
+    always is. A hub id is left to transformers unless Hugging Face is offline (HF_HUB_OFFLINE, huggingface_hub's
+    own switch): then it must be in the local cache, else the value is most likely a mistyped folder."""
     import difflib
 
     text = args.tokenizer_model
@@ -359,16 +360,33 @@ def _check_tokenizer_path(args: argparse.Namespace) -> None:
     parts = Path(text).parts
     local = (not hf or text.startswith(("/", ".", "~")) or len(parts) > 2
              or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
-    if not local:
-        return  # a Hugging Face hub id (`org/name`): transformers resolves it
     if not path.parent.is_dir():
         hint = f" (nor is there a folder {path.parent})"
     elif near := difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=1, cutoff=0.6):
         hint = f"; did you mean {path.parent / near[0]}?"
     else:
         hint = f" ({path.parent} holds nothing of a close name)"
-    kind = "folder" if hf else "file"
-    raise UsageError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {text}: no such {kind}{hint}")
+    given = f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {text}"
+    if local:
+        raise UsageError(f"{given}: no such {'folder' if hf else 'file'}{hint}")
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    from megatron_jreg.hub import HubError, resolve
+
+    if not constants.HF_HUB_OFFLINE:
+        return  # a Hugging Face hub id (`org/name`): transformers resolves it
+    try:
+        resolve(text, "--tokenizer-model")
+        return  # in the local cache, where transformers finds it offline
+    except HubError as e:
+        cache = Path(constants.HF_HUB_CACHE)
+        if (cache / repo_folder_name(repo_id=text, repo_type="model")).is_dir():
+            raise UsageError(f"--tokenizer-type {args.tokenizer_type} {e}") from None  # cached, but incomplete
+    fix = hint[2:] if hint.startswith(";") else (f"give the tokenizer's folder, or run `hf download {text}` on a "
+                                                 "machine with internet and copy the cache here")
+    raise UsageError(f"{given}: neither a folder here nor a model in the local Hugging Face cache {cache} (offline: "
+                     f"HF_HUB_OFFLINE); {fix}")
 
 
 def check_megatron_prerequisites(args: argparse.Namespace) -> None:
