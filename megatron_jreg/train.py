@@ -170,6 +170,17 @@ def print_help() -> None:
     sys.stdout.write(render_help(layout))
 
 
+def _import_megatron_quietly() -> None:
+    """Megatron-LM's training module, imported once before the run imports it: its import warns a dozen times
+    about absent Transformer Engine/Apex and torch logs "No CUDA runtime is found", before a refused flag's one
+    line and on every rank (`quiet_megatron` drops exactly those). What Megatron-LM logs while it runs is
+    untouched."""
+    from megatron_jreg.checkpoints.model import quiet_megatron
+
+    with quiet_megatron():
+        import megatron.training.training  # noqa: F401 - optimizer, models, fused kernels: the noisy imports
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv in (["-h"], ["--help"]):
@@ -181,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_jreg.process_env import huge_pages_for_cpu_training
 
     huge_pages_for_cpu_training()  # before torch loads (process_env.py)
+    _import_megatron_quietly()
     from megatron_jreg.errors import JregError, report
     from megatron_jreg.training.checkpointing import RankLost
     from megatron_jreg.training.run import run

@@ -47,7 +47,7 @@ def test_refused_in_one_line(results, name):
     lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
     assert rc == 2, (out + err)[-2000:]
     assert len(lines) == 1 and CASES[name][1] in lines[0], err[-2000:]
-    assert "Traceback" not in err
+    assert err.splitlines() == lines  # nothing else: no Apex/Transformer Engine warnings of megatron-core's import
 
 
 def _check(*flags: str, **fields) -> None:
@@ -142,3 +142,24 @@ def test_hub_id_in_the_cache_or_online_is_left_to_transformers(offline_hub, monk
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     _tokenizer_check("data/bpe4")  # online: a hub id transformers may download
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,line", [
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "data/bpe4"],
+     "--tokenizer-model data/bpe4: neither a folder here nor a model in the local Hugging Face cache"),
+    (["--logits-load-dir", "teacher-logprobs"], "--logits-load-dir teacher-logprobs: offline distillation"),
+])
+def test_refused_launch_writes_its_one_line_and_nothing_else(tmp_path, flags, line):
+    """issue 33: a refused `megatron-jreg train` wrote ~10 Apex/Transformer Engine UserWarnings and torch's
+    "No CUDA runtime is found" line before its one line (megatron-core's import, now quiet). A fresh process, as a
+    user's launch is, from a folder without data/, the hub offline and its cache empty."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-m", "megatron_jreg.train", *TINY, *flags], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-2000:]
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("megatron-jreg train: error: ") and line in proc.stderr, proc.stderr
