@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="A,B,...",
         help="revisions of each --model hub id, read from the local cache (e.g. Pythia's step1000,step2000): a series "
-        "whose step is read from each name; nothing downloads",
+        "whose step is read from each name; nothing downloads (default: none)",
     )
-    p.add_argument("--checkpoints", metavar="GLOB", help="checkpoints of one run, measured in step order")
+    p.add_argument("--checkpoints", metavar="GLOB",
+        help="checkpoints of one run, measured in step order (default: none)")
     p.add_argument(
         "--data",
         default="lambada",
@@ -115,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output", type=Path, default=Path("jump_analysis"), metavar="DIR",
                    help="folder for results.json, the CSV files and the plots (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for models that carry none")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ... (default: %(default)s)")
+    p.add_argument("--tokenizer", metavar="DIR",
+        help="tokenizer folder for models that carry none (default: the model's own)")
     p.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,

@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="pair the i-th --baseline file with the i-th --jreg file (for files without a seed, e.g. lm-eval's)",
     )
     p.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence level (default: 0.95)")
-    p.add_argument("--output", type=Path, metavar="FILE", help="also write the comparison as JSON")
+    p.add_argument("--output", type=Path, metavar="FILE", help="also write the comparison as JSON (default: none)")
     return p
 
 

@@ -57,30 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     force_offline()  # before anything imports a Hugging Face library
-    from megatron_jreg.errors import JregError
+    from megatron_jreg.errors import run_command
+
+    args = build_parser().parse_args(argv)
+    return run_command("megatron-jreg generate", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     from megatron_jreg.generate.config import GenerateConfig
     from megatron_jreg.generate.questions import read_answers, read_questions
     from megatron_jreg.generate.runner import generate
 
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = GenerateConfig(
-            prompts=args.prompts, output=args.output, hf=args.hf, load=args.load, iteration=args.iteration,
-            tokenizer=args.tokenizer, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-            model_id=args.model_id, device=args.device, dtype=args.dtype, progress=args.progress,
-        )
-        read_questions(cfg.prompts)  # the files first: a bad line costs no model load
-        read_answers(Path(cfg.output), cfg.name)
-        if cfg.chat_template is not None:
-            from megatron_jreg.data.chat import load_template
+    cfg = GenerateConfig(
+        prompts=args.prompts, output=args.output, hf=args.hf, load=args.load, iteration=args.iteration,
+        tokenizer=args.tokenizer, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        model_id=args.model_id, device=args.device, dtype=args.dtype, progress=args.progress,
+    )
+    read_questions(cfg.prompts)  # the files first: a bad line costs no model load
+    read_answers(Path(cfg.output), cfg.name)
+    if cfg.chat_template is not None:
+        from megatron_jreg.data.chat import load_template
 
-            load_template(cfg.chat_template)
-        summary = generate(cfg)
-    except JregError as e:  # flags, question/answer files, the model, non-finite logits
-        print(f"megatron-jreg generate: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print(summary.describe())
+        load_template(cfg.chat_template)
+    print(generate(cfg).describe())
     return 0
 
 

@@ -124,7 +124,8 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "load)")
     g.add_argument("--overwrite-save", dest="jreg_overwrite_save", action="store_true",
                    help="write into a --save folder that holds another run's checkpoints without --load of it "
-                        "(refused otherwise): matching iterations are overwritten and the tracker moves")
+                        "(refused otherwise): its iter_* folders and tracker are first moved into "
+                        "SAVE/overwritten-DATE/")
     return parser
 
 

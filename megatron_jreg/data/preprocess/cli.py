@@ -41,34 +41,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(p)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True, help="file(s), directories or globs")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys (parquet columns) to tokenize")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+        help="keys (parquet columns) to tokenize (default: %(default)s)")
     g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (nltk Punkt)")
     g.add_argument("--keep-newlines", action="store_true", help="keep newlines between split sentences")
     g.add_argument("--hf-split", default=None, help="split of a saved HF DatasetDict folder (default train)")
     g = p.add_argument_group("tokenization process")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each doc")
-    g.add_argument("--lang", default="english", help="nltk Punkt language (punkt_tab data in NLTK_DATA)")
+    g.add_argument("--lang", default="english",
+        help="nltk Punkt language, punkt_tab data in NLTK_DATA (default: %(default)s)")
     g = p.add_argument_group("filters")
-    g.add_argument("--min-int-score", type=int, default=None, help="keep FineWeb-Edu docs with int_score >= N")
-    g.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than N characters")
+    g.add_argument("--min-int-score", type=int, default=None,
+        help="keep FineWeb-Edu docs with int_score >= N (default: all)")
+    g.add_argument("--min-chars", type=int, default=0,
+        help="skip documents shorter than N characters (default: %(default)s)")
     g.add_argument("--max-docs", type=int, dest="max_documents", action=_RenamedFlag, help=argparse.SUPPRESS)
     g.add_argument("--on-error", choices=("skip", "fail"), default="skip",
                    help="bad records: skip and count (default) or stop naming file and line")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="path prefix, no suffix")
-    g.add_argument("--output-shards", type=int, default=1, help="write N shards (groups of whole input files)")
-    g.add_argument("--shard-ids", type=int, nargs="+", default=None, help="only these shards (one node's share)")
+    g.add_argument("--output-shards", type=int, default=1,
+        help="write N shards, groups of whole input files (default: %(default)s)")
+    g.add_argument("--shard-ids", type=int, nargs="+", default=None,
+        help="only these shards, one node's share (default: all)")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (use the number of cores)")
+    g.add_argument("--workers", type=int, default=1,
+        help="tokenizer processes; use the number of cores (default: %(default)s)")
     g.add_argument("--find-optimal-num-workers", action="store_true", help="Megatron-LM's; refused here")
-    g.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64], help="Megatron-LM's; no effect")
+    g.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64],
+        help="Megatron-LM's; no effect (default: %(default)s)")
     g.add_argument("--max-documents", type=int, default=None,
                    help="stop after N kept documents, in input order (default: all)")
     g.add_argument("--partitions", type=int, default=1, help="Megatron-LM's; only 1 (or with "
-                   "--keep-sequential-samples, which keeps the input order)")
-    g.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
+                   "--keep-sequential-samples, which keeps the input order; default: %(default)s)")
+    g.add_argument("--log-interval", type=int, default=1000,
+        help="progress line every N documents (default: %(default)s)")
     g.add_argument("--keep-sequential-samples", action="store_true", help="with --partitions: the input order")
-    g.add_argument("--block-mb", type=float, default=1.0, help="JSONL work unit size in MB")
+    g.add_argument("--block-mb", type=float, default=1.0, help="JSONL work unit size in MB (default: %(default)s)")
     return p
 
 
