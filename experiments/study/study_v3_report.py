@@ -217,7 +217,27 @@ def provenance(study: dict, runs: dict) -> list[str]:
         f"- Cost: {cpu / 3600:.1f} core-hours of training and measurement (the processes' own CPU time) over "
         f"{len(runs)} runs; invocations: {len(study.get('invocations', []))}.",
         "- Every run's command (`megatron-jreg train` flags) is in its raw file.",
+        *reruns(study),
         "",
+    ]
+
+
+def reruns(study: dict) -> list[str]:
+    """One line on the runs trained twice (a re-run adds the layer removal a committed run lacked): how far the
+    second training landed from the first, per arm kind."""
+    reps = study.get("reproductions", [])
+    if not reps:
+        return []
+    base = [r for r in reps if r["run"].startswith("baseline")]
+    jreg = [r for r in reps if not r["run"].startswith("baseline")]
+    same = sum(r["committed"] == r["rerun"] for r in base)
+    gap = max((abs(r["committed"]["ce"] - r["rerun"]["ce"]) for r in jreg), default=0.0)
+    return [
+        f"- Re-runs: {len(reps)} runs were trained a second time to record their layer removal (the report uses "
+        f"the re-run). {same} of {len(base)} baseline re-runs equal the first run in every endpoint to the last "
+        f"digit; the {len(jreg)} JREG re-runs moved by at most {gap:.4f} nats of held-out CE: the JREG op's "
+        "code changed between the two commits (issue 28's fused path) while the rest did not. Both values of "
+        "each run are in raw_v3/study.json (`reproductions`)."
     ]
 
 
