@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.py constraints.txt
 	@touch $@
 
 test: venv
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=15 tests
 
 # The unit tier: no training, no rank processes, no megatron-core subprocesses (markers: pyproject.toml).
 test-fast: venv

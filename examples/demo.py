@@ -67,9 +67,10 @@ def launch(args: argparse.Namespace, data, out: Path) -> dict[str, Path]:
     while any(p.poll() is None for p, _, _ in procs.values()):
         time.sleep(10)
         status = []
-        for name, (_, _, run_dir) in procs.items():
+        for name, (proc, _, run_dir) in procs.items():
             last = next((r for r in reversed(_records(run_dir / "metrics.jsonl")) if "lm_loss" in r), None)
-            status.append(f"{name}: " + (f"iter {last['iteration']}/{args.stop_at} lm loss {last['lm_loss']:.3f}"
+            status.append(f"{name}: " + ("finished" if proc.poll() is not None else
+                                         f"iter {last['iteration']}/{args.stop_at} lm loss {last['lm_loss']:.3f}"
                                          if last else "starting"))
         print(f"[demo] {time.time() - start:5.0f}s  " + " | ".join(status), flush=True)
     failed = []
