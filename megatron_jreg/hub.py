@@ -2,8 +2,8 @@
 
 `analyze --model`, `evaluate --hf` and `convert` take either a local path or a hub id (`org/name`,
 `org/name@REVISION`, `org/name/sub/file.gguf`). A hub id is answered from the cache that `hf download`
-and `from_pretrained` fill, by huggingface_hub itself (`snapshot_download(local_files_only=True)`: its cache
-folder, refs and completeness check; it never downloads then). The cache is laid out as
+and `from_pretrained` fill, by huggingface_hub itself (`snapshot_download` with `local_files_only=True`: its
+cache folder, refs and completeness check; it never downloads then). The cache is laid out as
 
     <cache>/models--org--name/refs/main             the commit hash the branch points to
     <cache>/models--org--name/snapshots/<hash>/...  the files of that commit (symlinks into blobs/)
@@ -84,8 +84,9 @@ def _split(spec: str) -> list[tuple[str, str | None, str]]:
 
 def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Path:
     """The snapshot folder of `revision` (a branch or tag in refs/, or a commit hash or its prefix), found by
-    huggingface_hub's `snapshot_download(local_files_only=True)`; why not, in one line, when it finds none."""
-    from huggingface_hub import snapshot_download
+    huggingface_hub's `snapshot_download` with `local_files_only=True` (never the network); why not, in one line,
+    when it finds none."""
+    from huggingface_hub import snapshot_download as cached_snapshot
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     repo_dir = cache / _repo_folder(repo_id)
@@ -97,7 +98,7 @@ def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Pat
         matches = [h for h in available if h.startswith(revision)] if revision else available
         commit = matches[0] if len(matches) == 1 else named  # a hash prefix; a copy without refs/
     try:
-        return Path(snapshot_download(repo_id, revision=commit, cache_dir=cache, local_files_only=True))
+        return Path(cached_snapshot(repo_id, revision=commit, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError) as e:  # ValueError: an id huggingface_hub does not accept
         reason = " ".join(str(e).split())
     shown = ", ".join(h[:12] for h in available)
