@@ -244,6 +244,9 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "load-is-a-file": (TINY + ["--load", str(a_file)], f"--load {a_file} is a file"),
         "save-is-a-file": (TINY + ["--save", str(a_file), "--save-interval", "1"], f"--save {a_file} is a file"),
         "save-without-interval": (TINY + ["--save", str(tmp / "x")], "needs --save-interval"),
+        # root passes the os.access pre-check of /proc, and its mkdir fails: the lock's one line then
+        "save-unwritable": (TINY + SAVE + ["--save", "/proc/megatron-jreg-save"], "choose a writable directory"),
+        "yaml-cfg": (TINY + ["--yaml-cfg", str(a_file)], "--yaml-cfg is not supported by megatron-jreg train"),
         "split-all-zero": (TINY + ["--split", "0,0,0"], "--split '0,0,0'"),
         "split-not-numbers": (TINY + ["--split", "a,b"], "--split 'a,b'"),
         "missing-data": (nomock + ["--data-path", str(tmp / "nope_text_document")], "nope_text_document.idx not found"),
@@ -450,7 +453,7 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
 @pytest.mark.parametrize("name", [
     "lambda-nan", "alpha-nan", "clip-grad-nan", "lr-nan", "weight-decay-inf", "lambda-negative",
     "jreg-layers-out-of-range", "jreg-layers-zero", "unknown-preset", "unknown-flag", "bad-int", "load-is-a-file",
-    "save-is-a-file",
+    "save-is-a-file", "save-unwritable", "yaml-cfg",
     "save-without-interval", "split-all-zero", "split-not-numbers", "missing-data", "vocabulary-too-small",
     "truncated-idx", "missing-tokenizer", "global-batch", "pp-bigger-than-world", "fp8-on-cpu",
     "te-default-without-te", "wandb-missing", "sft-without-chat-tokenizer", "sft-with-attention-mask",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import math
 import os
 import re
@@ -134,6 +135,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from megatron.training import arguments
 
     argv = expand_preset(list(argv))
+    if any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in argv):  # Megatron-LM loads it while parsing
+        raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
     saved = sys.argv
     sys.argv = [PROG, *argv]
     try:
@@ -182,8 +185,7 @@ def _check_paths(args: argparse.Namespace) -> None:
                          "too with --exit-interval or on SIGTERM)")
     if args.metrics_file is not None and Path(args.metrics_file).is_dir():
         raise UsageError(f"--metrics-file {args.metrics_file} is a directory: give a file path")
-    split = getattr(args, "split", None)
-    if split is not None:
+    if (split := args.split) is not None:
         try:
             parts = [float(x) for x in split.replace("/", ",").split(",")]
         except ValueError:
@@ -205,28 +207,20 @@ def _check_sft(args: argparse.Namespace) -> None:
     if args.reset_position_ids or args.reset_attention_mask:
         raise UsageError("--sft restarts positions per conversation itself: drop --reset-position-ids / "
                          "--reset-attention-mask")
-    from megatron_jreg.training.data import data_flags
-
-    for option, values in data_flags(args):
-        for value in values:
-            try:
-                float(value)
-                continue  # a blend weight
-            except ValueError:
-                pass
-            if not Path(value).is_file():
-                raise UsageError(f"{option} {value}: no such chat JSONL file (--sft reads JSONL lines with a "
-                                 "`messages` list; see megatron-jreg prepare-chat)")
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    """Every dataset prefix exists as PREFIX.bin + PREFIX.idx (Megatron-LM fails deep in the builder)."""
-    from megatron_jreg.training.data import data_prefixes
+    """Every dataset the run reads exists, --sft's chat JSONL files or PREFIX.bin + PREFIX.idx (Megatron-LM fails
+    deep in the builder)."""
+    from megatron_jreg.training.data import data_paths
 
-    for option, prefix in data_prefixes(args):
-        for ext in (".idx", ".bin"):
-            if not Path(prefix + ext).is_file():
-                raise UsageError(f"{option} {prefix}: {prefix}{ext} not found (the prefix is the path without "
+    for option, path in data_paths(args):
+        if args.sft and not Path(path).is_file():
+            raise UsageError(f"{option} {path}: no such chat JSONL file (--sft reads JSONL lines with a `messages` "
+                             "list; see megatron-jreg prepare-chat)")
+        for ext in () if args.sft or args.mock_data else (".idx", ".bin"):
+            if not Path(path + ext).is_file():
+                raise UsageError(f"{option} {path}: {path}{ext} not found (the prefix is the path without "
                                  ".bin/.idx, e.g. my-data_text_document)")
 
 
@@ -251,16 +245,30 @@ def _assertion_text(e: BaseException, args: argparse.Namespace | None = None) ->
 
 
 def _check_cpu(args: argparse.Namespace) -> None:
-    """Megatron-LM features that exist only on GPUs, refused on a CPU with the reason (FP8 and Transformer
-    Engine are checked in training/model.py)."""
-    for name, reason in (("use_megatron_fsdp", "Megatron-FSDP shards over NCCL and CUDA streams"),
-                         ("use_torch_fsdp2", "torch FSDP2 with Megatron-LM's CUDA mixed precision")):
-        if getattr(args, name, False):
-            raise UsageError(f"{flag(name)} runs on GPUs only ({reason}): on a CPU use data parallelism, "
-                             "optionally with --use-distributed-optimizer")
-    if args.profile and not args.use_pytorch_profiler:
-        raise UsageError("--profile drives Nsight Systems through the CUDA profiler, which needs a GPU: add "
-                         "--use-pytorch-profiler to profile on a CPU")
+    """Megatron-LM features that need CUDA, refused on a CPU with the reason: Megatron-LM would fail in its
+    validation, the build or a step, or hang (FP8 and Transformer Engine: training/model.py; CUDA graphs:
+    check_pretrain_gpt_flags)."""
+    dp = "on a CPU use data parallelism, optionally with --use-distributed-optimizer"
+    grouped = ("runs grouped-GEMM CUDA kernels, which need a GPU: drop it on a CPU (the experts then run as separate "
+               "MLPs)")
+    for on, line in (
+        (args.use_megatron_fsdp,
+         f"--use-megatron-fsdp runs on GPUs only (Megatron-FSDP shards over NCCL and CUDA streams): {dp}"),
+        (args.use_torch_fsdp2,
+         f"--use-torch-fsdp2 runs on GPUs only (torch FSDP2 with Megatron-LM's CUDA mixed precision): {dp}"),
+        (args.profile and not args.use_pytorch_profiler,
+         "--profile drives Nsight Systems through the CUDA profiler, which needs a GPU: add --use-pytorch-profiler "
+         "to profile on a CPU"),
+        *((getattr(args, name), f"{flag(name)} {grouped}")
+          for name in ("moe_grouped_gemm", "use_grouped_gemm_for_dense_mlp", "use_grouped_gemm_for_shared_expert")),
+        (args.record_memory_history,
+         "--record-memory-history records the CUDA caching allocator, which needs a GPU: drop it on a CPU"),
+        (args.async_save and args.use_persistent_ckpt_worker,
+         "--async-save --use-persistent-ckpt-worker needs a GPU (its writer process selects a CUDA device and would "
+         "hang here): drop --async-save on a CPU"),
+    ):
+        if on:
+            raise UsageError(line)
 
 
 def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None:
@@ -287,14 +295,6 @@ def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None
         why = ("CUDA graphs need a GPU" if cpu else "a replayed graph runs no forward hooks, so JREG's layer hooks "
                "would never see a layer (Ψ silently 0)")
         raise UsageError(f"{graphs[0]}: {why}; drop it")
-    if cpu:
-        for name in ("moe_grouped_gemm", "use_grouped_gemm_for_dense_mlp", "use_grouped_gemm_for_shared_expert"):
-            if getattr(args, name, False):
-                raise UsageError(f"{flag(name)} runs grouped-GEMM CUDA kernels, which need a GPU: drop it on a CPU "
-                                 "(the experts then run as separate MLPs)")
-        if args.record_memory_history:
-            raise UsageError("--record-memory-history records the CUDA caching allocator, which needs a GPU: drop it "
-                             "on a CPU")
     tied_mtp_stage = args.mtp_num_layers and args.pipeline_model_parallel_size > 1 and \
         not args.untie_embeddings_and_output_weights
     if tied_mtp_stage and (args.save or args.load or args.pretrained_checkpoint or args.init_mode != "megatron"):
@@ -394,8 +394,6 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
     """What Megatron-LM's optimizer, scheduler and layers need but its validate_args does not check: it finds
     out only after the model is built (a bare `assert`, torch's TypeError from AdamW without --lr) or in the
     first step (gloo's all_to_all), once per rank. Refused here, before any work, naming the flag."""
-    import torch
-
     from megatron_jreg.model_files import custom_code
 
     if not args.skip_train:
@@ -434,9 +432,6 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
                          f"size {args.expert_model_parallel_size} exchanges tokens with all_to_all_single, which "
                          "Megatron-LM calls in a form gloo (CPU) does not accept: use --moe-token-dispatcher-type "
                          "allgather (Megatron-LM's default)")
-    if args.async_save and args.use_persistent_ckpt_worker and not torch.cuda.is_available():
-        raise UsageError("--async-save --use-persistent-ckpt-worker needs a GPU (its writer process selects a CUDA "
-                         "device and would hang here): drop --async-save on a CPU")
     _check_tokenizer_path(args)
     tokenizer = Path(args.tokenizer_model) if args.tokenizer_model else None
     if args.tokenizer_type in ("HuggingFaceTokenizer", "SFTTokenizer") and tokenizer is not None and tokenizer.is_dir():
@@ -463,8 +458,6 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
     from megatron_jreg.training.run_folder import find_start
 
     args = parse_args(argv)
-    if args.yaml_cfg is not None:
-        raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
     cpu = not torch.cuda.is_available()
     refusal = cpu_training_refusal() if cpu and not args.allow_cpu else None
     if refusal is not None:  # never train on the CPU by accident (compat.py)
@@ -493,11 +486,8 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
         raise UsageError(_assertion_text(e, args)) from None
     _check_model_config(args)
     jreg.check_layers(args.num_layers)  # --jreg-layers against num_layers, which may only now be known
-    if args.wandb_project:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise UsageError("--wandb-project needs the wandb package: pip install wandb") from None
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--wandb-project needs the wandb package: pip install wandb")
     try:
         global_vars.set_global_variables(args, build_tokenizer=False)
     except (AssertionError, ValueError) as e:
@@ -520,6 +510,7 @@ def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argpars
     world_size: the TP×PP the flags ask for (validation checks the layout against it)."""
     import contextlib
     import io
+    from unittest import mock
 
     import torch
     from megatron.training import arguments
@@ -527,26 +518,20 @@ def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argpars
 
     from megatron_jreg.compat import apply_cpu_training_compat
 
-    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "CUDA_DEVICE_MAX_CONNECTIONS")}
     # validation checks the layout against a world of TP×PP ranks, as a training launch sets it up
-    os.environ.update(RANK="0", WORLD_SIZE=str(world_size), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    launch = {"RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     try:
-        # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
-        args = parse_args(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
-                           "--transformer-impl", "local"])
-        if not torch.cuda.is_available():
-            apply_cpu_training_compat(args)
-        with contextlib.redirect_stdout(io.StringIO()):
-            arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-        _check_model_config(args)
+        with mock.patch.dict(os.environ, launch):
+            # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
+            args = parse_args(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
+                               "--transformer-impl", "local"])
+            if not torch.cuda.is_available():
+                apply_cpu_training_compat(args)
+            with contextlib.redirect_stdout(io.StringIO()):
+                arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+            _check_model_config(args)
     except (AssertionError, ValueError, TypeError) as e:
         raise UsageError(_assertion_text(e)) from None
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     args.padded_vocab_size = calculate_padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, logging_enabled=False)
     return args

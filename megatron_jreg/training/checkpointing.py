@@ -1,15 +1,13 @@
 """What megatron-jreg adds to Megatron-LM's checkpointing when training (the format stays Megatron-LM's).
 
-- The checkpoint a run starts from is resolved and checked once, before any work (`run_folder.find_start`);
-  the run's `--save` folder is locked and what the checkpoint means is kept across resumes by
-  `run_folder.RunFolder` (opened by the training loop), which hands that start to the load wrapper here.
-- Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; on by default,
-  `--no-verify-integrity`), computed by all ranks together before the tracker names the save — each rank the
-  files it wrote, in threads (`checkpoints.files.share`) — instead of Megatron-LM's --verify-integrity, where
-  rank 0 alone hashes the whole checkpoint while the others wait (again at load). A wrapper of
-  `dist_checkpointing.save` does it (after the writes; for --async-save in the request's finalization), and
-  after save_checkpoint for the legacy `--ckpt-format torch` (which Megatron-LM's manifest refuses). Loads
-  verify it the same way (`_load_checkpoint`), so Megatron-LM's own flag stays off.
+- The checkpoint a run starts from, the `--save` lock and what a checkpoint means across resumes:
+  run_folder.py, whose `Start` reaches the load wrapper here.
+- Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; off with
+  `--no-verify-integrity`) before the tracker names it, each rank digesting the files it wrote, in threads
+  (`checkpoints.files.share`), where Megatron-LM's --verify-integrity has rank 0 hash the whole checkpoint
+  while the others wait (again at load). It wraps `dist_checkpointing.save` (for --async-save in the request's
+  finalization) and, for the legacy `--ckpt-format torch` that Megatron-LM's manifest refuses, save_checkpoint.
+  Loads verify it the same way (`_load_checkpoint`), so Megatron-LM's own flag stays off.
 - `patch_makers` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
   calls): the manifest is verified first when the checkpoint has one (Megatron-LM's own check would refuse
   checkpoints saved without it, e.g. by Megatron-LM's defaults), and the loaded checkpoint is reported.

@@ -13,7 +13,6 @@ import argparse
 import functools
 import json
 import math
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -30,18 +29,14 @@ from megatron_jreg.errors import UsageError
 from megatron_jreg.training.sft import check_conversations
 
 
-def data_flags(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
-    """(flag, values) of each dataset flag the run gives (--data-path, --train-data-path, ...)."""
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if values := getattr(args, name, None):
-            yield "--" + name.replace("_", "-"), values
-
-
-def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft); UsageError for a blend
-    Megatron-LM would assert on (a weight that is negative, zero or NaN)."""
+def data_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, path) of every dataset the run names, blend weights dropped (indexed-dataset prefixes, or --sft's
+    JSONL files); UsageError for a blend Megatron-LM would assert on (a weight that is negative, zero or NaN)."""
     out = []
-    for option, values in data_flags(args):
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if not (values := getattr(args, name, None)):
+            continue
+        option = "--" + name.replace("_", "-")
         try:
             blend = get_blend_from_list(values)
         except (AssertionError, ValueError) as e:
@@ -50,8 +45,14 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
         if bad:
             raise UsageError(f"{option} {' '.join(values)}: blend weight {bad[0]} is not a positive number; give W1 "
                              "PREFIX1 W2 PREFIX2 ... with every weight > 0 (drop a dataset instead of weighting it 0)")
-        out += [(option, prefix) for prefix in blend[0]]
-    return [] if args.mock_data or args.sft else out
+        out += [(option, path) for path in blend[0]]
+    return out
+
+
+def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft; the blend is checked)."""
+    paths = data_paths(args)
+    return [] if args.mock_data or args.sft else paths
 
 
 def tokenizer_sha256(args: argparse.Namespace) -> str | None:
@@ -113,7 +114,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
     from megatron.training import get_tokenizer
 
     if args.sft:
-        check_conversations(args, data_flags(args))
+        check_conversations(args, data_paths(args))
         return
     vocab_size = get_tokenizer().vocab_size
     for option, prefix in data_prefixes(args):
@@ -147,29 +148,17 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
         with open(args.per_dataset_sequences_path) as f:
             sequences_per_dataset = json.load(f)
     fields = dict(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=args.split,
-        multiple_validation_sets=args.multiple_validation_sets,
-        full_validation=args.full_validation,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
-        tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        object_storage_cache_path=args.object_storage_cache_path,
+        random_seed=args.seed, sequence_length=args.seq_length, tokenizer=get_tokenizer(),
+        blend=blend, blend_per_split=blend_per_split, split=args.split, sequences_per_dataset=sequences_per_dataset,
+        multiple_validation_sets=args.multiple_validation_sets, full_validation=args.full_validation,
+        path_to_cache=args.data_cache_path, object_storage_cache_path=args.object_storage_cache_path,
+        mmap_bin_files=args.mmap_bin_files, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        fast_cache_load=args.dataloader_fast_cache_load, defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
-        fast_cache_load=args.dataloader_fast_cache_load,
-        sequences_per_dataset=sequences_per_dataset,
-        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
-        context_parallel_size=args.context_parallel_size,
-        data_parallel_size=args.data_parallel_size,
+        context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
         hybrid_context_parallel=args.hybrid_context_parallel,
         inter_document_masking=args.dataloader_inter_document_masking,

@@ -129,8 +129,12 @@ class SaveLock:
     def acquire(cls, save: str) -> SaveLock | None:
         """The lock, or UsageError naming its holder; None (with a warning) where the file system has no locks."""
         folder = Path(save)
-        folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK
+        try:  # a path the writability pre-check cannot judge (root under /proc, a read-only mount)
+            folder.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        except OSError as e:
+            raise UsageError(f"--save {save}: cannot write there ({e.strerror}); choose a writable directory") from None
         key = str(path.resolve())
         if key in _HELD:
             raise UsageError(f"--save {save}: this process already runs a training that writes there")

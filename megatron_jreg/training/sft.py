@@ -64,37 +64,34 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Te
 _ROLES = ("system", "user", "assistant")
 
 
-def check_conversations(args, flags: Iterable[tuple[str, list[str]]]) -> None:  # noqa: ANN001 - Megatron-LM's args
+def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa: ANN001 - Megatron-LM's args
     """Every --sft JSONL file as Megatron-LM's SFTDataset reads it, before any work (UsageError naming the file,
     the line and the fix): each line a JSON object with a `messages` list of {"role", "content"} turns (its
     `datasets` JSON reader stops at the first bad line with a traceback; a turn without `role` fails in a data
     worker iterations later), and at least one conversation that gives a token to train on once packed into
     --seq-length (SFTDataset cuts a pack on the right: conversations all longer than that train nothing)."""
-    from megatron.core.datasets.utils import get_blend_from_list
-
     from megatron_jreg.errors import UsageError
 
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
-    for flag, values in flags:
-        for path in get_blend_from_list(values)[0]:
-            option = f"{flag} {path}"
-            trainable, lines = False, 0
-            with open(path, "rb") as f:
-                for number, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    lines += 1
-                    problem = _record_problem(raw)
-                    if problem is not None:
-                        raise UsageError(f"{option}: line {number}: {problem}; {fix}")
-                    trainable = trainable or _trains(args, json.loads(raw)["messages"], f"{option}: line {number}")
-            if not lines:
-                raise UsageError(f"{option}: no conversation in the file; {fix}")
-            if not trainable:
-                raise UsageError(f"{option}: no conversation gives a token to train on within --seq-length "
-                                 f"{args.seq_length} (no assistant turn, or every assistant turn is cut off by the "
-                                 "pack's length): raise --seq-length or shorten the conversations (prepare-chat "
-                                 "--seq-length reports them)")
+    for flag, path in paths:
+        option = f"{flag} {path}"
+        trainable, lines = False, 0
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                lines += 1
+                problem = _record_problem(raw)
+                if problem is not None:
+                    raise UsageError(f"{option}: line {number}: {problem}; {fix}")
+                trainable = trainable or _trains(args, json.loads(raw)["messages"], f"{option}: line {number}")
+        if not lines:
+            raise UsageError(f"{option}: no conversation in the file; {fix}")
+        if not trainable:
+            raise UsageError(f"{option}: no conversation gives a token to train on within --seq-length "
+                             f"{args.seq_length} (no assistant turn, or every assistant turn is cut off by the "
+                             "pack's length): raise --seq-length or shorten the conversations (prepare-chat "
+                             "--seq-length reports them)")
 
 
 def _record_problem(raw: bytes) -> str | None:

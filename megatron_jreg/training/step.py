@@ -24,8 +24,8 @@ arguments.check_pretrain_gpt_flags):
   (embedding ranks), the GPT2BPETokenizer default;
 - refused: --logits-load-dir (cached-logits distillation; its companions only apply with it),
   --inprocess-restart, --overlap-moe-expert-parallel-comm (its schedule bypasses the layer hooks JREG uses),
-  --sft with context parallelism (JREG's real-token mask is not split over CP ranks);
-  on a CPU --moe-grouped-gemm, --record-memory-history and CUDA graphs, naming the flag;
+  --sft with context parallelism (JREG's real-token mask is not split over CP ranks); on a CPU CUDA graphs,
+  and --moe-grouped-gemm and --record-memory-history with Megatron-LM's other GPU-only features (_check_cpu);
 - meaning kept by the same code: the model (gpt_config_from_args + Megatron-LM's GPTModelBuilder, which
   read --spec, --num-experts, --experimental-attention-variant, --heterogeneous-layers-config-path, ...;
   our spec only swaps the torch norm class), --record-memory-history on GPUs (Megatron-LM's pretrain);
