@@ -74,12 +74,11 @@ class AnalyzeConfig:
             raise AnalysisError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_length is not None and self.max_length < 1:
             raise AnalysisError(f"--max-length must be >= 1, got {self.max_length}")
-        if self.dtype not in DTYPES:
-            raise AnalysisError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.distance not in jreg.DISTANCES:
-            raise AnalysisError(f"--distance must be one of {jreg.DISTANCES}, got {self.distance!r}")
-        if self.positions not in POSITIONS:
-            raise AnalysisError(f"--positions must be one of {POSITIONS}, got {self.positions!r}")
+        for flag, value, allowed in (("--dtype", self.dtype, DTYPES), ("--distance", self.distance, jreg.DISTANCES),
+                                     ("--positions", self.positions, POSITIONS),
+                                     ("padding_side", self.padding_side, PADDING_SIDES)):
+            if value not in allowed:
+                raise AnalysisError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
         self.top_k = tuple(self.top_k)
         if not self.top_k or any(not isinstance(k, int) or k < 1 for k in self.top_k):
             raise AnalysisError(f"--top-k {','.join(map(str, self.top_k))}: each k must be a whole number >= 1, "
@@ -97,8 +96,6 @@ class AnalyzeConfig:
                 if "@" in model or Path(model).exists():
                     raise AnalysisError(f"--revision with --model {model}: give the hub id without @REVISION (a local "
                                         "folder has no revisions)")
-        if self.padding_side not in PADDING_SIDES:
-            raise AnalysisError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
         if self.device != "auto":
             try:
                 device = torch.device(self.device)

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from megatron_jreg.analysis.gguf_model import apply_rope_freqs, is_gguf_file, plan_gguf
 from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
     AnalysisError,
     HiddenStateSource,
     LayerDisplacementHooks,
-    LayerStates,
     UnsupportedArchitectureError,
     batch_stats,
     gather_rows,
@@ -39,19 +39,11 @@ HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent
 KNOWN_LAYOUTS = "Llama/Mistral/Qwen/Gemma/OLMo/Phi/GPT-NeoX: `<base>.layers`, GPT-2: `transformer.h`"
 
 
-def _declared(config: Any, names: tuple[str, ...]) -> int | None:
-    """The first of `names` that the (text) config sets to a positive int, else None."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in names:
-        value = getattr(text_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def expected_layers(config: Any) -> int | None:
-    """The number of decoder layers the config declares, if it declares one."""
-    return _declared(config, ("num_hidden_layers", "n_layer", "num_layers"))
+def _declared(config: Any, name: str) -> int | None:
+    """The (text) config's `name` when it is a positive int, else None; transformers' attribute_map resolves a
+    family's own name (GPT-2's n_layer for num_hidden_layers)."""
+    value = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, name, None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def auto_config(folder: Path) -> Any:
@@ -104,6 +96,12 @@ def text_decoder(model: nn.Module) -> nn.Module:
     return found
 
 
+def decoder_stack(model: nn.Module) -> tuple[nn.Module, str, list[nn.Module]]:
+    """(`text_decoder(model)`, the qualified name of its decoder layers in it, the layers)."""
+    base = text_decoder(model)
+    return base, *find_decoder_layers(base, _declared(model.config, "num_hidden_layers"))
+
+
 def other_towers(config: Any) -> tuple[str, ...]:
     """Weight-name prefixes of the non-text parts of a multimodal checkpoint (vision or audio towers,
     projectors: the top-level modules of its `architectures` class besides the language model), which the
@@ -145,17 +143,16 @@ class HFSource(HiddenStateSource):
 
     def __init__(self, model: nn.Module, tokenizer: Any, label: str, include_final_norm: bool = False):
         self.model = model.eval()
-        self.base = text_decoder(model)
+        self.base, self.layer_path, self.layers = decoder_stack(model)
         self.tokenizer = tokenizer
         self.label = label
         self.model_class = type(model).__name__
         config = model.config
-        self.layer_path, self.layers = find_decoder_layers(self.base, expected_layers(config))
         self.num_layers = len(self.layers)
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
         self.context_length = declared_context(config)
-        self.vocab_size = _declared(config, ("vocab_size",))
+        self.vocab_size = _declared(config, "vocab_size")
         pads = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
         self.pad_id = int(next((t for t in pads if t is not None), 0))  # any id: padding is masked anyway
         self.head_missing: str | None = None
@@ -190,9 +187,9 @@ class HFSource(HiddenStateSource):
             pairs = torch.stack([torch.stack(masked_displacement_sum(a, b, rows, kind))
                                  for a, b in zip(hidden[:-1], hidden[1:])])  # [L, 2]
             return batch_stats(pairs[:, 0], pairs[:, 1], [gather_rows(h, rows) for h in hidden], kind)
-        with LayerDisplacementHooks(self.layers, select, kind) as hooks, LayerStates(self.layers, select) as states:
+        with LayerDisplacementHooks(self.layers, select, kind) as hooks:
             run_forward(self.base, input_ids, attention_mask)
-        return batch_stats(hooks.sums, hooks.counts, states.states, kind)
+        return batch_stats(hooks.sums, hooks.counts, hooks.states, kind)
 
     def _hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, ...]:
         """The `output_hidden_states` convention: hs[0] the embeddings, hs[ℓ] layer ℓ's output, hs[L] =
@@ -256,15 +253,11 @@ def load_hf_source(
     when it was absent: layer removal needs it). with_tokenizer=False: token ids come from the caller.
     config: the folder's transformers config when the caller has read it (`loading.identify`).
     """
-    from megatron_jreg.analysis.gguf_model import is_gguf_file
-
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
     plan = None
     if gguf_file:
-        from megatron_jreg.analysis.gguf_model import plan_gguf
-
         plan = plan_gguf(path, f"--model {path}")  # nothing in the file may be dropped by the loader
         config = plan.config
     checked = config is not None  # loading.identify checked the folder when it read its config
@@ -281,8 +274,6 @@ def load_hf_source(
             "model's config.json and weight files"
         ) from e
     if plan is not None and plan.rope_freqs is not None:
-        from megatron_jreg.analysis.gguf_model import apply_rope_freqs
-
         apply_rope_freqs(model, plan.rope_freqs, f"--model {path}")
     model.to(device)
     tok = load_tokenizer(folder, gguf_file, tokenizer, None if gguf_file else config) if with_tokenizer else None
@@ -297,8 +288,10 @@ def load_hf_source(
 
 def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = None) -> str | None:
     """Why the causal LM's head was not loaded from the files (None when it was, or is tied to the
-    embeddings): `load_hf_source` lets an `lm_head.*` tensor be absent, since Ψ never runs the head.
+    embeddings): the loaders let an `lm_head.*` tensor be absent, since Ψ never runs the head.
     gguf_tensors: the tensor names of a GGUF file (`GgufPlan.tensor_names`); else `path` is a folder."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
     head = model.get_output_embeddings()
     if head is None or head.weight is model.get_input_embeddings().weight:
         return None
@@ -308,20 +301,22 @@ def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = N
     if any(f".{HEAD}" in f".{name}" for name in names):
         return None
     head_key = next(f"{n}.weight" for n, m in model.named_modules() if m is head)
-    if head_key in renamed_keys(model, names):  # a head saved under an older name: GPT-NeoX's embed_out
+    mapping, keys = get_model_conversion_mapping(model), model.state_dict()
+    if any(head_key in weight_targets(model, mapping, name, keys) for name in names):  # GPT-NeoX's embed_out
         return None
     return f"{path} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
 
 
-def renamed_keys(model: nn.Module, names: list[str]) -> set[str]:
-    """The model keys that checkpoint tensors `names` load into under transformers' renamings of older names
-    (GPT-NeoX's `embed_out.weight` → `lm_head.weight`), as `from_pretrained` applies them; fused conversions
-    (several tensors into one) are not followed."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+def weight_targets(model: nn.Module, mapping: list, name: str, keys: dict) -> list[str]:
+    """The keys of `model` (`keys`: its state dict) that checkpoint tensor `name` loads into under `mapping`
+    (`get_model_conversion_mapping`), as `from_pretrained` renames older names (GPT-NeoX's `embed_out.weight` →
+    `lm_head.weight`) and converts them (a converted tensor may feed several keys, e.g. a fused qkv)."""
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
-    mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    keys = model.state_dict()
-    return {rename_source_key(name, renamings, converters, model.base_model_prefix, keys)[0] for name in names}
+    renamed, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, keys)
+    if pattern is None:
+        return [renamed]
+    converter = next(c for c in converters if pattern in c.source_patterns)
+    return [renamed.replace(converter.target_patterns[0], t) for t in converter.target_patterns]

@@ -19,12 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from megatron_jreg import jreg
 from megatron_jreg.analysis.loading import ModelSpec
-from megatron_jreg.analysis.removal import (
-    check_top_k,
-    next_token_targets,
-    removal_passes,
-    removal_totals,
-)
+from megatron_jreg.analysis.removal import check_top_k, next_token_targets, removal_figures
 from megatron_jreg.analysis.source import (
     AnalysisError,
     HiddenStateSource,
@@ -246,12 +241,10 @@ def measure(
     return result
 
 
-def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
+def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: tuple[int, ...],
              positions: str, label: str, progress: bool) -> dict:
-    ks = tuple(top_k)
     with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
     if not any(bool((t >= 0).any()) for _, _, t in with_targets):
         raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
                             "needs samples of two tokens or more")
-    with progress_bar(len(batches) * removal_passes(source.num_layers, ks), label, "layer", progress) as bar:
-        return removal_totals(source, with_targets, ks, bar.update).as_dict()
+    return removal_figures(source, with_targets, top_k, label, progress)

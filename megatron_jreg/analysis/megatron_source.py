@@ -22,7 +22,7 @@ from megatron_jreg.analysis.source import (
     LAYER_IO,
     AnalysisError,
     HiddenStateSource,
-    LayerStates,
+    LayerDisplacementHooks,
     batch_stats,
 )
 
@@ -70,12 +70,12 @@ class MegatronSource(HiddenStateSource):
         ids, mask, select = _right_pad(input_ids, mask, self.pad_id, select)
         device = next(self.loaded.model.parameters()).device
         last = self.loaded.model.decoder.final_layernorm if self.include_final_norm else None
-        with LayerStates(self.layers, select.t().to(device), last) as states:  # megatron's [s, b, h] layout
+        with LayerDisplacementHooks(self.layers, select.t().to(device), None, last=last) as hooks:  # [s, b, h]
             sums, counts = _plugin_sums(self.loaded, ids, select, kind)
         if self.include_final_norm:  # Ψ_L between layer L's input and the final norm's output
-            total, _ = jreg.displacement_sum(states.states[-2], states.states[-1], None, kind)
+            total, _ = jreg.displacement_sum(hooks.states[-2], hooks.states[-1], None, kind)
             sums[-1] = total.double().cpu()
-        return batch_stats(sums, counts, states.states, kind)
+        return batch_stats(sums, counts, hooks.states, kind)
 
     def close(self) -> None:
         self.loaded = None
@@ -104,16 +104,10 @@ def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple
     megatron's causal attention then never sees padding."""
     if bool(mask.all()):
         return (ids, mask, *others)
-    out = torch.full_like(ids, pad_id)
-    new_mask = torch.zeros_like(mask)
-    moved = [torch.zeros_like(o) for o in others]
-    for row in range(ids.shape[0]):
-        real = ids[row][mask[row]]
-        out[row, : len(real)] = real
-        new_mask[row, : len(real)] = True
-        for o, m in zip(others, moved):
-            m[row, : len(real)] = o[row][mask[row]]
-    return (out, new_mask, *moved)
+    order = (~mask).long().argsort(dim=1, stable=True)  # each row's real positions first, in their order
+    moved = mask.gather(1, order)
+    return (ids.gather(1, order).masked_fill(~moved, pad_id), moved,
+            *(o.gather(1, order).masked_fill(~moved, 0) for o in others))
 
 
 def load_megatron_source(

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from megatron_jreg.analysis.measure import ModelResult
-from megatron_jreg.analysis.report import DISTANCES, POSITIONS, normalized_depth
+from megatron_jreg.analysis.report import POSITIONS, measure_label, normalized_depth
 
 MAX_HEATMAPS = 8
 _LINE = {"marker": "o", "markersize": 3, "linewidth": 1.4}
@@ -46,13 +46,6 @@ def _is_series(results: list[ModelResult]) -> bool:
     return len(results) > 1 and None not in steps and len(set(steps)) == len(steps)
 
 
-def _measure_label(results: list[ModelResult]) -> str:
-    """"angular distance arccos(cos)/π …; all real tokens" for the plot titles."""
-    distances = ", ".join(DISTANCES[d] for d in sorted({r.distance for r in results}))
-    positions = ", ".join(POSITIONS[p] for p in sorted({r.positions for r in results}))
-    return f"d: {distances}; over {positions}"
-
-
 def _colors(results: list[ModelResult]) -> tuple[list, list[str]]:
     """(colour, legend label) per model: a checkpoint series coloured by step, other models by the default cycle."""
     from matplotlib import colormaps
@@ -76,7 +69,7 @@ def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     conventions = sorted({r.convention for r in results})
-    ax.set_title(r"$\Psi_\ell$ per decoder layer" + f"\n{_measure_label(results)}"
+    ax.set_title(r"$\Psi_\ell$ per decoder layer" + f"\nd: {measure_label(results)}"
                  + ("" if len(conventions) > 1 else f"\n{conventions[0]}"), fontsize=8)
     ax.legend(fontsize=7, loc="best", title="checkpoint" if _is_series(results) else None, title_fontsize=7)
     return _save(ax.figure, path)
@@ -115,7 +108,7 @@ def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
     ax.set_ylim(-0.05 * max(top, 1.0), max(top, 1.0) * 1.1)
     ax.axhline(0.0, color="0.5", linewidth=0.8, zorder=1)
     ax.set_ylabel(r"jump rate $\zeta$ (100 × total rise of $\Psi$)")
-    title = r"jump rates $\zeta_L$, $\zeta_{L-1}$, $\zeta_{L-2}$" + f"\n{_measure_label(results)}"
+    title = r"jump rates $\zeta_L$, $\zeta_{L-1}$, $\zeta_{L-2}$" + f"\nd: {measure_label(results)}"
     if values and all(v == 0 for v in values):
         title += "\nevery ζ is 0: Ψ never rises over the layer below in the top layers"
     ax.set_title(title, fontsize=8)
@@ -137,7 +130,7 @@ def plot_removal(results: list[ModelResult], path: Path) -> Path:
         f"top {k} {d:+.4f}" for k, d in zip(r.removal["top_k"], r.removal["delta_ce_top"])))
     left.set_ylabel(r"$\Psi_\ell$")
     left.set_ylim(bottom=0)
-    left.set_title(r"$\Psi_\ell$ per decoder layer" + f"\n{_measure_label(measured)}", fontsize=8)
+    left.set_title(r"$\Psi_\ell$ per decoder layer" + f"\nd: {measure_label(measured)}", fontsize=8)
     right.axhline(0.0, color="0.5", linewidth=0.8)
     right.set_ylabel(r"$\Delta$CE (nats per predicted token)")
     right.set_title("cross-entropy increase when layer ℓ is skipped (output := input)", fontsize=8)
@@ -193,7 +186,7 @@ def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
     if image is not None:
         fig.colorbar(image, ax=list(axes[: len(shown)]), shrink=0.85, label="mean d")
     note = "" if len(shown) == len(results) else f" ({len(shown)} of {len(results)} models, evenly spaced)"
-    fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\n{_measure_label(results)}", fontsize=8)
+    fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\nd: {measure_label(results)}", fontsize=8)
     return _save(fig, path)
 
 

@@ -179,10 +179,14 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
     return torch.stack(sums).cpu()  # one host sync per batch
 
 
-def removal_passes(num_layers: int, top_k: Sequence[int]) -> int:
-    """Layer passes per batch (the progress bar's unit): L for the model, L − ℓ for the variant without ℓ,
-    plus one per forward pass for the embeddings and LM head."""
-    return num_layers + num_layers * (num_layers - 1) // 2 + (1 + num_layers + len(top_k))
+def removal_figures(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: tuple[int, ...], label: str,
+                    progress: bool) -> dict:
+    """`removal_totals` under a progress bar, as figures (`RemovalTotals.as_dict`). The bar counts layer passes,
+    per batch: L for the model, L − ℓ for the variant without ℓ, plus one per forward pass (embeddings, LM head)."""
+    num = source.num_layers
+    passes = len(batches) * (num + num * (num - 1) // 2 + 1 + num + len(top_k))
+    with progress_bar(passes, label, "layer", progress) as bar:
+        return removal_totals(source, batches, top_k, bar.update).as_dict()
 
 
 def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
@@ -269,12 +273,7 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
         ks = check_top_k(top_k, source.num_layers)
         batches = [(w[:, :-1].contiguous(), torch.ones_like(w[:, :-1]), w[:, 1:].contiguous())
                    for w in windows.split(batch_size)]
-        bar = progress_bar(len(batches) * removal_passes(source.num_layers, ks), "layer removal", "layer", progress)
-        try:
-            totals = removal_totals(source, batches, ks, bar.update)
-        finally:
-            bar.close()
-        return totals.as_dict()
+        return removal_figures(source, batches, ks, "layer removal", progress)
     finally:
         if owned:
             source.close()

@@ -114,6 +114,18 @@ def reading(result: ModelResult) -> str:
     return text
 
 
+def measure_label(results: list[ModelResult]) -> str:
+    """"angular distance arccos(cos)/π …; over all real tokens": the distance and the tokens measured."""
+    distances = ", ".join(DISTANCES[d] for d in sorted({r.distance for r in results}))
+    return f"{distances}; over {', '.join(POSITIONS[p] for p in sorted({r.positions for r in results}))}"
+
+
+def _removal_columns(rows: list[dict]) -> list[str]:
+    """The `summary_row` columns of layer removal: base_ce and delta_ce_top{k}, k ascending (none without it)."""
+    deltas = sorted({k for row in rows for k in row if k.startswith("delta_ce_top")}, key=lambda k: int(k[12:]))
+    return ["base_ce", *deltas] if deltas else []
+
+
 def _cell(key: str, value: object) -> str:
     if value is None:
         return "-"
@@ -131,18 +143,13 @@ def _cell(key: str, value: object) -> str:
 def format_table(results: list[ModelResult]) -> str:
     """A fixed-width text table (ζ with 2 decimals, Ψ and CE with 4), the measure's labels and the reading."""
     rows = [summary_row(r) for r in results]
-    keys = [k for k in TABLE_COLUMNS if k not in ("distance", "positions")]
-    extra = sorted({k for row in rows for k in row if k.startswith("delta_ce_top")}, key=lambda k: int(k[12:]))
-    if extra:
-        keys = keys[:-1] + ["base_ce", *extra, "tokens"]
+    extra = _removal_columns(rows)
+    keys = [k for k in TABLE_COLUMNS if k not in ("distance", "positions", "tokens")] + extra + ["tokens"]
     headers = [_HEADERS.get(k, f"ΔCE top{k[12:]}") for k in keys]
     cells = [[_cell(k, row.get(k)) for k in keys] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     line = lambda cs: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cs, widths)))
-    distances = sorted({r.distance for r in results})
-    positions = sorted({r.positions for r in results})
-    out = [f"Ψ: {', '.join(DISTANCES[d] for d in distances)}; over {', '.join(POSITIONS[p] for p in positions)}; "
-           f"h_ℓ: {', '.join(sorted({r.convention for r in results}))}",
+    out = [f"Ψ: {measure_label(results)}; h_ℓ: {', '.join(sorted({r.convention for r in results}))}",
            line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)]
     if extra:
         out.append("ΔCE: increase of next-token CE (nats per predicted token) with the top k layers skipped")
@@ -196,8 +203,7 @@ def write_results(results: list[ModelResult], settings: dict, output: Path) -> l
                "models": [result_record(r) for r in results]}
     paths[0].write_text(json.dumps(payload, indent=2, allow_nan=False, ensure_ascii=False) + "\n", encoding="utf-8")
     rows = [summary_row(r) for r in results]
-    columns = list(TABLE_COLUMNS) + sorted({k for row in rows for k in row if k not in TABLE_COLUMNS},
-                                           key=lambda k: (k != "base_ce", len(k), k))
+    columns = list(TABLE_COLUMNS) + _removal_columns(rows)
     _write_csv(paths[1], columns, ([row.get(c) for c in columns] for row in rows))
     _write_csv(paths[2], ["model", "step", "layer", "layer_normalized", "psi", "zeta", "tokens", "residual_norm",
                           "delta_ce", "distance", "positions"],

@@ -6,10 +6,10 @@ protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.
 framework; `loading.py` picks the source for a path.
 
 What the sources share lives here: forward hooks on the decoder layers themselves that reduce each layer's
-(h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward pass runs
-(`LayerDisplacementHooks`), so no more than one layer's input and output are alive at a time for the
-measurement; the hidden states h_0..h_L kept at the measured tokens (`LayerStates`); and layers told to answer
-with recorded outputs instead of computing (`planned_layers`, for layer streaming and layer removal).
+(h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward pass runs, so no more than
+one layer's input and output are alive at a time for the measurement, and keep the hidden states h_0..h_L at
+the measured tokens (`LayerDisplacementHooks`); and layers told to answer with recorded outputs instead of
+computing (`planned_layers`, for layer streaming and layer removal).
 """
 
 from __future__ import annotations
@@ -170,25 +170,26 @@ def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, ski
 
 
 class LayerDisplacementHooks:
-    """Forward hooks on decoder layers that accumulate Σ d(h_in, h_out) and the token count per layer.
-
-    Use as a context manager around one forward pass:
+    """Forward hooks on decoder layers, around one forward pass: per layer Σ d(h_in, h_out) and the token count,
+    and the hidden states h_0 (layer 1's input) and h_ℓ (layer ℓ's output) at the selected tokens:
 
         with LayerDisplacementHooks(layers, mask, "angular") as hooks:
             model(input_ids, attention_mask=mask)
         hooks.sums, hooks.counts        # float64 [L] on the CPU, filled on exit
+        hooks.states                    # [h_0, ..., h_L], each [n, h] on the model's device (`state_totals`)
 
-    h_in is the layer's first positional argument (or its `hidden_states` keyword), h_out its output
-    (or the first element of the tuple it returns) — Hugging Face decoder layers and megatron-core's
-    TransformerLayer both follow this. `mask` has the leading shape of the hidden states: [b, t] for
-    Hugging Face's batch-first layout, [s, b] for megatron's sequence-first one; None = all real.
+    h_in and h_out are found by `layer_input` and `first_tensor`. `mask` has the leading shape of the hidden
+    states: [b, t] for Hugging Face's batch-first layout, [s, b] for megatron's sequence-first one; None = all
+    real. kind=None: the states only (megatron's Ψ comes from `JregPlugin`); `last`: a module whose output
+    replaces h_L in the states (the final norm, for the output_hidden_states convention).
 
     A layer that modifies its input in place would make h_in wrong silently; the hooks detect it
     through the tensor's version counter (run under `torch.no_grad`, not `inference_mode`, where the
     counter is not kept) and raise, pointing at `clone_inputs=True`, which copies h_in first.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], mask: Tensor | None, kind: str, clone_inputs: bool = False):
+    def __init__(self, layers: Sequence[nn.Module], mask: Tensor | None, kind: str | None,
+                 clone_inputs: bool = False, last: nn.Module | None = None):
         if not layers:
             raise ValueError("no decoder layers to hook")
         self.layers = list(layers)
@@ -196,15 +197,25 @@ class LayerDisplacementHooks:
         self.rows = real_rows(mask)
         self.kind = kind
         self.clone_inputs = clone_inputs
+        self.last = last
         self.sums = torch.zeros(len(self.layers), dtype=torch.float64)
         self.counts = torch.zeros(len(self.layers), dtype=torch.float64)
+        self.states: list[Tensor | None] = [None] * (len(self.layers) + 1)
         self._partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         self._inputs: dict[int, tuple[Tensor, int]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    def _keep(self, index: int, h: Tensor | None) -> None:
+        if h is not None:
+            self.states[index] = gather_rows(h, self.rows)
+
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             h_in = layer_input(module, args, kwargs)
+            if index == 0:
+                self._keep(0, h_in)
+            if self.kind is None:
+                return
             if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
                 raise ValueError(
                     f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
@@ -218,6 +229,9 @@ class LayerDisplacementHooks:
 
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._keep(index + 1, first_tensor(output))
+            if self.kind is None:
+                return
             h_in, version = self._inputs.pop(index)
             h_out = first_tensor(output)
             if h_out is None or h_out.shape != h_in.shape:
@@ -239,6 +253,8 @@ class LayerDisplacementHooks:
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._post_hook(i), with_kwargs=True))
+        if self.last is not None:  # runs after layer L: its output replaces h_L
+            self._handles.append(self.last.register_forward_hook(lambda m, a, out: self._keep(-1, first_tensor(out))))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -248,52 +264,17 @@ class LayerDisplacementHooks:
         self._inputs.clear()
         if exc[0] is not None:
             return
+        missing = [i for i, s in enumerate(self.states) if s is None]
+        if missing:
+            raise UnsupportedArchitectureError(f"hidden states h_ℓ for ℓ in {missing} were not seen in the forward "
+                                               "pass")
+        if self.kind is None:
+            return
         calls = [len(p) for p in self._partial]
         if any(c != 1 for c in calls):
             raise RuntimeError(f"each decoder layer should run once per forward pass; calls per layer: {calls}")
         pairs = torch.stack([torch.stack(p[0]) for p in self._partial]).double().cpu()  # [L, 2]
         self.sums, self.counts = pairs[:, 0].clone(), pairs[:, 1].clone()
-
-
-class LayerStates:
-    """Forward hooks that keep h_0 (the input of layer 1) and every layer's output h_ℓ at the selected
-    tokens, for the measures between any two layers (`state_totals`):
-
-        with LayerStates(layers, select) as rec:
-            model(...)
-        rec.states          # [h_0, ..., h_L], each [n, h] on the model's device, n = selected tokens
-
-    `select` has the leading shape of the hidden states, like `LayerDisplacementHooks`' mask. `last`: a
-    module whose output replaces h_L (the final norm, for the output_hidden_states convention).
-    """
-
-    def __init__(self, layers: Sequence[nn.Module], select: Tensor | None, last: nn.Module | None = None):
-        self.layers = list(layers)
-        self.rows = real_rows(select)
-        self.last = last
-        self.states: list[Tensor | None] = [None] * (len(self.layers) + 1)
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def _keep(self, index: int, h: Tensor | None) -> None:
-        if h is not None:
-            self.states[index] = gather_rows(h, self.rows)
-
-    def __enter__(self) -> LayerStates:
-        self._handles.append(self.layers[0].register_forward_pre_hook(
-            lambda m, args, kwargs: self._keep(0, layer_input(m, args, kwargs)), with_kwargs=True))
-        outputs = self.layers if self.last is None else [*self.layers[:-1], self.last]
-        for i, module in enumerate(outputs, 1):
-            self._handles.append(module.register_forward_hook(lambda m, a, out, i=i: self._keep(i, first_tensor(out))))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if exc[0] is None and any(s is None for s in self.states):
-            missing = [i for i, s in enumerate(self.states) if s is None]
-            raise UnsupportedArchitectureError(f"hidden states h_ℓ for ℓ in {missing} were not seen in the forward "
-                                               "pass")
 
 
 def state_totals(states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:

@@ -21,11 +21,12 @@ cannot build as a causal LM. Checkpoint tensors transformers ignores on load (le
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import os
 import re
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,12 @@ from megatron_jreg.analysis.hf_source import (
     HEAD,
     HFSource,
     auto_config,
-    expected_layers,
-    find_decoder_layers,
+    decoder_stack,
+    head_missing,
     load_tokenizer,
     other_towers,
     run_forward,
-    text_decoder,
+    weight_targets,
 )
 from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
@@ -59,6 +60,7 @@ from megatron_jreg.analysis.source import (
 from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
 from megatron_jreg.errors import IncompleteWeightsError
 from megatron_jreg.hub import check_loading_info
+from megatron_jreg.progress import library_bars
 
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
 
@@ -67,7 +69,7 @@ class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the for
     pass
 
 
-@dataclass
+@dataclasses.dataclass
 class _Batch:
     """One right-padded batch: input_ids[b, t], attention_mask[b, t], rows[n] of real tokens, the real
     token count, and the latest layer's full output (what the layers already done return in its place)."""
@@ -127,13 +129,12 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return f"model_type {config.model_type!r} has no transformers causal-LM class"
     try:
-        model = _skeleton(config, torch.float32)
-        layer_path, _ = find_decoder_layers(text_decoder(model), expected_layers(config))
+        base, layer_path, _ = decoder_stack(_skeleton(config, torch.float32))
     except UnsupportedArchitectureError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a model transformers cannot build on the meta device
         return f"transformers cannot build {type(config).__name__} on the meta device ({type(e).__name__}: {e})"
-    shared = _shared_parameters(text_decoder(model), layer_path)
+    shared = _shared_parameters(base, layer_path)
     if shared:
         return f"its decoder layers share weights ({', '.join(shared[:3])}), so no layer can be read alone"
     return None
@@ -182,20 +183,6 @@ def should_stream(folder: Path, dtype: torch.dtype, device: torch.device, config
     return True, f"streaming layer by layer: {sizes}"
 
 
-@contextmanager
-def _quiet_transformers():
-    """No "Loading weights" progress bar per layer on stderr (the analysis shows its own)."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
 class StreamingSource(HFSource):
     """A Hugging Face folder measured layer by layer from safetensors (see the module docstring).
 
@@ -233,33 +220,17 @@ class StreamingSource(HFSource):
         self._towers = other_towers(config)  # a multimodal checkpoint's vision/audio parts: not read
         self._mapping = get_model_conversion_mapping(self.model)
         self._base_prefix = next(n for n, m in self.model.named_modules() if m is self.base)
+        self.head_missing = head_missing(self.model, self.folder)
         self._groups, self._embedding = self._plan()
         self._load(self._groups["rest"], "the modules outside the decoder layers")
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.head_missing = None if self._groups.get("head") or getattr(text_config, "tie_word_embeddings", False) \
-            else f"{folder} holds no {HEAD}* tensor (the LM head) and its embeddings are not tied"
-        """Why layer removal cannot score this model (`hf_source.head_missing`), or None."""
 
     # ----------------------------------------------------------------------------------- the files
-    def _target(self, name: str, meta_keys: dict) -> list[str]:
-        """The model keys transformers loads a checkpoint tensor into (renamed; a converted tensor may feed
-        several, e.g. a fused qkv)."""
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-
-        renamings = [m for m in self._mapping if not isinstance(m, WeightConverter)]
-        converters = [m for m in self._mapping if isinstance(m, WeightConverter)]
-        renamed, pattern = rename_source_key(name, renamings, converters, self.model.base_model_prefix, meta_keys)
-        if pattern is None:
-            return [renamed]
-        converter = next(c for c in converters if pattern in c.source_patterns)
-        first = converter.target_patterns[0]
-        return [renamed.replace(first, t) for t in converter.target_patterns]
-
     def _plan(self) -> tuple[dict[str, list[str]], tuple[str, str]]:
         """Group the file's tensors by the layer they load into ("rest": outside the layers), refusing
         missing, unknown or misshaped tensors before any work (the in-memory path's strict load); and find
         the input embedding ((file tensor, model key)), read only for the rows in use."""
         meta = self.model.state_dict()
+        targets_of = functools.partial(weight_targets, self.model, self._mapping, keys=meta)
         base = f"{self._base_prefix}." if self._base_prefix else ""
         embedding_module = self.model.get_input_embeddings()
         embedding_key = next(f"{n}.weight" for n, m in self.model.named_modules() if m is embedding_module)
@@ -272,7 +243,7 @@ class StreamingSource(HFSource):
         covered, unexpected, misshaped, embedding_file = set(), [], [], None
         layer_prefix = f"{base}{self.layer_path}."
         for name, info in self.weights.tensors.items():
-            targets = self._target(name, meta)
+            targets = targets_of(name)
             if not all(t in meta for t in targets):
                 skipped = name.startswith((HEAD, *self._towers)) or targets[0].startswith(HEAD)
                 if not ignore.search(name) and not skipped:
@@ -297,7 +268,7 @@ class StreamingSource(HFSource):
         tied = getattr(self.model, "all_tied_weights_keys", {}) or {}
         if embedding_file is None and embedding_key in tied.values():
             head = next((k for k, v in tied.items() if v == embedding_key and k in covered), None)
-            embedding_file = next((n for n in self.weights.tensors if self._target(n, meta) == [head]), None)
+            embedding_file = next((n for n in self.weights.tensors if targets_of(n) == [head]), None)
             covered.add(embedding_key)
         skip = [re.compile(p) for p in (self.model._keys_to_ignore_on_load_missing or ())]
         buffers = {n for n, _ in self.model.named_buffers()}
@@ -323,7 +294,7 @@ class StreamingSource(HFSource):
         except WeightsError as e:
             raise AnalysisError(f"--model {self.folder}: {e}") from None
         config = LoadStateDictConfig(dtype=self.dtype, device_map={"": self.device}, weight_mapping=self._mapping)
-        with _quiet_transformers():
+        with library_bars(False):  # no "Loading weights" bar per layer: the analysis shows its own
             info, _ = convert_and_load_state_dict_in_model(self.model, tensors, config)
         problems = {"unexpected_keys": sorted(info.unexpected_keys), "mismatched_keys": sorted(info.mismatched_keys)}
         if info.conversion_errors:
@@ -360,54 +331,50 @@ class StreamingSource(HFSource):
         return module.register_forward_pre_hook(to_rows), [
             _Batch(ids, mask, real_rows(rows) if select else None, int(mask.sum())) for ids, mask, rows in on]
 
-    def _advance(self, i: int, batch: _Batch, output_hidden_states: bool = False) -> tuple[Tensor | None, Any]:
+    def _advance(self, i: int, batch: _Batch, final_norm: bool = False) -> tuple[Tensor | None, Tensor | None]:
         """Batch through layer i, the layers before it answering with `batch.output` (their recorded output);
-        batch.output becomes layer i's output. Returns (layer i's input, the model's output when
-        output_hidden_states ran the forward to its end, else None)."""
-        layer = self.layers[i]
-        captured: dict[str, Tensor] = {}
+        batch.output becomes layer i's output. Returns (layer i's input, with final_norm the final norm's output:
+        the last `output_hidden_states` entry (`HFSource._hidden_states`), else None)."""
+        layer, captured, normed = self.layers[i], {}, None
 
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
             captured["h_in"] = layer_input(module, args, kwargs)
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             batch.output = output
-            if not output_hidden_states:
+            if not final_norm:
                 raise _LayerDone
 
-        handles = [layer.register_forward_pre_hook(pre, with_kwargs=True),
-                   layer.register_forward_hook(post, with_kwargs=True)]
-        try:
-            with planned_layers(self.layers, batch.output, i):
-                try:
-                    out = run_forward(self.base, batch.ids, batch.mask, output_hidden_states=output_hidden_states)
-                except _LayerDone:
-                    out = None
-        finally:
-            for handle in handles:
-                handle.remove()
-        return captured.get("h_in"), out
+        with (layer.register_forward_pre_hook(pre, with_kwargs=True),
+              layer.register_forward_hook(post, with_kwargs=True),
+              planned_layers(self.layers, batch.output, i), contextlib.suppress(_LayerDone)):
+            if final_norm:
+                normed = self._hidden_states(batch.ids, batch.mask)[-1]
+            else:
+                run_forward(self.base, batch.ids, batch.mask)
+        return captured.get("h_in"), normed
 
-    def _layer_pass(self, i: int, batch: _Batch, kind: str, last_with_norm: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """Batch through layer i (the layers before it answer with their recorded output): ([Σ d, count],
-        layer i's input, its output — or the final norm's output when last_with_norm)."""
-        h_in, out = self._advance(i, batch, output_hidden_states=last_with_norm)
-        measured = out.hidden_states[-1] if last_with_norm else first_tensor(batch.output)
+    def _layer_pass(self, i: int, batch: _Batch, kind: str, final_norm: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Batch through layer i (see `_advance`): ([Σ d, count], layer i's input, its output or the final norm's)."""
+        h_in, normed = self._advance(i, batch, final_norm)
+        measured = first_tensor(batch.output) if normed is None else normed
         if h_in is None or measured is None or measured.shape != h_in.shape:
             raise UnsupportedArchitectureError(
                 f"{type(self.model).__name__}: decoder layer {i + 1} does not map hidden states of shape "
                 f"{tuple(h_in.shape) if h_in is not None else '?'} to the same shape"
-                + (" after the final norm (--include-final-norm cannot compare them: drop it)" if last_with_norm
-                   else "")
             )
         return torch.stack(masked_displacement_sum(h_in, measured, batch.rows, kind)), h_in, measured
 
-    def _load_layer(self, i: int) -> None:
-        self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
-        unloaded = [n for n, p in self.layers[i].named_parameters() if p.device.type == "meta"]
-        if unloaded:
-            raise AnalysisError(f"--model {self.folder}: decoder layer {i + 1} got no tensor for "
-                                f"{', '.join(unloaded[:3])}; download or convert the model again")
+    def _each_layer(self) -> Iterator[int]:
+        """Each layer's index in turn, its tensors read before and dropped after: one layer in memory at a time."""
+        for i, layer in enumerate(self.layers):
+            self._load(self._groups.get(str(i), []), f"decoder layer {i + 1}")
+            unloaded = [n for n, p in layer.named_parameters() if p.device.type == "meta"]
+            if unloaded:
+                raise AnalysisError(f"--model {self.folder}: decoder layer {i + 1} got no tensor for "
+                                    f"{', '.join(unloaded[:3])}; download or convert the model again")
+            yield i
+            layer.to("meta")
 
     @torch.no_grad()
     def stream_stats(
@@ -426,23 +393,19 @@ class StreamingSource(HFSource):
         hook, state = self._start(batches)
         kept: list[list[Tensor]] = [[] for _ in state]
         pairs = []
-        try:
-            for i, layer in enumerate(self.layers):
-                self._load_layer(i)
-                last_with_norm = self.include_final_norm and i == self.num_layers - 1
+        with hook:
+            for i in self._each_layer():
+                final_norm = self.include_final_norm and i == self.num_layers - 1
                 partial = []
                 for batch, states in zip(state, kept):
-                    pair, h_in, h_out = self._layer_pass(i, batch, kind, last_with_norm)
+                    pair, h_in, h_out = self._layer_pass(i, batch, kind, final_norm)
                     partial.append(pair)
                     if i == 0:
                         states.append(gather_rows(h_in, batch.rows).cpu())
                     states.append(gather_rows(h_out, batch.rows).cpu())
                     if on_batch is not None:
                         on_batch(batch.tokens)
-                layer.to("meta")  # drop this layer's tensors before the next layer is read
                 pairs.append(torch.stack(partial))  # [batches, 2]
-        finally:
-            hook.remove()
         table = torch.stack(pairs).double().sum(1).cpu()  # [L, 2]
         per_batch = [state_totals([h.to(self.device) for h in states], kind) for states in kept]
         totals = {key: sum(t[key].cpu() for t in per_batch) for key in per_batch[0]}
@@ -495,27 +458,25 @@ class StreamingSource(HFSource):
         skips: dict[int, list[_Batch]] = {}
         finals: dict[int, list[Any]] = {}  # k → the model's output after layer L − k, per batch
         tick = on_pass or (lambda n: None)
-        try:
-            for i, layer in enumerate(self.layers):
-                self._load_layer(i)
+        with hook:
+            for i in self._each_layer():
                 for states in skips.values():
                     for batch in states:
                         self._advance(i, batch)
                         tick(1)
                 if i > 0:
-                    skips[i] = [_Batch(b.ids, b.mask, None, b.tokens, b.output) for b in base]
+                    skips[i] = [dataclasses.replace(b) for b in base]
                 for batch in base:
                     h_in, _ = self._advance(i, batch)
                     if i == 0:
-                        skips.setdefault(0, []).append(_Batch(batch.ids, batch.mask, None, batch.tokens,
-                                                              with_hidden(batch.output, h_in)))
+                        skip = dataclasses.replace(batch, output=with_hidden(batch.output, h_in))  # from the embeddings
+                        skips.setdefault(0, []).append(skip)
                     tick(1)
                 for k in top_k:
                     if self.num_layers - k == i + 1:
                         finals[k] = [b.output for b in base]
                     elif k == self.num_layers and i == 0:
                         finals[k] = [b.output for b in skips[0]]
-                layer.to("meta")
             sums = [sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(base, targets))]
             for j in range(self.num_layers):
                 sums.append(sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(skips.pop(j), targets)))
@@ -524,8 +485,6 @@ class StreamingSource(HFSource):
                 sums.append(sum(ce_sum(self._logits(b, out), t) for b, out, t in zip(base, finals[k], targets)))
                 tick(len(base))
             tick(len(base))
-        finally:
-            hook.remove()
         return torch.stack(sums).double().cpu()
 
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
@@ -538,20 +497,10 @@ class StreamingSource(HFSource):
         del self.weights
 
 
-def load_stream_source(
-    path: Path,
-    *,
-    label: str,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    include_final_norm: bool = False,
-    tokenizer: str | None = None,
-    with_tokenizer: bool = True,
-    config: Any = None,
-) -> StreamingSource:
-    """A local Hugging Face folder (never downloads) as a layer-streaming source; with_tokenizer=False: token
-    ids come from the caller; config: its transformers config when the caller has read it."""
+def load_stream_source(path: Path, *, tokenizer: str | None = None, with_tokenizer: bool = True, config: Any = None,
+                       **options: Any) -> StreamingSource:
+    """`hf_source.load_hf_source` for layer streaming: a local Hugging Face folder (never downloads) read by a
+    `StreamingSource`, which takes `options` (label, dtype, device, include_final_norm)."""
     config = config or auto_config(Path(path))
     tok = load_tokenizer(Path(path), None, tokenizer, config) if with_tokenizer else None
-    return StreamingSource(Path(path), tok, label, dtype=dtype, device=device, include_final_norm=include_final_norm,
-                           config=config)
+    return StreamingSource(Path(path), tok, config=config, **options)
