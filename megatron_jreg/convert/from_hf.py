@@ -115,11 +115,11 @@ def hf_to_mcore(
     the checkpoint appears at `output` only after its logits matched the Hugging Face model's.
     """
     from megatron_jreg.checkpoints.model import build_model, load_megatron_model, quiet_megatron
-    from megatron_jreg.model_files import check_finite_weights
+    from megatron_jreg.model_files import check_finite_weights, read_config
 
     single_process()
     folder = Path(hf)
-    hf_cfg = hf_io.read_config(folder)
+    hf_cfg = read_config(folder, "--hf")
     arch = llama.LlamaArch.from_hf(hf_cfg, seq_length)
     with quiet_megatron():  # Megatron-LM's arguments and tokenizer defaults import megatron-core
         from megatron_jreg.training.arguments import model_args

@@ -1,4 +1,4 @@
-"""Hugging Face folders on disk: read config and weights without running pickled code, write safetensors
+"""Hugging Face folders on disk: read weights without running pickled code, write safetensors
 sharded by huggingface_hub as `save_pretrained` does (the tokenizer: convert/tokenizer.py).
 
 Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_model*.bin` through
@@ -25,13 +25,6 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 class ConversionError(JregError, RuntimeError):
     """Bad input for a conversion (missing files, unsupported tokenizer, ...); the message says what to do."""
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"--hf {folder}: no config.json; give a Hugging Face model folder (save_pretrained)")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def checkpoint_dtype(hf: dict, state: dict[str, torch.Tensor]) -> torch.dtype:

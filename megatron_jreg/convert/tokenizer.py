@@ -1,27 +1,14 @@
 """The run's tokenizer in an exported Hugging Face folder, id for id, for every `--tokenizer-type` that
-`megatron-jreg train` accepts.
+`megatron-jreg train` accepts (how each type is written: docs/convert.md).
 
-    --tokenizer-type          written as
-    HuggingFaceTokenizer      its files, copied (a run's extra special tokens or no-BOS setting: rebuilt);
-                              a `TokenizersBackend` class (transformers 5's save) written as
-                              `PreTrainedTokenizerFast`, the same class in 5.x and one 4.x loads
-    SentencePieceTokenizer    transformers' own SentencePiece conversion (`TokenizersBackend` from the
-    (GPTSentencePiece, Llama2) model's proto: its normalizer, dummy prefix, byte fallback and merges) as
-                              tokenizer.json, plus the .model as tokenizer.model; text such as "<s>" stays
-                              text (`split_special_tokens`), as in Megatron-LM's SentencePiece wrapper
-    GPT2BPETokenizer          vocab.json + merges.txt as the byte-level BPE tokenizer.json megatron-jreg runs
-    TikTokenizer              transformers' TikTokenConverter over the run's ranks, pattern and special ids
-    NullTokenizer             nothing: the run's text was its ids (give --tokenizer-model)
-
-Every folder gets a pad token (the tokenizer's own, else its end-of-document token, as Llama-3 and most
-Hugging Face causal LMs do) and the model's context length as `model_max_length`. Then the written folder,
-loaded with `AutoTokenizer`, must give the run's ids on a corpus sample (the vendored LAMBADA passages, a
-probe text with accents, CJK, full-width letters and runs of spaces, and the special tokens' own text);
-otherwise the export is refused naming the first difference (`--no-tokenizer` exports the weights alone).
-
-A tokenizer given with --tokenizer-model must also fit the checkpoint: its vocabulary must pad to the
-checkpoint's embedding rows, and its size and end-of-document id must equal the run's (from the run's own
-tokenizer when it is on disk, else from the preprocess manifests of the run's data).
+A copied Hugging Face folder, or transformers' own conversion of a SentencePiece model or a tiktoken encoding,
+is written under a class both transformers 4.x and 5.x load (`PreTrainedTokenizerFast`), with a pad token (the
+tokenizer's own, else its end-of-document token, as Llama-3 does) and the model's context length. Then the
+folder, loaded with `AutoTokenizer`, must give the run's ids on a corpus sample (`check_texts`), else the export
+is refused naming the first difference: a Megatron-LM option transformers cannot reproduce would otherwise give
+a model silently fed other ids. A tokenizer given with --tokenizer-model must also fit the checkpoint (its
+vocabulary pads to the embedding rows; size and end-of-document id equal the run's, from the run's tokenizer
+or the preprocess manifests of its data).
 """
 
 from __future__ import annotations

@@ -119,27 +119,18 @@ def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor],
     return logits
 
 
-def fits_in_memory(num_params: int, copies: int = 3) -> tuple[bool, str]:
-    """Whether `copies` float32 copies of the model fit in free memory (both models + the converted
-    tensors); (fits, a sentence saying how much is needed and free)."""
-    import psutil
-
-    needed = num_params * 4 * copies
-    if torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0] + psutil.virtual_memory().available
-    else:
-        free = psutil.virtual_memory().available
-    return needed < 0.9 * free, f"verification needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-
-
 def should_verify(verify: bool | None, num_params: int) -> tuple[bool, str]:
     """(run the logit check?, why not): --verify forces it, --no-verify skips it, the default runs it when
-    the models fit in memory."""
+    three float32 copies of the model (both models + the converted tensors) fit in free memory."""
+    import psutil
+
     if verify is False:
         return False, "logits not verified: --no-verify"
-    fits, sentence = fits_in_memory(num_params)
-    if verify is None and not fits:
-        return False, f"logits not verified: {sentence} (pass --verify to check anyway)"
+    needed = num_params * 4 * 3
+    free = psutil.virtual_memory().available + (torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0)
+    if verify is None and not needed < 0.9 * free:
+        return False, (f"logits not verified: verification needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
+                       "free (pass --verify to check anyway)")
     return True, ""
 
 

@@ -1,44 +1,21 @@
 """`megatron-jreg prepare-chat`: chat JSONL checked and cleaned for Megatron-LM's SFTDataset, and a chat template.
 
-Megatron-LM's `--sft` reads JSONL lines `{"messages": [{"role", "content"}, ...]}` (its SFTLowLevelDataset,
-through `datasets.load_dataset("json")`) and tokenizes each conversation with its `SFTTokenizer`, i.e. the
-Hugging Face tokenizer's own `chat_template` (`--sft-tokenizer-prompt-format default`). It checks nothing on
-the way: a record without an assistant turn trains on nothing, an unknown role or a non-string content fails
-deep in a data loader worker, a `system` turn in the middle starts a new conversation there (SFTDataset
-splits packs at system turns), and a field that differs in type between lines breaks `datasets`' schema.
+Megatron-LM's `--sft` reads JSONL lines `{"messages": [{"role", "content"}, ...]}` and renders each conversation
+with the Hugging Face tokenizer's own `chat_template`, checking nothing: a record without an assistant turn trains
+on nothing, an unknown role or a non-string content fails deep in a data loader worker, a `system` turn in the
+middle starts a new conversation there (SFTDataset splits packs at system turns), and a field that differs in type
+between lines breaks `datasets`' schema. `prepare_chat` checks every record and writes the good ones as
+`{"messages": [...]}` only, in input order; bad ones are counted by reason and skipped, as `preprocess` does (the
+reasons: docs/sft.md). With `--tokenizer DIR` each conversation is also tokenized exactly as `--sft` does
+(`chat_targets.ChatTargets`), and a tokenizer without a chat template gets a copy with one.
 
-`prepare_chat` reads chat JSONL (also .gz/.zst; a damaged compressed tail costs only what follows the damage,
-see compressed.py), checks every record and writes the good ones as `{"messages": [{"role", "content"}]}`
-only, in input order; bad records are counted by reason and skipped, as `megatron-jreg preprocess` does:
-
-    malformed_json      a line that is not a JSON object          not_utf8        bytes that are not UTF-8
-    missing_messages    no non-empty `messages` list              not_a_message   a turn that is not {role, content}
-    unknown_role        a role other than system/user/assistant   not_a_string    content that is not a string
-    empty_content       content that is empty or only whitespace  bad_first_role  the first turn is an assistant's
-    misplaced_system    a system turn after the first turn        consecutive_roles  two user (or assistant) turns
-    no_assistant_turn   nothing to train on                         in a row: chat templates expect them to alternate
-    corrupt_stream / unreadable_file   a damaged compressed tail / a file with nothing readable
-
-With `--tokenizer DIR` (a local Hugging Face tokenizer folder) each conversation is also rendered and
-tokenized with the chat template exactly as `--sft` does (`megatron_jreg.data.chat_targets.ChatTargets`: targets on
-the assistant turns only): `template_error` when the template refuses it or renders its prefixes
-inconsistently (the assistant-only targets would be wrong), `special_token_text` when a turn contains the
-text of a special token (e.g. a literal EOS, which would end the answer there), `too_long` (a filter) when it
-has more tokens than `--seq-length` (SFTDataset cuts it on the right, losing the end of an answer).
-
-A tokenizer folder without a chat template gets one: a copy of the folder is written with a named template
-(`--chat-template simple`, below) or a template file, as `chat_template.jinja` (where transformers looks first),
-so `AutoTokenizer.from_pretrained(copy).apply_chat_template(...)` works offline and Megatron-LM's SFTTokenizer
-uses it. `simple` is plain text, no new tokens (the vocabulary and so the checkpoint's embedding stay as
-they are):
+`simple`, the default template, is plain text and adds no token (the checkpoint's embedding stays as it is):
 
     <|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{answer}<EOS><|user|>\\n ...
 
-Every turn ends at a newline or at the EOS special token, so tokenizing the whole conversation equals
-tokenizing its prefixes one after another (what assistant-only targets rely on); the assistant header comes
-from `add_generation_prompt`, the answer and its EOS are the assistant's tokens (in `{% generation %}` tags,
-so transformers' `return_assistant_tokens_mask` marks them too); a BOS opens the conversation when the
-tokenizer has one.
+Every turn ends at a newline or at the EOS, so tokenizing the whole conversation equals tokenizing its prefixes one
+after another (what assistant-only targets rely on); the answers sit in `{% generation %}` tags, so transformers'
+`return_assistant_tokens_mask` marks the same tokens.
 """
 
 from __future__ import annotations
@@ -55,19 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.data.checks import DataError, check_output_folder, check_positive
-from megatron_jreg.data.sources import InputFile, iter_units, resolve_inputs
+from megatron_jreg.data.checks import (
+    DataError,
+    check_output_folder,
+    check_positive,
+    describe_skips,
+    skip_counts,
+)
+from megatron_jreg.data.sources import InputFile, iter_units, jsonl_lines, resolve_inputs
 from megatron_jreg.errors import run_command
 from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg prepare-chat"
 ROLES = ("system", "user", "assistant")
-ERROR_REASONS = (
-    "malformed_json", "not_utf8", "missing_messages", "not_a_message", "unknown_role", "not_a_string",
-    "empty_content", "bad_first_role", "misplaced_system", "consecutive_roles", "no_assistant_turn",
-    "template_error", "special_token_text", "corrupt_stream", "unreadable_file",
-)
-FILTER_REASONS = ("blank_line", "too_long")
 EXAMPLES_PER_REASON = 3
 PAD_NAMES = ("<|pad|>", "<pad>")  # reserved pad tokens picked up when the tokenizer sets none
 MARKER = "prepare_chat.json"  # in a tokenizer folder written here (so a rerun may replace it)
@@ -91,7 +68,7 @@ SIMPLE_STOP_TEXTS = ("<|user|>", "<|system|>", "<|assistant|>")
 
 # ---------------------------------------------------------------------------------------------- records
 def check_messages(record: Any) -> tuple[list[dict[str, str]] | None, str, str]:
-    """(clean messages, "", "") for a good record, else (None, reason, detail); see the module docstring."""
+    """(clean messages, "", "") for a good record, else (None, reason, detail); the reasons: docs/sft.md."""
     if not isinstance(record, dict):
         return None, "malformed_json", f"a JSON {type(record).__name__}, not an object"
     messages = record.get("messages")
@@ -151,11 +128,7 @@ class ChatSummary:
             total = sum(self.tokens)
             lines.append(f"tokens: {total:,} ({total / len(self.tokens):.1f} per conversation, longest "
                          f"{max(self.tokens):,}; {self.target_tokens:,} on assistant turns)")
-        if not self.skipped:
-            lines.append("skipped: none")
-        else:
-            parts = [f"{r} {n:,} (e.g. {self.examples[r][0]})" for r, n in sorted(self.skipped.items())]
-            lines.append("skipped: " + "; ".join(parts))
+        lines.append(describe_skips(self.skipped, self.examples))
         if self.tokenizer is not None:
             how = "written with" if self.tokenizer_written else "has"
             lines.append(f"tokenizer: {self.tokenizer} ({how} chat template: {self.template})")
@@ -169,23 +142,11 @@ def iter_records(files: list[InputFile], summary: ChatSummary) -> Iterator[tuple
     """(parsed JSON, "file:line") of every line of the files, in order; unreadable lines are counted in
     `summary` and skipped. A damaged .gz/.zst ends its file after the last complete line before the damage."""
     for unit in iter_units(files, ["messages"]):
-        if unit.error is not None:
-            summary.skip(unit.error_reason, f"{unit.path}:{unit.first_line} ({unit.error})")
-            continue
-        lines = unit.data.split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
-        for offset, raw in enumerate(lines):
-            where = f"{unit.path}:{unit.first_line + offset}"
-            if not raw.strip():
-                summary.skip("blank_line", where)
-                continue
-            try:
-                yield json.loads(raw.decode("utf-8")), where
-            except UnicodeDecodeError as e:
-                summary.skip("not_utf8", f"{where} ({e.reason} at byte {e.start})")
-            except ValueError as e:
-                summary.skip("malformed_json", f"{where} ({e})")
+        for where, record, reason in jsonl_lines(unit):
+            if reason is None:
+                yield record, where
+            else:
+                summary.skip(reason, where)
 
 
 # -------------------------------------------------------------------------------------------- templates
@@ -450,17 +411,13 @@ def prepare_chat(cfg: ChatConfig) -> ChatSummary:
             f.flush()
             os.fsync(f.fileno())
         if summary.conversations == 0:
-            raise DataError(f"--input {' '.join(cfg.input)}: no usable conversation ({_brief(summary)}); "
+            raise DataError(f"--input {' '.join(cfg.input)}: no usable conversation ({skip_counts(summary.skipped)}); "
                             "nothing written to --output")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return summary
-
-
-def _brief(summary: ChatSummary) -> str:
-    return ", ".join(f"{r} {n}" for r, n in sorted(summary.skipped.items())) or "no records"
 
 
 def build_parser() -> argparse.ArgumentParser:

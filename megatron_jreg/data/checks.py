@@ -5,7 +5,8 @@ names the file or flag and the fix, and exit status 2 (as argparse for a bad fla
 failure of the machine rather than the input (a full disk, an I/O error) exits 1. They check what they can
 (flags, the output folder) before any work. `DataError` is what the library raises for such input (the
 line and exit code come from megatron_jreg.errors, the parser from megatron_jreg.usage), and
-`check_output_prefix` / `check_positive` are the shared up-front checks.
+`check_output_prefix` / `check_positive` are the shared up-front checks, `describe_skips` / `skip_counts` the
+shared lines about skipped records.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def check_output_folder(folder: Path, what: str) -> Path:
             f"{what}: cannot write in {folder} ({e.strerror}); choose a writable folder or fix its permissions"
         ) from None
     return folder
+
+
+def describe_skips(skipped: dict[str, int], examples: dict[str, list[str]]) -> str:
+    """`skipped: reason n (e.g. file:line); ...` on one line: a command's summary of the records it skipped."""
+    if not skipped:
+        return "skipped: none"
+    return "skipped: " + "; ".join(f"{r} {n:,} (e.g. {examples[r][0]})" for r, n in sorted(skipped.items()))
+
+
+def skip_counts(skipped: dict[str, int]) -> str:
+    """`reason n, ...` (or "no records"), for the error of a run that found nothing usable."""
+    return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items())) or "no records"
 
 
 @functools.cache

@@ -279,24 +279,37 @@ class Records:
     count: int = 0  # records seen (good + bad)
 
 
-def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
-    out = Records(texts={k: [] for k in keys})
+def jsonl_lines(unit: Unit) -> Iterator[tuple[str, Any, str | None]]:
+    """(file:line, the parsed JSON, None) per line of a JSONL unit; for a line that cannot be read, or the
+    unit's unreadable rest, (file:line (why), None, the skip reason)."""
+    if unit.error is not None:
+        yield f"{unit.path}:{unit.first_line} ({unit.error})", None, unit.error_reason
+        return
     lines = unit.data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     for offset, raw in enumerate(lines):
-        pos, where = out.count, f"{unit.path}:{unit.first_line + offset}"
-        out.count += 1
+        where = f"{unit.path}:{unit.first_line + offset}"
         if not raw.strip():
-            out.bad.append((pos, "blank_line", where))
+            yield where, None, "blank_line"
             continue
         try:
             record = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            out.bad.append((pos, "not_utf8", f"{where} ({e.reason} at byte {e.start})"))
+            yield f"{where} ({e.reason} at byte {e.start})", None, "not_utf8"
             continue
         except ValueError as e:
-            out.bad.append((pos, "malformed_json", f"{where} ({e})"))
+            yield f"{where} ({e})", None, "malformed_json"
+            continue
+        yield where, record, None
+
+
+def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
+    out = Records(texts={k: [] for k in keys})
+    for pos, (where, record, reason) in enumerate(jsonl_lines(unit)):
+        out.count += 1
+        if reason is not None:
+            out.bad.append((pos, reason, where))
             continue
         if not isinstance(record, dict):
             out.bad.append(
@@ -384,13 +397,11 @@ def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool,
 
 def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
     """Parse a unit into records (runs in a worker). An unreadable file yields one `unreadable_file` entry."""
-    if unit.error is not None:
-        where = f"{unit.path}:{unit.first_line}" if unit.kind == "jsonl" else unit.path
-        return Records(
-            texts={k: [] for k in keys}, bad=[(0, unit.error_reason, f"{where} ({unit.error})")], count=1
-        )
     if unit.kind == "jsonl":
         return _jsonl_records(unit, keys, want_score)
+    if unit.error is not None:
+        bad = [(0, unit.error_reason, f"{unit.path} ({unit.error})")]
+        return Records(texts={k: [] for k in keys}, bad=bad, count=1)
     if unit.kind == "arrow":
         return _table_records(unit, unit.table, keys, want_score)
     import pyarrow.parquet as pq

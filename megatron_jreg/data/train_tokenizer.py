@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_jreg.data.checks import DataError, check_output_folder, check_positive
+from megatron_jreg.data.checks import DataError, check_output_folder, check_positive, skip_counts
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
 from megatron_jreg.errors import run_command
@@ -54,10 +54,9 @@ class _Samples:
     def check(self) -> None:
         """After training: no text at all is an error naming the input and the key."""
         if self.count == 0:
-            skipped = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items())) or "no records"
             raise DataError(
                 f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
-                f"{self.json_key!r} ({skipped}); check the files and --json-key"
+                f"{self.json_key!r} ({skip_counts(self.skipped)}); check the files and --json-key"
             )
 
     def report(self) -> None:

@@ -25,7 +25,9 @@ from scipy import stats
 
 from megatron_jreg.errors import run_command
 from megatron_jreg.evaluate.results import EvalResults
+from megatron_jreg.evaluate.results import format_number as _value
 from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided, untested
+from megatron_jreg.evaluate.tasks import task_pairs
 from megatron_jreg.usage import example
 
 AVERAGE = "average"
@@ -262,13 +264,6 @@ def format_rows(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
-def _value(value: float, sign: str = "") -> str:
-    """A score or difference: 4 decimals, or 4 significant digits past 1e5 (perplexities); NaN as "-"."""
-    if math.isnan(value):
-        return "-"
-    return f"{value:{sign}.4f}" if abs(value) < 1e5 else f"{value:{sign}.4e}"
-
-
 def _p(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.4g}"
 
@@ -312,16 +307,6 @@ def rows_to_json(comparison: Comparison, pairing: str) -> dict:
     }
 
 
-def _metric_overrides(values: list[str]) -> dict[str, str]:
-    out = {}
-    for value in values:
-        task, sep, metric = value.partition("=")
-        if not sep or not task or not metric:
-            raise ValueError(f"--task-metric {value}: write TASK=METRIC, e.g. --task-metric hellaswag=acc_norm")
-        out[task] = metric_name(metric)
-    return out
-
-
 def _direction_overrides(higher: list[str], lower: list[str]) -> dict[str, bool]:
     if both := sorted(set(map(metric_name, higher)) & set(map(metric_name, lower))):
         raise ValueError(f"--higher-is-better and --lower-is-better both name {', '.join(both)}; give one direction")
@@ -332,38 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-jreg compare", description=__doc__.split("\n")[0],
                                 **example("megatron-jreg compare --baseline results/base-s{1,2,3}.json "
                                           "--jreg results/jreg-s{1,2,3}.json"))
-    p.add_argument(
-        "--baseline",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="FILE",
-        help="result files (evaluate --output, or lm-eval's results_*.json) of the baseline arm, one per seed",
-    )
-    p.add_argument(
-        "--jreg", nargs="+", type=Path, required=True, metavar="FILE", help="result files of the JREG arm, one per seed"
-    )
+    p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="FILE",
+                   help="result files (evaluate --output, or lm-eval's results_*.json) of the baseline arm, one per "
+                   "seed")
+    p.add_argument("--jreg", nargs="+", type=Path, required=True, metavar="FILE",
+                   help="result files of the JREG arm, one per seed")
     p.add_argument("--metric", default="acc", help="metric compared for every task (default: acc)")
-    p.add_argument(
-        "--task-metric",
-        action="append",
-        default=[],
-        metavar="TASK=METRIC",
-        help="another metric for one task, e.g. hellaswag=acc_norm (repeatable)",
-    )
-    p.add_argument(
-        "--higher-is-better",
-        action="append",
-        default=[],
-        metavar="METRIC",
-        help="a metric whose direction the files do not give and its name does not tell (repeatable)",
-    )
+    p.add_argument("--task-metric", action="append", default=[], metavar="TASK=METRIC",
+                   help="another metric for one task, e.g. hellaswag=acc_norm (repeatable)")
+    p.add_argument("--higher-is-better", action="append", default=[], metavar="METRIC",
+                   help="a metric whose direction the files do not give and its name does not tell (repeatable)")
     p.add_argument("--lower-is-better", action="append", default=[], metavar="METRIC", help="the same, lower is better")
-    p.add_argument(
-        "--pair-by-order",
-        action="store_true",
-        help="pair the i-th --baseline file with the i-th --jreg file (for files without a seed, e.g. lm-eval's)",
-    )
+    p.add_argument("--pair-by-order", action="store_true",
+                   help="pair the i-th --baseline file with the i-th --jreg file (for files without a seed, e.g. "
+                   "lm-eval's)")
     p.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence level (default: 0.95)")
     p.add_argument("--output", type=Path, metavar="FILE", help="also write the comparison as JSON (default: none)")
     return p
@@ -417,7 +384,8 @@ def _compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--confidence {args.confidence}: must be between 0 and 1, e.g. 0.95")
     if args.output is not None and args.output.is_dir():
         raise ValueError(f"--output {args.output}: is a folder; pass a file name, e.g. {args.output}/compare.json")
-    overrides = _metric_overrides(args.task_metric)
+    overrides = {task: metric_name(m) for task, m in
+                 task_pairs(args.task_metric, "--task-metric", "METRIC", "hellaswag=acc_norm").items()}
     directions = _direction_overrides(args.higher_is_better, args.lower_is_better)
     metric = metric_name(args.metric)
     runs = {p: EvalResults.read(p) for p in [*args.baseline, *args.jreg]}

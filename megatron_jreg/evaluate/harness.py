@@ -2,7 +2,7 @@
 
 `HarnessLM` answers lm-eval's three request types with the computations in `scoring`, so lm-eval's
 task configs, prompts, metrics and aggregation run unchanged ("default settings as in the paper") on a
-Hugging Face folder or, once `load_megatron_lm` exists, on a megatron checkpoint without converting it.
+Hugging Face folder or on a megatron checkpoint without converting it.
 """
 
 from __future__ import annotations

@@ -18,16 +18,12 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_jreg.errors import JregError
+from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
 
 # Why a passage cannot be scored: nothing to predict from, or nothing to predict.
 SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
-
-
-class LambadaFileError(JregError, ValueError):
-    """A --lambada-file that is not LAMBADA JSONL, or holds no passage that can be scored."""
 
 
 def split_passage(text: str) -> tuple[str, str]:
@@ -57,7 +53,7 @@ def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
     """(scoreable passages in file order, skipped passages counted by reason) of a LAMBADA JSONL file,
     one {"text": passage} a line (blank lines ignored).
 
-    A line that is not such an object makes the file unusable (LambadaFileError naming file and line):
+    A line that is not such an object makes the file unusable (UsageError naming file and line):
     skipping it would change which passages are scored without saying so. A file with no scoreable
     passage is refused too, rather than scored as accuracy 0.
     """
@@ -74,21 +70,21 @@ def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise LambadaFileError(f"--lambada-file {path}:{lineno}: not JSON ({e.msg}); {fix}") from None
+                    raise UsageError(f"--lambada-file {path}:{lineno}: not JSON ({e.msg}); {fix}") from None
                 if not isinstance(record, dict) or "text" not in record:
-                    raise LambadaFileError(f'--lambada-file {path}:{lineno}: no "text" field; {fix}')
+                    raise UsageError(f'--lambada-file {path}:{lineno}: no "text" field; {fix}')
                 reason = skip_reason(record["text"])
                 if reason is None:
                     passages.append(record["text"])
                 else:
                     skipped[reason] += 1
     except UnicodeDecodeError as e:
-        raise LambadaFileError(f"--lambada-file {path}: not UTF-8 ({e.reason} at byte {e.start}); {expected}") from None
+        raise UsageError(f"--lambada-file {path}: not UTF-8 ({e.reason} at byte {e.start}); {expected}") from None
     except OSError as e:
-        raise LambadaFileError(f"--lambada-file {path}: cannot read it ({e.strerror}); pass a readable file") from None
+        raise UsageError(f"--lambada-file {path}: cannot read it ({e.strerror}); pass a readable file") from None
     if not passages:
         counts = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "no passages"
-        raise LambadaFileError(f"--lambada-file {path}: no passage can be scored ({counts}); {expected}")
+        raise UsageError(f"--lambada-file {path}: no passage can be scored ({counts}); {expected}")
     return passages, skipped
 
 

@@ -1,24 +1,14 @@
 """`megatron-jreg` as an lm-eval model: `--model megatron-jreg --model_args load=CKPT` in lm-eval's own CLI.
 
-How lm-eval 0.4.13 finds a model named by `--model`: `lm_eval.api.registry.get_model(name)` looks it up
-in `model_registry`, which holds the classes decorated with `@register_model(name)` in modules that have
-been imported, plus the lazy "module:Class" entries of `lm_eval.models.MODEL_MAPPING` (lm-eval's own
-models). It does not scan installed packages' entry points, and its `--include_path` is for task
-YAMLs only. So the registration below takes effect in any process that imports this module; the ways
-to use it are
+lm-eval 0.4.13 finds a model named by `--model` only in its registry (`@register_model` in modules that have been
+imported, plus its built-in list), never through entry points; so the registration below takes effect in any
+process that imports this module: `python -m megatron_jreg.evaluate.lm_eval_model` is lm-eval's whole CLI with it
+imported (and offline), and `import megatron_jreg.evaluate.lm_eval_model` before `lm_eval.simple_evaluate(
+model="megatron-jreg", ...)` does the same from Python (usage and model_args: docs/evaluate.md).
 
-    python -m megatron_jreg.evaluate.lm_eval_model --model megatron-jreg --model_args load=CKPT --tasks arc_easy
-    # lm-eval's complete CLI (every flag: --num_fewshot, --limit, --output_path, ...), offline
-
-    import megatron_jreg.evaluate.lm_eval_model  # registers "megatron-jreg"
-    lm_eval.simple_evaluate(model="megatron-jreg", model_args="load=CKPT", tasks=[...])
-
-model_args: `load=CKPT[,iteration=N]` (a megatron-jreg checkpoint, any TP/PP layout, via
-`models.load_megatron_lm`) or `hf=DIR_OR_HUB_ID[,dtype=auto|float32|bfloat16|float16][,max_length=N]`
-(a Hugging Face folder, via `models.load_hf_lm`). `pretrained=PATH` is either, by what PATH holds (a
-config.json or a hub id: hf=, else load=): lm-eval names its `--output_path` folders after `pretrained=`
-(other keys give random names). Requests are answered by `harness.HarnessLM`, the adapter
-`megatron-jreg evaluate` uses, so both give the same numbers.
+`pretrained=PATH` is load= or hf= by what PATH holds, because lm-eval names its `--output_path` folders after
+`pretrained=` only. Requests are answered by `harness.HarnessLM`, the adapter `megatron-jreg evaluate` uses, so
+both give the same numbers.
 """
 
 # ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
@@ -88,7 +78,7 @@ def _is_hf(spec: str) -> bool:
 
 @register_model(NAME)
 class MegatronJregLM(HarnessLM):
-    """The lm-eval model `megatron-jreg` (see the module docstring for its model_args)."""
+    """The lm-eval model `megatron-jreg`; its model_args: `USAGE` (docs/evaluate.md)."""
 
     def __init__(
         self,

@@ -42,13 +42,10 @@ class EvalResults:
         if n is not None:
             self.samples[task] = n
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
     def write(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
     def read(cls, path: str | Path) -> EvalResults:
@@ -100,7 +97,7 @@ class EvalResults:
             for metric, value in metrics.items():
                 if not metric.endswith("_stderr") and "_stderr," not in metric:
                     stderr = metrics.get(_stderr_key(metric))
-                    rows.append((task, metric, _number(value), _number(stderr)))
+                    rows.append((task, metric, format_number(value), format_number(stderr)))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -110,10 +107,11 @@ def _stderr_key(metric: str) -> str:
     return f"{name}_stderr" + (f",{filter_name}" if filter_name else "")
 
 
-def _number(value: float | None) -> str:
+def format_number(value: float | None, sign: str = "") -> str:
+    """A score or difference: 4 decimals, or 4 significant digits past 1e5 (perplexities); None or NaN as "-"."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.4f}" if abs(value) < 1e5 else f"{value:.4e}"
+    return f"{value:{sign}.4f}" if abs(value) < 1e5 else f"{value:{sign}.4e}"
 
 
 def harness_metrics(task_results: dict[str, Any]) -> Metrics:

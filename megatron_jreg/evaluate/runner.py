@@ -6,11 +6,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from megatron_jreg import hub
+from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.config import EvaluateConfig
 from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
 from megatron_jreg.evaluate.models import CausalLM, load_hf_lm, load_megatron_lm
 from megatron_jreg.evaluate.results import EvalResults, add_harness
-from megatron_jreg.evaluate.tasks import TaskError, check_datasets, task_manager, task_plans
+from megatron_jreg.evaluate.tasks import check_datasets, task_manager, task_plans
 from megatron_jreg.hub import force_offline
 from megatron_jreg.progress import show_progress
 
@@ -33,7 +34,7 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
     reuse one index across calls; by default one is built for the requested tasks.
 
     Every lm-eval task's dataset is loaded offline before the model is, so a missing one stops the run
-    with one message for all tasks (TaskError) before any compute is spent.
+    with one message for all tasks (a UsageError) before any compute is spent.
     """
     force_offline()
     plans = []
@@ -41,7 +42,7 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
         manager = manager or task_manager(cfg.harness_tasks, cfg.include_path)
         plans = task_plans(manager, cfg.harness_tasks, cfg.task_data)
         if problems := check_datasets(plans):
-            raise TaskError(
+            raise UsageError(
                 "these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
                 + "\n  ".join(problems)
             )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.errors import JregError, one_line
+from megatron_jreg.errors import UsageError, one_line
 
 # The paper's downstream tasks, by their lm-eval names, and the folder of lm-eval's task configs that
 # defines each (indexing only those folders takes milliseconds; all of lm-eval's ~15k configs ~20 s).
@@ -31,8 +31,15 @@ PAPER_TASKS: dict[str, str] = {
 }
 
 
-class TaskError(JregError, ValueError):
-    """A requested task cannot run; the message says which and what to do."""
+def task_pairs(values: Sequence[str], flag: str, what: str, example: str) -> dict[str, str]:
+    """Repeated `flag TASK=VALUE` options (evaluate's --task-data, compare's --task-metric) as {task: value}."""
+    pairs = {}
+    for value in values:
+        task, sep, rest = value.partition("=")
+        if not sep or not task or not rest:
+            raise UsageError(f"{flag} {value}: write TASK={what}, e.g. {flag} {example}")
+        pairs[task] = rest
+    return pairs
 
 
 def task_manager(names: Sequence[str], include_paths: Sequence[Path] = ()):
@@ -57,12 +64,12 @@ def task_config(manager, name: str) -> dict[str, Any]:
     from lm_eval.tasks._yaml_loader import load_yaml
 
     if name not in manager.all_tasks:
-        raise TaskError(
+        raise UsageError(
             f"--tasks {name}: not an lm-eval task; run `lm_eval ls tasks` for the names, or pass "
             "--include-path DIR with a task YAML that defines it"
         )
     if name not in manager.all_subtasks:
-        raise TaskError(f"--tasks {name}: an lm-eval group or tag; list the tasks it contains instead")
+        raise UsageError(f"--tasks {name}: an lm-eval group or tag; list the tasks it contains instead")
     entry = manager.task_index[name]
     return load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else dict(entry.cfg or {})
 

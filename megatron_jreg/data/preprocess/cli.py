@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_jreg.data.checks import describe_skips
 from megatron_jreg.data.manifest import manifest_path
 from megatron_jreg.data.preprocess.config import PreprocessConfig
-from megatron_jreg.data.preprocess.driver import describe_skips, preprocess
+from megatron_jreg.data.preprocess.driver import preprocess
 from megatron_jreg.data.tokenizers import add_tokenizer_args, tokenizer_defaults
 from megatron_jreg.errors import Interrupted, run_command
 from megatron_jreg.usage import OneLineParser, example

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_jreg.data.checks import DataError, check_output_prefix
+from megatron_jreg.data.checks import DataError, check_output_prefix, describe_skips
 from megatron_jreg.data.indexed import Builder, optimal_dtype, remove_dataset
 from megatron_jreg.data.manifest import is_complete, manifest_path, new_manifest, write_json_atomic
 from megatron_jreg.data.preprocess import worker
@@ -38,13 +38,6 @@ EXAMPLES_PER_REASON = 5
 
 class PreprocessError(DataError):
     """A bad record under --on-error fail, or input that yields no documents at all."""
-
-
-def describe_skips(skipped: dict[str, int], examples: dict[str, list[str]]) -> str:
-    """`skipped: reason n (e.g. file:line); ...` on one line."""
-    if not skipped:
-        return "skipped: none"
-    return "skipped: " + "; ".join(f"{r} {n:,} (e.g. {examples[r][0]})" for r, n in sorted(skipped.items()))
 
 
 @dataclass
