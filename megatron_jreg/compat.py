@@ -42,31 +42,21 @@ class _NullStream:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def wait_stream(self, *args: Any) -> None:
+    def _nothing(self, *args: Any) -> None:
         pass
 
-    def wait_event(self, *args: Any) -> None:
-        pass
+    wait_stream = wait_event = record = synchronize = _nothing
 
     def record_event(self, *args: Any) -> _NullStream:
         return self
-
-    def record(self, *args: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
     def query(self) -> bool:
         return True
 
 
 def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return False
+    return (isinstance(device, torch.device) and device.type == "cuda") or (
+        isinstance(device, str) and device.startswith("cuda"))
 
 
 class _CudaToCpu(torch.overrides.TorchFunctionMode):
@@ -86,12 +76,16 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
     return _device_rng.get_state()
 
 
-def _set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-    _device_rng.set_state(new_state)
+def _set_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    _device_rng.set_state(state)
+
+
+def _seed(seed: int) -> None:
+    _device_rng.manual_seed(int(seed))
 
 
 def _tracker_add(self, name: str, seed: int) -> None:  # noqa: ANN001 - megatron's CudaRNGStatesTracker
@@ -122,10 +116,10 @@ _CPU_PATCHES = {
     "torch.cuda.Stream": _value(_NullStream),
     "torch.cuda.Event": _value(_NullStream),
     "torch.cuda.stream": _value(lambda *a, **k: contextlib.nullcontext()),
-    "torch.cuda.manual_seed": _value(lambda seed: _device_rng.manual_seed(int(seed))),
-    "torch.cuda.manual_seed_all": _value(lambda seed: _device_rng.manual_seed(int(seed))),
-    "torch.cuda.get_rng_state": _value(lambda *a, **k: _device_rng.get_state()),
-    "torch.cuda.set_rng_state": _value(lambda state, *a, **k: _device_rng.set_state(state)),
+    "torch.cuda.manual_seed": _value(_seed),
+    "torch.cuda.manual_seed_all": _value(_seed),
+    "torch.cuda.get_rng_state": _value(_get_state),
+    "torch.cuda.set_rng_state": _value(_set_state),
     "megatron.core.tensor_parallel.random._get_cuda_rng_state": _value(_get_state),
     "megatron.core.tensor_parallel.random._set_cuda_rng_state": _value(_set_state),
     "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add": _value(_tracker_add),
@@ -180,15 +174,15 @@ def apply_cpu_training_compat(args: Any | None = None) -> bool:
         args.distributed_backend = "gloo"
         # Megatron-LM asks for it with TP/CP (CUDA kernel ordering); nothing to order on a CPU
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        for name in _CUDA_KERNELS:
+        for name in CUDA_KERNELS:
             setattr(args, name, False)
         args.no_persist_layer_norm = True
     return True
 
 
 # Megatron-LM flags whose default is a CUDA/apex/TE kernel (each has a --no-… flag on GPUs).
-_CUDA_KERNELS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
-                 "bias_dropout_fusion", "apply_rope_fusion")
+CUDA_KERNELS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+                "bias_dropout_fusion", "apply_rope_fusion")
 
 
 def device() -> torch.device:

@@ -83,9 +83,8 @@ def _split(spec: str) -> list[tuple[str, str | None, str]]:
 
 
 def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Path:
-    """The snapshot folder of `revision` (a branch or tag in refs/, or a commit hash or its prefix), found by
-    huggingface_hub's `snapshot_download` with `local_files_only=True` (never the network); why not, in one line,
-    when it finds none."""
+    """The snapshot folder of `revision` (a branch or tag, a commit hash or its prefix), by huggingface_hub
+    (`local_files_only`); why not, in one line, when it finds none."""
     from huggingface_hub import snapshot_download as cached_snapshot
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -129,10 +128,7 @@ def _check_links(folder: Path, flag: str, repo_id: str) -> None:
 
 
 def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) -> Path:
-    """A local path for `spec`: the path itself when it exists, else its snapshot in the hub cache.
-
-    Raises HubError (one line: the flag, the local path and the cache folder searched, the fix).
-    """
+    """A local path for `spec`: the path itself when it exists, else its snapshot in the hub cache."""
     text = str(spec)
     local = Path(text).expanduser()
     if local.exists() or not _looks_like_id(text):
@@ -208,15 +204,11 @@ def load_causal_lm(
     checked: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """`AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=False, **kwargs)`
-    after `model_files.check_model_folder` (config values, safetensors headers, no custom code; no pickled
-    weights unless `allow_pickle`), refusing a model whose weights do not all load: missing, unused or of
-    the wrong shape (IncompleteWeightsError; shapes are loaded with ignore_mismatched_sizes so that they
-    are reported here rather than raised as a RuntimeError pointing at a report). Transformers' own load
-    report is silenced, since this error replaces it, and so is its weight-loading bar unless stderr is a
-    terminal. `where` starts the message (e.g. "--model DIR").
-    checked: the caller has run `check_model_folder` on this folder already (its headers are read once per
-    load, not twice); not passed to from_pretrained."""
+    """`AutoModelForCausalLM.from_pretrained` (local files, no remote code) after `check_model_folder` (unless
+    `checked`: the caller ran it), refusing weights that are missing, unused or of the wrong shape
+    (ignore_mismatched_sizes, so that shapes are reported here rather than raised as a RuntimeError pointing at
+    a report). Transformers' own load report is silenced, since this error replaces it. `where` starts the
+    message (e.g. "--model DIR")."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -246,17 +238,10 @@ def load_causal_lm(
     return model
 
 
-_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
 def force_offline() -> None:
-    """Keep every Hugging Face library on local files for the rest of the process: nothing may download.
-
-    The libraries read their offline switches from the environment when they are imported, so the variables
-    are set and so are the flags of modules already imported (a test run or an embedding program may have
-    imported them first)."""
-    for name in _OFFLINE_VARIABLES:
-        os.environ[name] = "1"
+    """Keep every Hugging Face library on local files for the rest of the process. The libraries read their
+    offline switches at import, so the flags of modules already imported are set too."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if (hub := sys.modules.get("huggingface_hub.constants")) is not None:
         hub.HF_HUB_OFFLINE = True
     if (datasets_config := sys.modules.get("datasets.config")) is not None:

@@ -82,7 +82,6 @@ def read_config(folder: Path, flag: str) -> dict[str, Any]:
     return config
 
 
-
 class WeightsError(ModelFileError):
     """A safetensors file or index that cannot be read as it describes itself; the message names the file."""
 
@@ -99,8 +98,7 @@ _FIXES = {  # the dtype the weights were loaded in -> what to do about ±inf tha
 
 
 def check_finite_weights(named: Iterable[tuple[str, Any]], where: str) -> None:
-    """Refuse (NonFiniteWeights, one line naming the first bad tensor and how many are bad) weights that hold
-    NaN or ±inf. `named`: (name, tensor) pairs, e.g. `model.named_parameters()`; one pass over the weights."""
+    """Refuse weights that hold NaN or ±inf, naming the first bad tensor. `named`: (name, tensor) pairs."""
     import torch
 
     bad: list[tuple[str, int, int, torch.dtype]] = []
@@ -131,13 +129,20 @@ class NotRegularFile(OSError):
 # Files that are what they claim to be.
 
 
+_SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket"}
+
+
 def special_kind(mode: int) -> str | None:
     """'a FIFO', 'a character device', ... for a stat mode that is neither a regular file nor a folder."""
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
-        if test(mode):
-            return kind
-    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return _SPECIAL.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def relative_name(name: object) -> bool:
+    """Whether a file name read from a file (an index, a manifest) stays below its folder: relative, no `..`."""
+    return isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
 def open_regular(path: str | Path) -> IO[bytes]:
@@ -213,7 +218,7 @@ def _entry(path: Path, name: str, entry: Any, base: int) -> TensorEntry:
 def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file (8-byte little-endian header length N, N bytes of JSON
     {name: {dtype, shape, data_offsets: [begin, end]}} with offsets relative to the data area, then the
-    data), every field checked before any tensor is read; WeightsError names the file and the problem."""
+    data), every field checked before any tensor is read."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -256,8 +261,7 @@ def _inside(folder: Path, name: Any, index: Path) -> Path:
     """folder/name for a weight-map file name that stays inside the folder (relative, no `..`)."""
     if not isinstance(name, str) or not name:
         raise WeightsError(f"{index}: file name {str(name)[:60]!r} is not a string; restore the file")
-    parts = Path(name).parts
-    if Path(name).is_absolute() or ".." in parts:
+    if not relative_name(name):
         raise WeightsError(f"{index}: names {name[:120]!r}, outside {folder}; an index may only name files in its "
                            "own folder: restore the file (do not use this model if you did not edit it)")
     path = folder / name
@@ -327,9 +331,8 @@ CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length
 
 
 def declared_context(config: Any) -> int | None:
-    """The context window a Hugging Face config declares — the text decoder's for a multimodal model —: the first
-    of CONTEXT_FIELDS set to a positive int, else None. `config` is config.json as a dict or a transformers
-    config; analysis and evaluation both take the window from here."""
+    """The context window a Hugging Face config (a dict or a transformers config) declares, the text decoder's
+    for a multimodal model: the first of CONTEXT_FIELDS set to a positive int, else None."""
     if isinstance(config, dict):
         values = _text_configs(config)[-1]
         get = values.get
@@ -344,7 +347,7 @@ def declared_context(config: Any) -> int | None:
 
 
 def check_config(config: dict, where: str) -> None:
-    """Types and ranges of the config.json values a model is built from; BadConfigError naming the key."""
+    """Types and ranges of the config.json values a model is built from."""
     for part in _text_configs(config):
         for key in (*_SIZES, *_EXPERTS):
             if key not in part:
@@ -360,9 +363,8 @@ def check_config(config: dict, where: str) -> None:
             _positive_number(part, key, key, where)
         for key in ("rope_scaling", "rope_parameters"):
             rope = part.get(key)
-            for sub, params in ([("", rope)] if isinstance(rope, dict) else []):
-                nested = [(f"{sub}{k}.", v) for k, v in params.items() if isinstance(v, dict)]
-                for prefix, values in [(sub, params), *nested]:
+            if isinstance(rope, dict):  # per-layer-type parameters nest one level down
+                for prefix, values in [("", rope), *((f"{k}.", v) for k, v in rope.items() if isinstance(v, dict))]:
                     for name in _ROPE_FLOATS:
                         _positive_number(values, name, f"{key}.{prefix}{name}", where)
         heads = _first([part], _HEADS)
@@ -433,10 +435,9 @@ def _json(path: Path) -> dict:
 
 
 def custom_code(folder: Path, *, any_map: bool = False) -> str | None:
-    """What in `folder` needs its own Python code that transformers does not implement (`auto_map` in
-    config.json with an unknown model_type, or in tokenizer_config.json with an unknown tokenizer class),
-    described for an error line; None when transformers' own classes load it. any_map: report any
-    `auto_map` (what `trust_remote_code=True` would run even where transformers has the class)."""
+    """What in `folder` needs its own Python code that transformers does not implement (`auto_map` with an
+    unknown model_type or tokenizer class), for an error line; None when transformers' own classes load it.
+    any_map: report any `auto_map` (what `trust_remote_code=True` would run even where transformers has the class)."""
     folder = Path(folder)
     config = _json(folder / "config.json")
     if isinstance(config.get("auto_map"), dict) and config["auto_map"]:
@@ -471,19 +472,13 @@ def refuse_custom_code(folder: Path, flag: str) -> None:
 # The one check.
 
 
-def pickled_weights(folder: Path) -> list[str]:
-    """Names of pickle-format weight files in `folder` (torch.load would unpickle them)."""
-    return sorted({p.name for pattern in PICKLE_PATTERNS for p in Path(folder).glob(pattern)})
-
-
 def check_model_folder(
     folder: str | Path, flag: str, *, allow_pickle: bool = False, require_weights: bool = True
 ) -> dict:
-    """Check a Hugging Face model folder before anything loads it (module docstring); its config.json as a
-    dict. allow_pickle: accept pickle-format weights when there are no safetensors, unchecked
-    (`convert hf-to-mcore` reads them with torch.load(weights_only=True) and maps every tensor by name and
-    shape); analyze and evaluate never do. require_weights=False leaves a folder without weight files to
-    the caller (convert names what is missing after refusing an architecture it cannot map)."""
+    """Check a Hugging Face model folder before anything loads it (module docstring); its config.json.
+    allow_pickle: accept pickle-format weights, unchecked, when there are no safetensors (`convert hf-to-mcore`
+    reads them with torch.load(weights_only=True)). require_weights=False leaves a folder without weight files
+    to the caller (convert names what is missing after refusing an architecture it cannot map)."""
     folder = Path(folder)
     where = f"{flag} {folder}"
     check_entries(folder, flag)
@@ -498,7 +493,7 @@ def check_model_folder(
     if tensors or files:
         check_weights_fit(config, sum(t.numel for t in tensors.values()), where, "the safetensors headers")
         return config
-    pickles = pickled_weights(folder)
+    pickles = sorted({p.name for pattern in PICKLE_PATTERNS for p in folder.glob(pattern)})
     if pickles and not allow_pickle:
         raise ModelFileError(f"{where}: pickle-format weights ({', '.join(pickles[:3])}): megatron-jreg does not "
                              "unpickle weight files (a pickle can run code); convert to safetensors where you trust "

@@ -143,10 +143,9 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def print_help() -> None:
-    """Megatron-LM's help with our group. Importing megatron.training costs 5-10 s and prints a dozen warnings
-    about absent apex/Transformer Engine, none of which the help needs: the parser's layout is built once,
-    quietly, and kept in the user's cache (a new megatron-core or a changed flag builds it anew); every
-    `--help` formats it for its own terminal's width."""
+    """Megatron-LM's help with our group. Importing megatron.training costs 5-10 s, so the parser's layout is
+    built once, quietly, and kept in the user's cache (`_help_cache`); every `--help` formats it for its own
+    terminal's width."""
     import json
 
     cache = _help_cache()
@@ -171,10 +170,8 @@ def print_help() -> None:
 
 
 def _import_megatron_quietly() -> None:
-    """Megatron-LM's training module, imported once before the run imports it: its import warns a dozen times
-    about absent Transformer Engine/Apex and torch logs "No CUDA runtime is found", before a refused flag's one
-    line and on every rank (`quiet_megatron` drops exactly those). What Megatron-LM logs while it runs is
-    untouched."""
+    """Megatron-LM's training module, imported before the run does, without the dozen notices its import prints
+    on every rank (`quiet_megatron`); what Megatron-LM logs while it runs is untouched."""
     from megatron_jreg.checkpoints.model import quiet_megatron
 
     with quiet_megatron():

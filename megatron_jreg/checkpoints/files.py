@@ -42,13 +42,12 @@ import torch
 
 from megatron_jreg import patches
 from megatron_jreg.errors import JregError
-from megatron_jreg.model_files import NotRegularFile, open_regular, special_kind
+from megatron_jreg.model_files import NotRegularFile, open_regular, relative_name, special_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SIDECAR = "megatron_jreg.json"  # beside each iteration's files: Adam's step count and the run's JREG settings
 _ITER_DIR = re.compile(r"^iter_\d+$")
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
-_CHUNK = 1 << 20  # read size while hashing: larger reads hash slower (the chunk leaves the CPU caches)
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")  # a torch_dist shard: __RANK_INDEX.distcp, written by RANK
 
 
@@ -62,9 +61,7 @@ def iteration_dir(root: str | Path, iteration: int | str) -> Path:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """An iter_*/release directory written completely (torch_dist: .metadata and metadata.json; the legacy
-    `--ckpt-format torch`: mp_rank_*/model_optim_rng.pt)."""
-    path = Path(path)
+    """An iter_*/release directory written completely (torch_dist, or the legacy `--ckpt-format torch`)."""
     return ((path / "metadata.json").is_file() or (path / ".metadata").is_file()
             or any(path.glob("mp_rank_*/model_optim_rng.pt")))
 
@@ -82,7 +79,7 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def read_sidecar(ckpt: Path) -> dict | None:
-    """An iteration folder's megatron_jreg.json (None when it has none: saved by Megatron-LM itself)."""
+    """An iteration folder's megatron_jreg.json; None for Megatron-LM's own saves."""
     path = Path(ckpt) / SIDECAR
     if not path.is_file():
         return None
@@ -166,19 +163,14 @@ def _iterations_text(root: Path) -> str:
     return f"complete iterations there: {'..., ' if len(found) > 12 else ''}{shown}"
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 def check_files(ckpt: str | Path) -> None:
-    """Every entry below an iteration folder is a regular file or folder, and every symlink resolves inside
-    it; CheckpointError naming the entry otherwise. Nothing is opened (lstat/stat only)."""
+    """Every entry below an iteration folder is a regular file or folder inside it (nothing is opened)."""
     ckpt = Path(ckpt)
     root = ckpt.resolve()
     for folder, dirs, files in os.walk(ckpt):
         for name in sorted(dirs + files):
             path = Path(folder) / name
-            if path.is_symlink() and not _inside(path.resolve(), root):
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
                 raise CheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint {ckpt}; "
                                       "readers open only files inside it: copy the file in")
             try:
@@ -200,7 +192,7 @@ def check_storage_paths(metadata, ckpt: str | Path) -> None:  # noqa: ANN001 - t
     names = {getattr(info, "relative_path", None) for info in (storage.values() if isinstance(storage, dict) else [])}
     for name in sorted(names, key=str):
         where = f"{ckpt / '.metadata'}: storage entry {str(name)[:120]!r}"
-        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        if not name or not relative_name(name):
             raise CheckpointError(f"{where} is not a file name inside {ckpt}; this checkpoint is damaged or crafted: "
                                   "do not use it")
         path = ckpt / name
@@ -209,7 +201,7 @@ def check_storage_paths(metadata, ckpt: str | Path) -> None:  # noqa: ANN001 - t
         except OSError:
             raise CheckpointError(f"{where}: {path} is missing; the checkpoint is incomplete: resume from another "
                                   "iteration") from None
-        if not _inside(path.resolve(), root) or special_kind(mode) is not None or not os.path.isfile(path):
+        if not path.resolve().is_relative_to(root) or special_kind(mode) is not None or not os.path.isfile(path):
             what = special_kind(mode) or "outside the checkpoint"
             raise CheckpointError(f"{where}: {path} is {what}, not a regular file inside it; this checkpoint is "
                                   "damaged or crafted: do not use it")
@@ -233,20 +225,16 @@ def failure_text(e: BaseException) -> str:
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a torch DCP `.metadata` file, building nothing but its own data classes."""
 
-    _TORCH = {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-              "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128", "uint16", "uint32", "uint64"}
-    _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range"}
+    _ALLOWED = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                *(("builtins", name) for name in ("set", "frozenset", "slice", "complex", "bytearray", "range")),
+                *(("torch", name) for name in (
+                    "Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+                    "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128", "uint16", "uint32", "uint64"))}
 
     def find_class(self, module: str, name: str):  # noqa: ANN201
-        if module == "torch" and name in self._TORCH:
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        if (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")) or (
-            module == "builtins" and name in self._BUILTINS
-        ):
-            return super().find_class(module, name)
-        if module.startswith("torch.distributed.checkpoint.") or module.startswith(
-            "torch.distributed.tensor._dtensor_spec"
-        ):
+        if module.startswith(("torch.distributed.checkpoint.", "torch.distributed.tensor._dtensor_spec")):
             obj = super().find_class(module, name)
             if isinstance(obj, type) and obj.__module__ == module and (
                 dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
@@ -256,7 +244,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(path: str | Path):
-    """A DCP `.metadata` file's Metadata object; CheckpointError (naming the file) for hostile or broken files."""
+    """A DCP `.metadata` file's Metadata object, through MetadataUnpickler."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -318,11 +306,8 @@ def install_safe_checkpoint_reader() -> None:
 
 
 def read_legacy_state(ckpt: str | Path) -> dict | None:
-    """The state of a legacy `--ckpt-format torch` iteration folder (its first mp_rank_*/model_optim_rng.pt: args,
-    iteration, model, optimizer, ...), read as Megatron-LM's own load reads it but through
-    `install_safe_checkpoint_reader`'s allow-list with weights_only=True, and memory-mapped (the tensors are not
-    read); None for a folder without one (torch_dist). CheckpointError naming the file for a refused class or an
-    unreadable file."""
+    """The state of a legacy `--ckpt-format torch` iteration folder (its first mp_rank_*/model_optim_rng.pt),
+    through `install_safe_checkpoint_reader`'s allow-list and memory-mapped (tensors unread); None for torch_dist."""
     found = sorted(Path(ckpt).glob("mp_rank_*/model_optim_rng.pt"))
     if not found:
         return None
@@ -342,16 +327,13 @@ def read_legacy_state(ckpt: str | Path) -> dict | None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open_regular(path) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checkpoint_files(ckpt: str | Path) -> list[str]:
-    """Every file below an iteration folder, as sorted relative POSIX paths (subfolders too: the legacy `torch`
-    format writes mp_rank_*/), without the manifest itself."""
+    """Every file below an iteration folder but the manifest, as sorted relative POSIX paths (the legacy format
+    writes mp_rank_*/)."""
     ckpt = Path(ckpt)
     names = (p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     return sorted(n for n in names if not n.startswith(INTEGRITY))
@@ -384,9 +366,8 @@ def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None)
 
 
 def write_integrity(ckpt: str | Path, digests: dict[str, str] | None = None) -> int:
-    """Write `ckpt`/integrity.json in Megatron-LM's layout ({"algorithm": "sha256", "files": {name: hex}}) and
-    return its number of files. `digests`: gathered from the ranks that computed them (training's saves), or
-    None to digest the whole folder here, from one process (what a tool that writes a checkpoint calls)."""
+    """Write `ckpt`/integrity.json in Megatron-LM's layout; its number of files. `digests`: gathered from the
+    ranks (training's saves), or None to digest the whole folder from this process."""
     ckpt = Path(ckpt)
     if digests is None:
         digests = digest_files(ckpt, checkpoint_files(ckpt))
@@ -411,7 +392,7 @@ def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
         raise CheckpointError(f"{manifest_path}: unreadable integrity manifest ({e}); delete it to load the "
                               "checkpoint unverified") from None
     for name in files:
-        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        if not relative_name(name):
             raise CheckpointError(f"{manifest_path}: entry {str(name)[:80]!r} is not a file name inside the "
                                   "checkpoint; the manifest is damaged or crafted: restore it or resume from another "
                                   "iteration")
@@ -419,11 +400,8 @@ def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
 
 
 def verify_integrity(ckpt: str | Path, rank: int = 0, world: int = 1, threads: int | None = None) -> int | None:
-    """Check the files against the SHA-256 manifest: all of them, or with `rank`/`world` this rank's `share`, so
-    that the ranks of a run verify one checkpoint together. Number of files checked here; None without a manifest.
-
-    Raises CheckpointError naming the first missing or corrupt file.
-    """
+    """Check the files (with `rank`/`world`: this rank's `share`) against the SHA-256 manifest; the number
+    checked here, None without a manifest. CheckpointError names the first missing or corrupt file."""
     ckpt = Path(ckpt)
     files = read_integrity(ckpt)
     if files is None:

@@ -1,17 +1,10 @@
-"""Any Megatron-LM GPT checkpoint as a model in this process: for analyze, evaluate and convert.
+"""Any Megatron-LM GPT checkpoint as a model in this process: for analyze, evaluate, generate and convert.
 
-The model's configuration is the `args` namespace Megatron-LM saves in every checkpoint, so a checkpoint
-of Megatron-LM itself loads as well as one of megatron-jreg; nothing else is required beside it. The
-GPTModel is rebuilt with Megatron-LM's own config functions (`core_transformer_config_from_args`,
-`gpt_config_from_args`) at TP=1/PP=1 with the local layer spec; dist_checkpointing reshards whatever
-layout it was saved at. Checkpoints trained with Transformer Engine layers store the pre-norm weights
-inside TE's fused linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms.
-Every weight of the model must come from the checkpoint (missing or unexpected keys are named), and weights
-holding NaN/inf are refused here, once for analyze, evaluate, generate and convert (model_files.check_finite_weights).
-What megatron-core and torch print on every CPU load (no Transformer Engine/Apex, GPTModel's deprecation, the
-one-process checkpoint reader) concerns none of those commands: `quiet_megatron` keeps it off the console.
-
-Ψ of a loaded model is analysis's (analysis/megatron_source.py), through the plugin that logs it in training.
+The model is rebuilt from the `args` Megatron-LM saves in every checkpoint (so Megatron-LM's own checkpoints
+load too) with its own config functions, at TP=1/PP=1 with the local layer spec; dist_checkpointing reshards
+whatever layout it was saved at. Transformer Engine layers store the pre-norm weights inside TE's fused
+linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms. Every weight must come
+from the checkpoint, and weights holding NaN/inf are refused here, once for every command.
 """
 
 from __future__ import annotations
@@ -63,7 +56,7 @@ class MegatronModel:
 
     @property
     def vocab_size(self) -> int:
-        """The true vocabulary (megatron pads its embedding to a multiple of 128 × TP)."""
+        """The true vocabulary (megatron pads its embedding)."""
         if self.tokenizer is not None:
             return int(self.tokenizer.vocab_size)
         return int(self.args.vocab_size or self.args.padded_vocab_size)
@@ -76,22 +69,18 @@ class MegatronModel:
     def seq_length(self) -> int:
         return int(self.args.seq_length)
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens[b, t] int64 → fp32 logits[b, t, V] over the true vocabulary (padding columns cut)."""
-        tokens = tokens.to(self._device())
+        tokens = tokens.to(next(self.model.parameters()).device)
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         out = self.model(tokens, position_ids, None)
         return out[..., : self.vocab_size].float()
 
 
-# Warnings megatron-core and torch give on every one-process CPU load of a checkpoint, by how they start: the
-# fallbacks for absent Transformer Engine/Apex, DCP reading without a process group, deprecations aimed at
-# megatron-core's developers. Loggers likewise: torch's "No CUDA runtime is found", GPTModel's deprecation,
-# the legacy async-save strategy (convert's save).
+# What megatron-core and torch print on every one-process CPU load, by how it starts: the fallbacks for absent
+# Transformer Engine/Apex, DCP reading without a process group, deprecations aimed at megatron-core's developers;
+# loggers: torch's "No CUDA runtime is found", GPTModel's deprecation, the legacy async-save strategy.
 _NOISE_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
                    "Only transformer-engine>=", "torch.distributed is disabled, unavailable or uninitialized",
                    "The argument order of load has been changed", "Please use DTensor instead",
@@ -102,8 +91,7 @@ _NOISE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_mod
 
 @contextlib.contextmanager
 def quiet_megatron() -> Iterator[None]:
-    """Import, build, load or save megatron-core models without its CPU-fallback and deprecation notices
-    (`_NOISE_WARNINGS`, `_NOISE_LOGGERS` below ERROR); every other warning still shows."""
+    """Import, build, load or save megatron-core models without `_NOISE_WARNINGS` and `_NOISE_LOGGERS`."""
     loggers = [logging.getLogger(name) for name in _NOISE_LOGGERS]
     levels = [logger.level for logger in loggers]
     with warnings.catch_warnings():
@@ -118,23 +106,27 @@ def quiet_megatron() -> Iterator[None]:
                 logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _reading(ckpt: Path, what: str) -> Iterator[None]:
+    """What a truncated or corrupt checkpoint raises inside (many types; DCP's is a BaseException) as one line."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(f"{ckpt}: cannot read {what} ({failure_text(e)}); the checkpoint is truncated or "
+                              "corrupt") from None
+
+
 def read_args(ckpt: Path) -> argparse.Namespace:
     """The Megatron-LM args saved in a checkpoint's common state (loaded with weights_only)."""
     with quiet_megatron():
         from megatron.core import dist_checkpointing
-        from megatron.core.safe_globals import register_safe_globals
 
-        install_safe_checkpoint_reader()
-        register_safe_globals()
+        install_safe_checkpoint_reader()  # megatron-core's safe globals too
         init_process_group()
-    try:
-        with quiet_megatron():
-            common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for broken files
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state ({failure_text(e)}); the "
-                              "checkpoint is truncated or corrupt") from None
+    with _reading(ckpt, "the checkpoint's common state"), quiet_megatron():
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, argparse.Namespace) or getattr(args, "num_layers", None) is None:
         raise CheckpointError(f"{ckpt}: holds no Megatron-LM `args` (saved by another tool?); it cannot be rebuilt "
@@ -143,12 +135,9 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
 
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
-    """The run's tokenizer, or None for NullTokenizer / mock runs: megatron_jreg.data.tokenizers, the
-    implementation preprocess writes the data with (ids equal to Megatron-LM's, tested against megatron-core's
-    tokenizers), built with every tokenizer option the run saved in its args, as Megatron-LM's builder takes
-    them. Not Megatron-LM's builder itself: its GPT2BPETokenizer loads gpt2 from the Hub even with local
-    vocab/merges files (offline: "couldn't connect to 'https://huggingface.co'"), and it would run a
-    tokenizer's own code under the run's --trust-remote-code."""
+    """The run's tokenizer (None for NullTokenizer / mock runs), by megatron_jreg.data.tokenizers with the
+    options the run saved. Not Megatron-LM's builder: its GPT2BPETokenizer loads gpt2 from the Hub even with
+    local vocab/merges files, and it would run a tokenizer's own code under the run's --trust-remote-code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     kind = getattr(args, "tokenizer_type", None)
@@ -176,30 +165,28 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
 
 def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Namespace:
     """The saved args for a one-process, local-spec, no-fusion model in `dtype`."""
+    from megatron_jreg.compat import CUDA_KERNELS
+
     a = copy.deepcopy(args)
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size", "world_size"):
-        if hasattr(a, name):
-            setattr(a, name, 1)
-    for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "pipeline_model_parallel_layout", "recompute_granularity", "recompute_method", "fp8", "fp4",
-                 "spec", "yaml_cfg"):
-        if hasattr(a, name):
-            setattr(a, name, None)
-    for name in ("sequence_parallel", "gradient_accumulation_fusion", "masked_softmax_fusion",
-                 "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-                 "persist_layer_norm", "tp_comm_overlap", "fp8_param_gather", "cross_entropy_loss_fusion",
-                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        if hasattr(a, name):
-            setattr(a, name, False)
+    for value, names in (
+        (1, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size", "world_size")),
+        (None, ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "pipeline_model_parallel_layout", "recompute_granularity", "recompute_method", "fp8", "fp4", "spec",
+                "yaml_cfg")),
+        (False, (*CUDA_KERNELS, "sequence_parallel", "persist_layer_norm", "tp_comm_overlap", "fp8_param_gather",
+                 "cross_entropy_loss_fusion", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")),
+    ):
+        for name in names:
+            if hasattr(a, name):
+                setattr(a, name, value)
     a.transformer_impl = "local"
-    a.no_persist_layer_norm = True
-    a.use_cpu_initialization = True
+    a.no_persist_layer_norm = a.use_cpu_initialization = True
     a.params_dtype = dtype
     a.bf16, a.fp16 = dtype == torch.bfloat16, dtype == torch.float16
-    a.attention_dropout = 0.0
-    a.hidden_dropout = 0.0
+    a.attention_dropout = a.hidden_dropout = 0.0
     return a
 
 
@@ -255,8 +242,7 @@ def _request(model: torch.nn.Module, ckpt: Path) -> dict:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One Megatron-LM checkpoint, resolved and verified once: its iteration folder, iteration, the run's saved
-    args and megatron_jreg.json, and its model on request (analyze, evaluate, generate and convert share it)."""
+    """One Megatron-LM checkpoint, resolved and verified once; its model on request."""
 
     directory: Path  # the iter_*/release folder
     iteration: int
@@ -266,7 +252,7 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path, iteration: int | None = None, verify: bool = True) -> Checkpoint:
         """A run's --save folder (its tracker's iteration, or `iteration`) or one iter_* folder; verify: check
-        the SHA-256 manifest first (when it has one). CheckpointError names what is wrong."""
+        the SHA-256 manifest first (when it has one)."""
         ckpt, iteration = resolve(path, iteration)
         if verify:
             verify_integrity(ckpt)
@@ -274,9 +260,8 @@ class Checkpoint:
 
     def load_model(self, dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None,
                    load_tokenizer: bool = True) -> MegatronModel:
-        """The weights in a one-process TP=1/PP=1 model, whatever layout they were saved at; load_tokenizer=False
-        skips the run's tokenizer (e.g. exporting weights whose tokenizer has moved). Weights holding NaN/inf
-        (in `dtype`) are refused (model_files.NonFiniteWeights)."""
+        """The weights in a one-process TP=1/PP=1 model; load_tokenizer=False skips the run's tokenizer (e.g.
+        exporting weights whose tokenizer has moved)."""
         ckpt, args = self.directory, self.args
         with quiet_megatron():
             tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None
@@ -293,13 +278,8 @@ class Checkpoint:
 
         ckpt = self.directory
         request = _request(model, ckpt)
-        try:
+        with _reading(ckpt, "the weights"):
             loaded = dist_checkpointing.load({"model": request}, str(ckpt))
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - many types for truncated shards
-            raise CheckpointError(f"{ckpt}: cannot read the weights ({failure_text(e)}); the checkpoint is "
-                                  "truncated or corrupt") from None
         result = model.load_state_dict(loaded["model"], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
@@ -315,7 +295,7 @@ def load_megatron_model(
     load_tokenizer: bool = True,
     verify: bool = True,
 ) -> MegatronModel:
-    """`Checkpoint.open(path, iteration, verify).load_model(...)`: a checkpoint's model in one call."""
+    """A checkpoint's model in one call."""
     return Checkpoint.open(path, iteration, verify).load_model(dtype, tokenizer_model, load_tokenizer)
 
 
@@ -348,6 +328,3 @@ def _init_model_parallel(seed: int) -> None:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
-
-__all__ = ["Checkpoint", "MegatronModel", "build_model", "load_megatron_model", "quiet_megatron", "read_args",
-           "tokenizer_from_args"]

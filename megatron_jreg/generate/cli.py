@@ -68,12 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_jreg.generate.questions import read_answers, read_questions
     from megatron_jreg.generate.runner import generate
 
-    cfg = GenerateConfig(
-        prompts=args.prompts, output=args.output, hf=args.hf, load=args.load, iteration=args.iteration,
-        tokenizer=args.tokenizer, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-        model_id=args.model_id, device=args.device, dtype=args.dtype, progress=args.progress,
-    )
+    cfg = GenerateConfig(**vars(args))  # one config field per flag
     read_questions(cfg.prompts)  # the files first: a bad line costs no model load
     read_answers(Path(cfg.output), cfg.name)
     if cfg.chat_template is not None:

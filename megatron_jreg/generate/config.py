@@ -18,14 +18,7 @@ class ConfigError(JregError, ValueError):
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """What to answer, with which model, how.
-
-    Exactly one model: `hf` (a Hugging Face folder) or `load` (a Megatron-LM / megatron-jreg checkpoint,
-    optionally at `iteration`). `temperature` 0 is greedy decoding; above it, sampling with `top_p`, drawn
-    from a generator seeded by `seed` and the question id. `chat_template` (a named template of
-    megatron_jreg.data.chat or a file) replaces the tokenizer's own; None uses the tokenizer's own, else
-    the named default `simple`.
-    """
+    """What to answer, with which model (exactly one of `hf`, `load`), how (the flags of generate/cli.py)."""
 
     prompts: Path
     output: Path | str  # a str keeps a trailing "/" (a folder meant), which Path drops

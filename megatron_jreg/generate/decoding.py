@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -58,25 +57,28 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch
     return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators)]
 
 
-class Decoder(Protocol):
+class Decoder:
     """A batch of sequences advanced together through a model's key/value cache."""
-
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens[n, t] int64: the next t positions of every row → logits[n, V'] (float32) at the last of them."""
-        ...
-
-
-class HFDecoder:
-    """A Hugging Face causal LM with the cache it builds for itself on the first call (transformers' own)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        weight = next(model.parameters())
+        self._device, self.dtype = weight.device, weight.dtype
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens[n, t] int64: the next t positions of every row → logits[n, V'] (float32) at the last of them."""
+        raise NotImplementedError
+
+
+class HFDecoder(Decoder):
+    """A Hugging Face causal LM with the cache it builds for itself on the first call (transformers' own)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._cache = None
-        self._device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -86,17 +88,15 @@ class HFDecoder:
         return out.logits[:, -1].float().cpu()
 
 
-class MegatronDecoder:
+class MegatronDecoder(Decoder):
     """A megatron-core GPTModel with its static-batching KV cache (`StaticInferenceContext`): every layer keeps
     keys and values for `length` positions of `batch` rows; only the last position's logits are computed."""
 
     def __init__(self, model: torch.nn.Module, batch: int, length: int) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        self.model = model
+        super().__init__(model)
         self.context = StaticInferenceContext(batch, length)
-        self._device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
