@@ -76,12 +76,13 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+# The signatures of megatron-core's _get/_set_cuda_rng_state (patches.py checks a wrapper against them).
+def _get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return _device_rng.get_state()
 
 
-def _set_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    _device_rng.set_state(state)
+def _set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    _device_rng.set_state(new_state)
 
 
 def _seed(seed: int) -> None:
@@ -118,8 +119,8 @@ _CPU_PATCHES = {
     "torch.cuda.stream": _value(lambda *a, **k: contextlib.nullcontext()),
     "torch.cuda.manual_seed": _value(_seed),
     "torch.cuda.manual_seed_all": _value(_seed),
-    "torch.cuda.get_rng_state": _value(_get_state),
-    "torch.cuda.set_rng_state": _value(_set_state),
+    "torch.cuda.get_rng_state": _value(lambda *a, **k: _device_rng.get_state()),
+    "torch.cuda.set_rng_state": _value(lambda state, *a, **k: _device_rng.set_state(state)),
     "megatron.core.tensor_parallel.random._get_cuda_rng_state": _value(_get_state),
     "megatron.core.tensor_parallel.random._set_cuda_rng_state": _value(_set_state),
     "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add": _value(_tracker_add),
