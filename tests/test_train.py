@@ -475,16 +475,20 @@ def test_two_runs_on_one_save_the_second_stops_and_the_first_finishes_verified(t
     from megatron_jreg.training.run_folder import LOCK
 
     save = tmp_path / "ckpt"
-    argv = TINY + ["--train-iters", "300", "--save", str(save), "--save-interval", "100", "--eval-interval", "1000"]
+    argv = TINY + ["--train-iters", "30", "--save", str(save), "--save-interval", "10", "--eval-interval", "1000"]
     first = _train_process(argv, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 240  # a guard against a hang, not a timing claim
-        while not (save / LOCK).is_file():
+        while not ((save / LOCK).is_file() and "pid" in (save / LOCK).read_text()):  # written once the lock is held
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
             time.sleep(0.2)
-        second = _train_process(argv, cwd=tmp_path)
-        out2, _ = second.communicate(timeout=600)
-        running = first.poll() is None
+        os.kill(first.pid, signal.SIGSTOP)  # the first holds its lock while the second starts, however slow that is
+        try:
+            second = _train_process(argv, cwd=tmp_path)
+            out2, _ = second.communicate(timeout=600)
+            running = first.poll() is None
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
     finally:
         out1, _ = first.communicate(timeout=900)
     errors = [line for line in out2.splitlines() if line.startswith("megatron-jreg train: error:")]
@@ -492,8 +496,8 @@ def test_two_runs_on_one_save_the_second_stops_and_the_first_finishes_verified(t
     assert f"--save {save}: another run is writing there (pid {first.pid} on host {socket.gethostname()}" in errors[0]
     assert running  # refused while the first still ran
     assert first.returncode == 0, out1[-3000:]
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "300"
-    for it in (100, 200, 300):
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    for it in (10, 20, 30):
         ckpt = save / f"iter_{it:07d}"
         assert verify_integrity(ckpt) == len(json.loads((ckpt / "integrity.json").read_text())["files"])
     assert not (save / LOCK).exists()
