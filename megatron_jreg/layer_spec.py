@@ -5,11 +5,18 @@ refuses sequence parallelism and `persist_layer_norm`), `TorchNorm` takes its pl
 LayerNorm math, with its weight marked `sequence_parallel` so megatron all-reduces its gradient over TP as it
 does for TE's norms. Training builds its models with it, and the checkpoint readers rebuild saved models with
 it, so it lives below both.
+
+`--layernorm-scaling` (LayerNorm Scaling, Sun et al. 2025, "The Curse of Depth in Large Language Models"): each
+decoder layer ℓ's (1-based, global over pipeline and virtual stages, as megatron-core numbers it) pre-attention and
+pre-MLP norm outputs are multiplied by 1/√ℓ, through the norms' spec params (one scaled [h] weight, no extra
+full-size tensor); the local spec only, where the norms are modules of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +28,20 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 
 class TorchNorm(torch.nn.Module):
     """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support.
 
     `--apply-layernorm-1p` (zero-centered gamma) stores γ − 1 and scales by (1 + weight), as TE's norms.
+    `scale` multiplies the output (LayerNorm Scaling's 1/√ℓ), folded into the [h] weight and bias.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, scale: float = 1.0,
+                 **_: object) -> None:
         super().__init__()
+        self.scale = scale
         if config.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"--normalization {config.normalization}: the local spec's norm is RMSNorm or LayerNorm")
         dtype = config.params_dtype
@@ -46,9 +57,13 @@ class TorchNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x[s, b, h] → normalized x (same shape, dtype)."""
         weight = self.weight + 1 if self.one_p else self.weight
+        bias = self.bias
+        if self.scale != 1.0:
+            weight = weight * self.scale
+            bias = None if bias is None else bias * self.scale
         if self.rms:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
 
 def _swap_norms(spec: object) -> object:
@@ -67,15 +82,42 @@ def _swap_norms(spec: object) -> object:
     return spec
 
 
-def layer_spec(model_config, vp_stage: int | None = None):
-    """Megatron-LM's default spec for this config (training/models/gpt.py), norms made SP-capable."""
+def _scale_norms(block: TransformerBlockSubmodules, config: TransformerConfig,
+                 vp_stage: int | None) -> TransformerBlockSubmodules:
+    """LayerNorm Scaling: layer ℓ's two pre-norms get scale 1/√ℓ (module docstring)."""
+    offset = get_transformer_layer_offset(config, vp_stage)
+    specs = []
+    for i, spec in enumerate(block.layer_specs):
+        sub = spec.submodules
+        names = ("input_layernorm", "pre_mlp_layernorm")
+        if any(getattr(sub, name, None) is not TorchNorm for name in names):
+            raise ValueError("--layernorm-scaling scales the local spec's norm modules; this model's norms are fused "
+                             "into Transformer Engine's linear layers: add --transformer-impl local")
+        norm = ModuleSpec(module=TorchNorm, params={"scale": 1.0 / math.sqrt(offset + i + 1)})
+        specs.append(dataclasses.replace(spec, submodules=dataclasses.replace(sub, **dict.fromkeys(names, norm))))
+    return dataclasses.replace(block, layer_specs=specs)
+
+
+def layer_spec(model_config, vp_stage: int | None = None, layernorm_scaling: bool = False):
+    """Megatron-LM's default spec for this config (training/models/gpt.py), norms made SP-capable, and scaled by
+    1/√ℓ with `layernorm_scaling`."""
     from megatron.training.models.gpt import default_layer_spec
 
     spec = default_layer_spec(model_config, vp_stage)
     if isinstance(spec, ModuleSpec) and not isinstance(spec.submodules, TransformerBlockSubmodules):
         num = get_num_layers_to_build(model_config.transformer, vp_stage=vp_stage)
         spec = TransformerBlockSubmodules(layer_specs=[spec] * num, layer_norm=LayerNormImpl)
-    return _swap_norms(spec)
+    spec = _swap_norms(spec)
+    if not layernorm_scaling:
+        return spec
+    if isinstance(spec, ModuleSpec):  # a block's ModuleSpec
+        return dataclasses.replace(spec, submodules=_scale_norms(spec.submodules, model_config.transformer, vp_stage))
+    return _scale_norms(spec, model_config.transformer, vp_stage)
+
+
+def model_layer_spec(layernorm_scaling: bool):
+    """The spec callable a GPTModelConfig takes (`transformer_layer_spec`), with or without LayerNorm Scaling."""
+    return functools.partial(layer_spec, layernorm_scaling=True) if layernorm_scaling else layer_spec
 
 
 def have_transformer_engine() -> bool:

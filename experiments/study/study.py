@@ -61,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(HERE)]  # this checkout's megatron_jreg, laptop_scale.py
 
+import study_v4_analysis as V4A  # noqa: E402
 from laptop_scale import SEQ_LENGTH, Data, Model, child_env, data_flags, prepare_data, recipe_flags  # noqa: E402
 
 CHAT = ROOT / "examples" / "sft" / "data" / "wikitext_chat.jsonl"
@@ -75,15 +76,19 @@ class Arm:
     steps: int
     lam: float = 0.0
     alpha: float | None = None
+    lns: bool = False  # LayerNorm Scaling (study v4)
+    model: Model | None = None  # None: the study's model
 
     @property
     def tokens(self) -> int:
         return self.batch * self.steps * SEQ_LENGTH
 
     def jreg_flags(self, distance: str) -> list[str]:
+        lns = ["--layernorm-scaling"] if self.lns else []
         if self.lam == 0:
-            return ["--jreg-lambda", "0"]
-        return ["--jreg-lambda", f"{self.lam:g}", "--jreg-alpha", f"{self.alpha:g}", "--jreg-distance", distance]
+            return ["--jreg-lambda", "0", *lns]
+        return ["--jreg-lambda", f"{self.lam:g}", "--jreg-alpha", f"{self.alpha:g}", "--jreg-distance", distance,
+                *lns]
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ class StudyConfig:
     quick: bool = False
     design: str = "v2"
     first_seed: int = 1
+    steps: int | None = None  # v4: every arm's steps (batch small_batch)
+    fallback: bool = False  # v4: the pre-registered fallback after a failed gate
 
     @property
     def seed_list(self) -> list[int]:
@@ -123,6 +130,8 @@ class StudyConfig:
         return self.large_steps * self.large_batch // self.small_batch
 
     def arms(self) -> list[Arm]:
+        if self.design == "v4":
+            return [Arm(a.name, self.small_batch, self.steps, a.lam, a.alpha, a.lns) for a in V4A.STAGE1]
         arms = [Arm("baseline-large", self.large_batch, self.large_steps),
                 Arm("baseline-small", self.small_batch, self.small_steps)]
         return arms + [Arm(arm_name(a), self.small_batch, self.small_steps, self.lam, a) for a in self.alphas]
@@ -130,6 +139,8 @@ class StudyConfig:
     @property
     def jreg_arm(self) -> str:
         """The JREG arm of the primary endpoints and of the SFT analogue: α = 1 when in the sweep."""
+        if self.design == "v4":
+            return V4A.STAGE2_DEFAULT
         return arm_name(1.0 if 1.0 in self.alphas else self.alphas[0])
 
 
@@ -138,6 +149,12 @@ class StudyConfig:
 # and α = 0, 6 checkpoints per run, no pilot gate (the regime was chosen on seeds 1..8), no SFT analogue.
 V3 = dict(design="v3", first_seed=9, seeds=12, model=Model(layers=12, hidden=64, heads=2, ffn=176), small_batch=4,
           large_batch=16, large_steps=750, alphas=(1.0, 0.0), checkpoints=6, gate=None, sft_seeds=0)
+# Study v4 (issue 43; its analysis is fixed in experiments/study/study_v4_analysis.py): v3's model and recipe with the
+# schedule ending at one epoch of the training articles (575,749 tokens: 4,498 samples of 128, 1,124 steps of 4),
+# the arms of study_v4_analysis.STAGE1 on seeds 21..32, a gate on baseline seeds 21-22, then stage 2 at depth 24.
+V4_STEPS = 1124
+V4 = dict(design="v4", first_seed=21, seeds=12, model=Model(layers=12, hidden=64, heads=2, ffn=176), small_batch=4,
+          steps=V4_STEPS, checkpoints=4, gate=None, sft_seeds=0, alphas=())
 QUICK = dict(seeds=2, large_batch=4, small_batch=2, large_steps=4, alphas=(1.0,), checkpoints=2,
              model=Model(layers=4, hidden=64, heads=4, ffn=128), core_windows=8, train_windows=8, eval_sequences=4,
              gate=0.0, sft_seeds=1, sft_steps=3, sft_batch=2, quick=True)
@@ -157,6 +174,8 @@ class Run:
     lam: float = 0.0
     alpha: float | None = None
     parent: Run | None = None  # SFT runs: the pretrained run they fine-tune
+    lns: bool = False
+    model: Model | None = None  # None: the study's model
 
     @property
     def name(self) -> str:
@@ -167,10 +186,18 @@ class Run:
         return self.parent is not None
 
 
-def pretrain_runs(cfg: StudyConfig) -> list[Run]:
+def pretrain_runs(cfg: StudyConfig, arms: list[Arm] | None = None, seeds: list[int] | None = None) -> list[Run]:
     """Seed-major, so that complete seeds finish early."""
-    return [Run(a.name, s, cfg.output / "runs" / a.name / f"seed-{s}", a.batch, a.steps, a.lam, a.alpha)
-            for s in cfg.seed_list for a in cfg.arms()]
+    return [Run(a.name, s, cfg.output / "runs" / a.name / f"seed-{s}", a.batch, a.steps, a.lam, a.alpha,
+                lns=a.lns, model=a.model)
+            for s in (seeds or cfg.seed_list) for a in (arms or cfg.arms())]
+
+
+def stage2_runs(cfg: StudyConfig, arm: str) -> list[Run]:
+    """Study v4's depth-24 runs: the baseline and the chosen stage-1 arm (study_v4_analysis.stage2_arm)."""
+    model = replace(cfg.model, layers=2 * cfg.model.layers)
+    arms = [Arm(a.name, cfg.small_batch, cfg.steps, a.lam, a.alpha, a.lns, model) for a in V4A.stage2_specs(arm)]
+    return pretrain_runs(cfg, arms, [s for s in cfg.seed_list if s in V4A.STAGE2_SEEDS] or cfg.seed_list[:2])
 
 
 def sft_runs(cfg: StudyConfig, pretrained: list[Run]) -> list[Run]:
@@ -188,11 +215,13 @@ def run_spec(cfg: StudyConfig, run: Run) -> dict:
     """Everything that makes a run's results; a run folder started with another spec is refused."""
     spec = {"arm": run.arm, "seed": run.seed, "batch": run.batch, "steps": run.steps, "tokens": run.batch *
             run.steps * SEQ_LENGTH, "lambda": run.lam, "alpha": run.alpha,
-            "distance": cfg.distance if run.lam else None, "model": asdict(cfg.model),
+            "distance": cfg.distance if run.lam else None, "model": asdict(run.model or cfg.model),
             "save_interval": save_interval(cfg, run), "core_windows": cfg.core_windows,
             "train_windows": cfg.train_windows, "eval_sequences": cfg.eval_sequences}
     if run.sft:
         spec.update(parent=run.parent.name, lr=cfg.sft_lr)
+    if run.lns:
+        spec["layernorm_scaling"] = True
     return spec
 
 
@@ -208,9 +237,9 @@ def train_command(cfg: StudyConfig, run: Run, data: Data) -> list[str]:
         "--metrics-file", str(run.dir / "metrics.jsonl"), "--no-progress",
     ]
     if not run.sft:
-        return [sys.executable, "-m", "megatron_jreg.train", *cfg.model.flags(), *recipe_flags(run.batch, run.steps),
-                *data_flags(data), "--init-mode", "layout-independent", *common,
-                *Arm(run.arm, run.batch, run.steps, run.lam, run.alpha).jreg_flags(cfg.distance)]
+        return [sys.executable, "-m", "megatron_jreg.train", *(run.model or cfg.model).flags(),
+                *recipe_flags(run.batch, run.steps), *data_flags(data), "--init-mode", "layout-independent", *common,
+                *Arm(run.arm, run.batch, run.steps, run.lam, run.alpha, run.lns).jreg_flags(cfg.distance)]
     # the paper's SFT is plain cross-entropy (Hugging Face transformers, its A.3): λ = 0 for both models
     return [sys.executable, "-m", "megatron_jreg.train", *cfg.model.flags(),
             *recipe_flags(run.batch, run.steps, lr=cfg.sft_lr, min_lr=0.0), "--lr-warmup-iters", "0",
@@ -266,8 +295,8 @@ def check_spec(cfg: StudyConfig, run: Run) -> None:
 
 
 def measured(cfg: StudyConfig, run: Run) -> bool:
-    """Every measurement of the design is done: the series (post.done) and, for v3, layer removal."""
-    return (run.dir / "post.done").exists() and (cfg.design != "v3" or (run.dir / "removal.done").exists())
+    """Every measurement of the design is done: the series (post.done) and, from v3 on, layer removal."""
+    return (run.dir / "post.done").exists() and (cfg.design == "v2" or (run.dir / "removal.done").exists())
 
 
 def post_process(run_dir: Path, removal: bool = False) -> int:
@@ -398,7 +427,7 @@ def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[s
                 if posts:
                     run = posts.popleft()
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--_post", str(run.dir)]
-                    if cfg.design == "v3":
+                    if cfg.design != "v2":
                         cmd.append("--_removal")
                     log = open(run.dir / "post.log", "a", encoding="utf-8")  # noqa: SIM115 - closed on exit
                     kind, from_it = "post", 0
@@ -426,6 +455,16 @@ def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[s
                     progress.rates.append(wall / max(1, done))
                     posts.append(job.run)
                 elif (job.kind == "train" or not ok) and stopping["signal"] is None:
+                    if cfg.design == "v4" and job.kind == "train" and job.proc.returncode == NONFINITE_EXIT:
+                        if _nonfinite_attempts(job.run) < 2:  # study_v4_analysis: retried once from scratch
+                            print(f"[study] {job.run.name}: not finite (exit {NONFINITE_EXIT}); retrying it once "
+                                  "from scratch", flush=True)
+                            _clear_run(job.run)
+                            trains.append(job.run)
+                        else:
+                            print(f"[study] {job.run.name}: not finite twice: counted as failing", flush=True)
+                            (job.run.dir / "failed.json").write_text(json.dumps({"reason": "not finite"}) + "\n")
+                        continue
                     failed.append(job.run.name)
                     _report_failure(job.run, f"{job.kind}.log", job.proc.returncode)
             if stopping["signal"] is not None and not running:
@@ -437,6 +476,23 @@ def execute(cfg: StudyConfig, runs: list[Run], data: Data, code: dict) -> list[s
         for s, handler in old.items():
             signal.signal(s, handler)
     return failed
+
+
+NONFINITE_EXIT = 16  # Megatron-LM's rerun machine on a NaN/Inf loss (training/loop.py)
+
+
+def _nonfinite_attempts(run: Run) -> int:
+    path = run.dir / "attempts.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return sum(1 for line in lines if json.loads(line).get("rc") == NONFINITE_EXIT)
+
+
+def _clear_run(run: Run) -> None:
+    """A retried run starts from scratch: its checkpoints and metrics go (its log and attempts stay)."""
+    import shutil
+
+    shutil.rmtree(run.dir / "checkpoints", ignore_errors=True)
+    (run.dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
 def _reap(job: Job) -> bool:
@@ -456,7 +512,7 @@ def _record_attempt(job: Job, wall: float, code: dict) -> None:
                             "rc": job.proc.returncode,
                             "from_iteration": job.from_iteration, "to_iteration": latest_iteration(job.run),
                             "commit": code.get("commit"), "dirty_files": code.get("dirty_files"),
-                            "argv": code.get("argv")}) + "\n")
+                            "argv": code.get("argv"), "machine": code.get("machine")}) + "\n")
 
 
 def _record_invocation(cfg: StudyConfig, invocation: dict) -> None:
@@ -499,6 +555,17 @@ def git_state() -> dict:
             "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
 
+def machine() -> dict:
+    """What changes a run's rounding: the CPU model, torch's version and the threads each run uses."""
+    from importlib.metadata import version
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo", encoding="utf-8")
+                if line.startswith("model name")), None) if os.path.exists("/proc/cpuinfo") else None
+    env = child_env()
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": version("torch"),
+            "threads": {k: env.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = StudyConfig(output=Path("study_output"))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -506,8 +573,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None,
                    help="where everything is written (default: study_output, or study_quick with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke test of the pipeline: tiny model, a few steps")
-    p.add_argument("--design", choices=("v2", "v3"), default="v2",
-                   help="v2: the committed study of report_v2.md; v3: issue 30's (study_v3_analysis.py, docs/study.md)")
+    p.add_argument("--design", choices=("v2", "v3", "v4"), default="v2",
+                   help="v2: the committed study of report_v2.md; v3: issue 30's (study_v3_analysis.py); v4: issue "
+                        "43's (study_v4_analysis.py, docs/study.md)")
+    p.add_argument("--fallback", action="store_true",
+                   help="v4: the pre-registered fallback after a failed gate (3,000 steps, 8 seeds, no stage 2)")
     p.add_argument("--seeds", type=int, help=f"training seeds: this many from the design's first (default {d.seeds}"
                    " for v2, 12 from seed 9 for v3)")
     p.add_argument("--alphas", type=float, nargs="+",
@@ -535,10 +605,14 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
     base = StudyConfig(output=Path(stem.replace("output", "quick") if args.quick else stem))
     if args.design == "v3":
         base = replace(base, **V3)
+    if args.design == "v4":
+        base = replace(base, **V4)
+        if args.fallback:
+            base = replace(base, steps=V4A.STEPS_FALLBACK, seeds=len(V4A.FALLBACK_SEEDS), fallback=True)
     if args.quick:  # a tiny model and few steps; the design's arms, seeds and phases stay
         keep = ({k: getattr(base, k) for k in ("alphas", "first_seed", "gate", "sft_seeds")}
-                if args.design == "v3" else {})
-        base = replace(base, **{**QUICK, **keep})
+                if args.design != "v2" else {})
+        base = replace(base, **{**QUICK, **keep}, **({"steps": 8} if args.design == "v4" else {}))
     chosen = {k: v for k, v in dict(seeds=args.seeds, large_steps=args.large_steps, jobs=args.jobs,
                                     gate=args.gate, sft_seeds=args.sft_seeds).items() if v is not None}
     if args.alphas is not None:
@@ -582,19 +656,77 @@ def gate_result(cfg: StudyConfig, pilot: Run) -> dict:
 
 
 def write_report(cfg: StudyConfig, report: Path) -> None:
-    """The design's report from OUTPUT/raw (v3's: study_v3_report.py, on its pre-registered analysis)."""
+    """The design's report from OUTPUT/raw (v3's and v4's: study_v<N>_report.py, on their pre-registered analysis)."""
     if cfg.design == "v2":
         import study_report
 
         study_report.write_report(cfg.output / "raw", report)
         return
+    import importlib
+
     try:
-        import study_v3_report
+        module = importlib.import_module(f"study_{cfg.design}_report")
     except ImportError:  # the analysis was fixed before the runs; its report came later
-        print(f"[study] raw results in {cfg.output / 'raw'}; the v3 report: experiments/study/study_v3_report.py",
-              flush=True)
+        print(f"[study] raw results in {cfg.output / 'raw'}; the {cfg.design} report: "
+              f"experiments/study/study_{cfg.design}_report.py", flush=True)
         return
-    study_v3_report.write_report(cfg.output / "raw", report)
+    module.write_report(cfg.output / "raw", report)
+
+
+def final_records(runs: list[Run]) -> tuple[dict, frozenset]:
+    """{(arm, seed): final held-out/train measures and layer removal} of the measured runs, and the failing ones."""
+    finals, failed = {}, set()
+    for run in runs:
+        if (run.dir / "failed.json").exists():
+            failed.add((run.arm, run.seed))
+        elif (run.dir / "removal.done").exists():
+            last = json.loads((run.dir / "measures.json").read_text())["series"][-1]
+            finals[run.arm, run.seed] = {**last, "removal": json.loads((run.dir / "removal.json").read_text())}
+    return finals, frozenset(failed)
+
+
+def run_v4(cfg: StudyConfig, pretrain: list[Run], data: Data, code: dict, selected: bool) -> tuple[list[str], int]:
+    """Study v4's stages (study_v4_analysis.py): the gate, stage 1, then stage 2 at depth 24 on the arm chosen by
+    the pre-registered rule. Returns (failed run names, exit status)."""
+    stage1 = [r for r in pretrain if not r.arm.startswith("d24-")]
+    gate = [r for r in stage1 if r.arm == "baseline" and r.seed in V4A.GATE_SEEDS and not cfg.fallback]
+    todo = [r for r in gate if not measured(cfg, r)]
+    if todo:
+        print(f"[study] gate: {len(todo)} run(s) to do", flush=True)
+        failed = execute(cfg, todo, data, code)
+        if failed:
+            return failed, 1
+    if gate and len(gate) == len(V4A.GATE_SEEDS):
+        finals, _ = final_records(gate)
+        passed = V4A.gate_passes(finals)
+        rises = {s: V4A.top_rise(finals["baseline", s]["heldout"]["psi"]) for s in V4A.GATE_SEEDS}
+        (cfg.output / "gate.json").write_text(json.dumps({"passed": passed, "R": rises}, indent=1) + "\n")
+        print(f"[study] gate {'passed' if passed else 'failed'}: final R of baseline seeds "
+              f"{', '.join(f'{s}: {r:+.2f}' for s, r in rises.items())} (both must be > 0)", flush=True)
+        if not passed:
+            print("[study] stopping: the rise does not form in one epoch; the pre-registered fallback is "
+                  "`study.py --design v4 --fallback --output OTHER` (study_v4_analysis.py)", flush=True)
+            return [], 3
+    rest = [r for r in stage1 if r not in gate and not measured(cfg, r) and not (r.dir / "failed.json").exists()]
+    if rest:
+        print(f"[study] stage 1: {len(rest)} run(s) to do", flush=True)
+        failed = execute(cfg, rest, data, code)
+        if failed:
+            return failed, 1
+    if cfg.fallback or selected:
+        return [], 0
+    finals, bad = final_records(pretrain_runs(cfg))
+    arm = V4A.stage2_arm(V4A.analyse_stage1(finals, bad))
+    (cfg.output / "stage2.json").write_text(json.dumps({"arm": arm}) + "\n")
+    runs = stage2_runs(cfg, arm)
+    for run in runs:
+        check_spec(cfg, run)
+    todo = [r for r in runs if not measured(cfg, r) and not (r.dir / "failed.json").exists()]
+    if todo:
+        print(f"[study] stage 2 (depth {2 * cfg.model.layers}, {arm} against the baseline): {len(todo)} run(s) to do",
+              flush=True)
+        return execute(cfg, todo, data, code), 0
+    return [], 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,11 +738,14 @@ def main(argv: list[str] | None = None) -> int:
 
     report = (args.report or cfg.output / "report.md").resolve()
     pretrain = pretrain_runs(cfg)
+    stage2 = cfg.output / "stage2.json"
+    if cfg.design == "v4" and stage2.exists():  # chosen when stage 1 ended
+        pretrain += stage2_runs(cfg, json.loads(stage2.read_text())["arm"])
     sft = sft_runs(cfg, pretrain)
     if args.runs:
         pretrain, sft = select_runs(pretrain, sft, args.runs)
     argv_used = [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
-    code = {**git_state(), "argv": argv_used}
+    code = {**git_state(), "argv": argv_used, "machine": machine()}
     if args.report_only:
         study_report.export_raw(cfg, pretrain + sft)
         write_report(cfg, report)
@@ -640,6 +775,16 @@ def main(argv: list[str] | None = None) -> int:
     phases = [("pilot", pilot), ("study", [r for r in pretrain if r not in pilot]), ("sft", sft)]
     failed: list[str] = []
     status = 0
+    if cfg.design == "v4":
+        try:
+            failed, status = run_v4(cfg, pretrain, data, code, selected=bool(args.runs))
+        except Stop:
+            print("[study] stopped; the runs saved checkpoints. Run the same command again to resume.", flush=True)
+            return 130
+        finally:
+            invocation["wall_s"] = time.time() - t0
+            _record_invocation(cfg, invocation)
+        phases = []
     try:
         for phase, runs in phases:
             todo = [r for r in runs if not measured(cfg, r)]
@@ -667,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         invocation["wall_s"] = time.time() - t0
         _record_invocation(cfg, invocation)
+    if cfg.design == "v4" and stage2.exists():
+        pretrain = list({r.name: r for r in pretrain + stage2_runs(cfg, json.loads(stage2.read_text())["arm"])}
+                        .values())
     study_report.export_raw(cfg, pretrain + sft)
     write_report(cfg, report)
     print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'raw'}, {report}", flush=True)

@@ -87,7 +87,15 @@ def export_raw(cfg, runs: list) -> Path:
     raw = cfg.output / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for run in runs:
-        if not (run.dir / "post.done").exists() or (cfg.design == "v3" and not (run.dir / "removal.done").exists()):
+        if (run.dir / "failed.json").exists():  # study v4: not finite after its one retry, counted as failing
+            rec = {"run": run.name, "arm": run.arm, "seed": run.seed,
+                   "spec": json.loads((run.dir / "spec.json").read_text()),
+                   "command": _portable((run.dir / "command.txt").read_text().strip(), cfg),
+                   "attempts": _jsonl(run.dir / "attempts.jsonl"),
+                   "failed": json.loads((run.dir / "failed.json").read_text())}
+            (raw / f"{run.arm}__seed-{run.seed}.json").write_text(json.dumps(rec, indent=1) + "\n")
+            continue
+        if not (run.dir / "post.done").exists() or (cfg.design != "v2" and not (run.dir / "removal.done").exists()):
             continue
         records = _jsonl(run.dir / "metrics.jsonl")
         train = {r["iteration"]: r for r in records if "lm_loss" in r}  # a resume repeats steps: the last wins
@@ -113,7 +121,7 @@ def export_raw(cfg, runs: list) -> Path:
     study = {
         "config": json.loads(json.dumps(_asdict(cfg), default=str)),
         "arms": [{"name": a.name, "batch": a.batch, "steps": a.steps, "tokens": a.tokens, "lambda": a.lam,
-                  "alpha": a.alpha} for a in cfg.arms()],
+                  "alpha": a.alpha, **({"layernorm_scaling": True} if a.lns else {})} for a in cfg.arms()],
         "jreg_arm": cfg.jreg_arm,
         "gate": json.loads(gate.read_text()) if gate.exists() else None,
         "invocations": _invocations(cfg.output / "invocations.jsonl", cfg),

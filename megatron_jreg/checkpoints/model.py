@@ -201,7 +201,7 @@ def _build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Modul
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_jreg.layer_spec import layer_spec
+    from megatron_jreg.layer_spec import model_layer_spec
 
     init_process_group()
     _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
@@ -212,7 +212,7 @@ def _build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Modul
     except (AssertionError, ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(f"the checkpoint's args do not describe a GPT model megatron-core can build here "
                               f"({' '.join(str(e).split())[:200]})") from None
-    model_cfg.transformer_layer_spec = layer_spec
+    model_cfg.transformer_layer_spec = model_layer_spec(bool(getattr(args, "layernorm_scaling", False)))
     model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups(),
                                                     pre_process=True, post_process=True)
     return model.to(dtype)

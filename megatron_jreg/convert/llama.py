@@ -30,6 +30,7 @@ compute the RMSNorm as x / sqrt(mean(x²) + eps) · weight.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,7 @@ class LlamaArch:
     untie_embeddings_and_output_weights: bool
     init_method_std: float = 0.02
     rope_scaling_factor: float | None = None  # Llama-3.1-style scaling when set
+    layernorm_scaling: bool = False  # trained with --layernorm-scaling: folded into the exported norm weights
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -125,6 +127,7 @@ class LlamaArch:
             untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
             init_method_std=float(args.init_method_std),
             rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None,
+            layernorm_scaling=bool(getattr(args, "layernorm_scaling", False)),
         )
 
     def megatron_flags(self) -> list[str]:
@@ -310,6 +313,9 @@ def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str
     for i in range(model.num_layers):
         for m_name, hf_name in _layer_names(i).items():
             out[hf_name] = take(m_name)
+        if model.layernorm_scaling:  # RMSNorm(x)·γ·(1/√ℓ) = RMSNorm(x)·(γ/√ℓ): a plain Llama norm weight
+            for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                out[f"model.layers.{i}.{norm}"] = out[f"model.layers.{i}.{norm}"] / math.sqrt(i + 1)
         prefix = f"model.layers.{i}."
         q, k, v = split_qkv(take(f"decoder.layers.{i}.self_attention.linear_qkv.weight"), model)
         out[prefix + "self_attn.q_proj.weight"], out[prefix + "self_attn.k_proj.weight"] = q, k

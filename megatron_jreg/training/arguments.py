@@ -102,6 +102,9 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.error = error  # type: ignore[method-assign]
     g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
     JregConfig.add_flags(g)
+    g.add_argument("--layernorm-scaling", action="store_true",
+                   help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
+                        "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl local)")
     g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="the paper's architectures (Llama-3.2 proportions) as flags; explicit flags override")
     g.add_argument("--metrics-file", default=None,
@@ -310,6 +313,15 @@ def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None
         raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
                          "microbatch by its loss tokens, which the pipeline stages between the first and last do "
                          "not read here (more than 2 stages, or virtual stages); drop one of the three")
+    if args.layernorm_scaling:
+        clash = next((why for why, on in (
+            (f"--transformer-impl {args.transformer_impl}: its norms are fused into Transformer Engine's linear "
+             "layers; add --transformer-impl local", args.transformer_impl != "local"),
+            (f"--spec {' '.join(args.spec or [])}: a layer spec of its own; drop --spec", args.spec is not None),
+            ("--mtp-num-layers: the MTP layers have no place ℓ in the stack; drop one of the two",
+             bool(args.mtp_num_layers))) if on), None)
+        if clash:
+            raise UsageError(f"--layernorm-scaling with {clash}")
     if args.sft and (args.context_parallel_size > 1 or args.hybrid_context_parallel):
         raise UsageError(f"--sft with --context-parallel-size {args.context_parallel_size}"
                          f"{' --hybrid-context-parallel' if args.hybrid_context_parallel else ''}: JREG's mask of "

@@ -3,7 +3,8 @@
 Megatron-LM picks the layer spec (Transformer Engine or local, per `--transformer-impl`) and builds,
 wraps and initialises the model (`megatron.training.models.gpt.GPTModelBuilder`). We add through that
 builder's extension points only:
-- `transformer_layer_spec`: Megatron-LM's own spec with sequence-parallel capable norms (layer_spec.py);
+- `transformer_layer_spec`: Megatron-LM's own spec with sequence-parallel capable norms, scaled by 1/√ℓ with
+  `--layernorm-scaling` (layer_spec.py);
 - a pre-wrap hook for `--init-mode layout-independent` (training/sharding.py);
 - a post-wrap hook that attaches the JREG plugin to the wrapped model chunks (training/loop.py);
 - packed data (`--sft`) at PP > 1 with micro-batch > 1: megatron-core's variable-sequence-length p2p, so the
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_jreg.errors import UsageError
-from megatron_jreg.layer_spec import have_transformer_engine, layer_spec
+from megatron_jreg.layer_spec import have_transformer_engine, model_layer_spec
 
 
 def _have_apex() -> bool:
@@ -111,7 +112,7 @@ def gpt_model_config(args: argparse.Namespace, post_wrap: Callable[[list], list]
         # megatron-core's variable-sequence-length p2p sends the shape with each tensor.
         cfg.transformer.variable_seq_lengths = True
     if args.spec is None:
-        cfg.transformer_layer_spec = layer_spec
+        cfg.transformer_layer_spec = model_layer_spec(args.layernorm_scaling)
     if args.init_mode == "layout-independent":
         from megatron_jreg.training.sharding import init_layout_independent
 

@@ -199,7 +199,7 @@ def run_settings(args: argparse.Namespace, jreg: JregConfig) -> dict:
     return {"padded_vocab_size": args.padded_vocab_size, "vocab_size": get_tokenizer().vocab_size,
             "tokenizer_sha256": tokenizer_sha256(args), "global_batch_size": args.global_batch_size,
             "rampup_batch_size": args.rampup_batch_size, "seq_length": args.seq_length, "seed": args.seed,
-            "jreg": jreg.record()}
+            "layernorm_scaling": bool(args.layernorm_scaling), "jreg": jreg.record()}
 
 
 def _settings_from_args(saved: argparse.Namespace) -> dict:
@@ -209,6 +209,7 @@ def _settings_from_args(saved: argparse.Namespace) -> dict:
     names = ("padded_vocab_size", "global_batch_size", "rampup_batch_size", "seq_length", "seed")
     settings = {name: getattr(saved, name, None) for name in names}
     settings["vocab_size"] = getattr(saved, "vocab_size", None)  # --vocab-size when given (NullTokenizer)
+    settings["layernorm_scaling"] = bool(getattr(saved, "layernorm_scaling", False))
     if getattr(saved, "jreg_lambda", None) is not None:
         settings["jreg"] = JregConfig.from_args(saved).record()
     return settings
@@ -243,7 +244,8 @@ _KEPT_ON_RESUME = {
     "rampup_batch_size": ("--rampup-batch-size", "the consumed samples follow its ramp"),
     "seq_length": ("--seq-length", "the data's samples and positions are cut at it"),
 }
-_RECORDED = {"seed": "--seed", "jreg.lambda": "--jreg-lambda", "jreg.alpha": "--jreg-alpha",
+_RECORDED = {"seed": "--seed", "layernorm_scaling": "--layernorm-scaling", "jreg.lambda": "--jreg-lambda",
+             "jreg.alpha": "--jreg-alpha",
              "jreg.distance": "--jreg-distance", "jreg.layers": "--jreg-layers"}
 
 
@@ -405,6 +407,14 @@ def _compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) -
                          f"one {ckpt} was trained with ({old['tokenizer_sha256'][:12]}…): its embedding rows would "
                          "mean other tokens; give that tokenizer")
     changes = {}
+    was, now_ = bool(old.get("layernorm_scaling")), bool(new.get("layernorm_scaling"))  # absent: saved before it
+    if was != now_:
+        if not fresh:
+            raise UsageError(f"{'--layernorm-scaling' if now_ else 'no --layernorm-scaling'}: {ckpt} was trained "
+                             f"{'with' if was else 'without'} it and a resume must keep it (every layer's norm "
+                             f"outputs scaled by 1/√ℓ or not: another model); {'add' if was else 'leave out'} "
+                             "--layernorm-scaling, or start a new run from its weights with --finetune")
+        changes["layernorm_scaling"] = [was, now_]
     for key, (flag, why) in _KEPT_ON_RESUME.items():
         if old.get(key) != new.get(key) and key in saved:
             if not fresh:
