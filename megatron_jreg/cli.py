@@ -2,8 +2,8 @@
 
 Each command is a `main(argv) -> int` imported lazily, so `megatron-jreg compare` does not pay for
 importing megatron-core. Each command's `--help` ends with one example
-(`megatron_jreg.usage.example`); exit status 2 is a usage or input error in every command
-(`megatron_jreg.errors`).
+(`megatron_jreg.usage.example`); exit status 2 is a usage or input error in every command, and a stdout that
+fails is not an error of the run (`megatron_jreg.errors`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,20 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its stdout failing (`| head`, a full disk) does not stop it (`errors.keep_output`)."""
+    from megatron_jreg.errors import keep_output, output_code
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_output(f"megatron-jreg {argv[0]}" if argv and argv[0] in COMMANDS else "megatron-jreg")
+    try:
+        return output_code(_dispatch(argv))
+    except SystemExit as e:  # argparse's --help and usage errors
+        if isinstance(e.code, int) or e.code is None:
+            raise SystemExit(output_code(e.code or 0)) from None
+        raise
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -5,11 +5,20 @@ the flag or file and the fix; `exit_code` is 2 for usage and input errors (argpa
 command) and 1 when the run or the machine failed (a full disk, a lost rank). `error_line` formats any error
 the same way, and `report` (through `run_command`, or the train entry's per-rank handler) is the one place where
 a command turns them into that line and its exit code.
+
+A stdout or stderr that fails is not an error of the run (`keep_output`, installed where every command starts,
+`output_code` where it ends): a pipe whose reader went away (`| head -1`), a full disk or a file size limit
+(`> /dev/full`, `ulimit -f`) points that stream at /dev/null and the command finishes its work, its files
+complete. A closed pipe is the reader's choice and stays quiet; any other failure of stdout is one line on stderr
+when it happens and exit 1 at the end (what the command printed is lost, its files are not).
 The layer below every other module: it imports nothing from megatron_jreg.
 """
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import sys
 from collections.abc import Callable
 
@@ -88,8 +97,70 @@ def report(prog: str, error: BaseException, debug: bool = False) -> int:
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body; expected failures (JregError, ValueError, OSError) are `report`ed."""
+    """Run a command body with `keep_output`; expected failures (JregError, ValueError, OSError) are `report`ed;
+    the exit code as `output_code` makes it."""
+    keep_output(prog)
     try:
-        return body()
+        code = body()
     except (JregError, ValueError, OSError) as e:
-        return report(prog, e)
+        code = report(prog, e)
+    return output_code(code)
+
+
+_STREAMS = {1: "stdout", 2: "stderr"}
+_lost: dict[int, OSError] = {}  # fd -> the write error that sent it to /dev/null
+_prog = ["megatron-jreg"]  # the command named in the line a failed stdout gets
+
+
+class _KeptFile(io.FileIO):
+    """fd 1 or 2 whose first failed write (EPIPE, ENOSPC, EFBIG, EIO) is remembered and points the descriptor at
+    /dev/null: the write and every later one, of this object or any other holding the descriptor (a logging
+    handler, a C library), then succeed. A non-blocking descriptor's EAGAIN is left to the caller."""
+
+    def write(self, data) -> int:  # noqa: ANN001 - bytes-like
+        try:
+            return super().write(data)
+        except BlockingIOError:
+            raise
+        except OSError as e:
+            fd = self.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+            if fd not in _lost:
+                _lost[fd] = e
+                if fd == 1 and e.errno != errno.EPIPE:
+                    print(f"{_prog[0]}: {_STREAMS[fd]}: {e.strerror or e} ([Errno {e.errno}]): the command goes on "
+                          "without its printed output and writes its files", file=sys.stderr, flush=True)
+            return memoryview(data).nbytes
+
+
+def keep_output(prog: str) -> None:
+    """sys.stdout and sys.stderr rebuilt over `_KeptFile` (same descriptors, encoding, errors and buffering), once
+    per process; streams redirected in-process (a test's StringIO) are left as they are."""
+    _prog[0] = prog
+    for fd, name in _STREAMS.items():
+        stream = getattr(sys, name)
+        if stream is None or stream is not getattr(sys, f"__{name}__"):
+            continue
+        try:
+            if stream.fileno() != fd:
+                continue
+            stream.flush()
+        except (OSError, ValueError):  # closed, or already failing: Python's own stream is left as it is
+            continue
+        raw = _KeptFile(fd, "w", closefd=False)
+        buffered = isinstance(stream.buffer, io.BufferedWriter)
+        kept = io.TextIOWrapper(io.BufferedWriter(raw) if buffered else raw, encoding=stream.encoding,
+                                errors=stream.errors, line_buffering=stream.line_buffering,
+                                write_through=stream.write_through)
+        setattr(sys, name, kept)
+
+
+def output_code(code: int) -> int:
+    """The command's exit code after `keep_output`: 1 (FAILED) instead of 0 when its stdout failed other than by
+    its reader closing the pipe (the line was printed when it happened)."""
+    lost = _lost.get(1)
+    if code == 0 and lost is not None and lost.errno != errno.EPIPE:
+        return FAILED
+    return code

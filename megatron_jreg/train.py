@@ -179,7 +179,13 @@ def _import_megatron_quietly() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from megatron_jreg.errors import keep_output, output_code
+
+    keep_output("megatron-jreg train")  # a closed or full stdout does not stop the run (errors.py)
+    return output_code(_main(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _main(argv: list[str]) -> int:
     if argv in (["-h"], ["--help"]):
         print_help()
         return 0

@@ -346,3 +346,29 @@ def test_sigint_during_a_measurement_is_one_line(models, tmp_path):
     assert err.strip().splitlines()[-1] == ("megatron-jreg analyze: interrupted while measuring model 1 of 1; "
                                             "nothing written")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_closed_stdout_and_a_compiled_op_leave_only_analyze_s_own_lines(models, tmp_path):
+    """issue 46.6/46.8: stdout whose reader has gone (`analyze ... | head -1`) ended in a BrokenPipeError traceback
+    after writing every file (exit 1; 0 before); now it finishes quietly, exit 0, every file written. The JREG op
+    compiled on the CPU (as from 4M elements of a real model; forced here) printed torch's "No CUDA runtime is
+    found" line on every analyze."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before analyze prints anything
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_jreg.cli", "analyze", "--model", str(models / "llama"),
+                               "--num-samples", "4", "--no-progress", "--output", str(tmp_path / "out")],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=600,
+                              env={**os.environ, "MEGATRON_JREG_KERNEL": "compiled"})
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr, proc.stderr[-3000:]
+    assert "No CUDA runtime" not in proc.stderr, proc.stderr[-3000:]
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"results.json", "results.csv", "layers.csv", "psi_profiles.png", "residual_norms.png"} <= written

@@ -267,3 +267,34 @@ def test_megatron_checkpoints_import_verified_and_nan_weights_refused_by_every_r
         assert proc.returncode == 2, proc.stderr
         assert "weight decoder.layers.1.mlp.linear_fc2.weight holds" in line and "NaN" in line, line
     assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stdout", ["closed-pipe", "dev-full"])
+def test_a_failing_stdout_loses_no_results(tiny, tmp_path, stdout):
+    """issue 46.7: `evaluate ... --output x.json | head -n 0` ended "[Errno 32] Broken pipe", exit 1, with no x.json
+    although every passage was scored (stdout on /dev/full the same). The results are written before anything is
+    printed; a pipe whose reader left is not an error of the run (exit 0, quiet); a full stdout is one line on stderr
+    and exit 1, the results written."""
+    output = tmp_path / "x.json"
+    argv = [sys.executable, "-m", "megatron_jreg.cli", "evaluate", "--hf", str(tiny), "--tasks", "lambada",
+            "--limit", "4", "--output", str(output)]
+    if stdout == "closed-pipe":
+        read, write = os.pipe()
+        os.close(read)  # `| head -n 0`: the reader is gone before evaluate prints
+        try:
+            proc = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, timeout=600)
+        finally:
+            os.close(write)
+    else:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+    err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("Loading weights"))
+    assert "Traceback" not in err and "Broken pipe" not in err, err[-3000:]
+    assert json.loads(output.read_text())["samples"] == {"lambada": 4}, output.read_text()[:2000]
+    if stdout == "closed-pipe":
+        assert proc.returncode == 0 and err == "", err[-3000:]
+    else:
+        assert proc.returncode == 1, err[-3000:]
+        assert err.splitlines() == ["megatron-jreg evaluate: stdout: No space left on device ([Errno 28]): the "
+                                    "command goes on without its printed output and writes its files"], err

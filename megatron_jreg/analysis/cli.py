@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     measured: list = []  # (results, files written)
 
     def body() -> int:
-        measured.extend(run_analysis(AnalyzeConfig(**vars(args))))  # one config field per flag
+        from megatron_jreg.checkpoints.model import quiet_megatron
+
+        # torch's "No CUDA runtime is found" (when the JREG op first compiles on a CPU), megatron-core's fallbacks:
+        # notices about this machine, not about the models measured
+        with quiet_megatron():
+            measured.extend(run_analysis(AnalyzeConfig(**vars(args))))  # one config field per flag
         return 0
 
     try:

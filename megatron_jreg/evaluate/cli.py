@@ -95,14 +95,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg: EvaluateConfig, evaluate: Callable[[EvaluateConfig], Any]) -> int:
-    """Evaluate, report skipped examples on stderr, print the table and write --output."""
+    """Evaluate, write --output first (the scores are never lost to a failing stdout), report skipped examples
+    on stderr, print the table."""
     results = evaluate(cfg)
+    if cfg.output is not None:
+        results.write(cfg.output)
     for task, counts in results.skipped.items():
         reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
         print(f"megatron-jreg evaluate: {task}: skipped {sum(counts.values())} example(s): {reasons}", file=sys.stderr)
     print(results.table())
     if cfg.output is not None:
-        results.write(cfg.output)
         print(f"wrote {cfg.output}")
     return 0
 
