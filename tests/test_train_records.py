@@ -70,3 +70,20 @@ def test_the_first_non_finite_layer_is_on_the_console_line_and_in_the_row():
     assert console_suffix(stats).endswith(" psi: 0.1000,nan,nan | first non-finite layer: 2 |")
     finite = JregStats(psi=[0.1, 0.2], jreg_loss=0.1, zeta={"zeta_L": 10.0})
     assert "first_nonfinite_layer" not in jreg_fields(finite) and "non-finite" not in console_suffix(finite)
+
+
+def test_metrics_file_with_bytes_that_are_not_utf8_is_resumed_and_kept(tmp_path):
+    """issue 46.9: a --metrics-file holding a line that is not UTF-8 (a damaged row) stopped the resume with a
+    UnicodeDecodeError traceback; its bytes stay where they were, later rows still move aside."""
+    from megatron_jreg.training.metrics import MetricsFile
+
+    path = tmp_path / "m.jsonl"
+    damaged = b'{"iteration": 2, "note": "\xff\xfe"}\n'
+    path.write_bytes(b'{"iteration": 1}\n' + damaged + b'\x80garbage\n{"iteration": 3}\n{"iteration": 4}\n')
+    metrics = MetricsFile(str(path), active=True)
+    metrics.open(3)
+    metrics.write({"iteration": 4, "lm_loss": 1.0})
+    metrics.close()
+    assert path.read_bytes() == (b'{"iteration": 1}\n' + damaged + b'\x80garbage\n{"iteration": 3}\n'
+                                 b'{"iteration": 4, "lm_loss": 1.0}\n')
+    assert Path(f"{path}.replaced").read_bytes() == b'{"iteration": 4}\n'

@@ -136,14 +136,14 @@ class MetricsFile:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
-            lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if self.path.is_file():  # bytes: a line that is not UTF-8 (a damaged or foreign row) is kept as it is
+            lines = self.path.read_bytes().splitlines(keepends=True)
             later = [line for line in lines if _iteration(line) > start]
             if later:
-                with open(f"{self.path}.replaced", "a", encoding="utf-8") as f:
+                with open(f"{self.path}.replaced", "ab") as f:
                     f.writelines(later)
                 tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text("".join(line for line in lines if _iteration(line) <= start), encoding="utf-8")
+                tmp.write_bytes(b"".join(line for line in lines if _iteration(line) <= start))
                 os.replace(tmp, self.path)
                 print(f"megatron-jreg: --metrics-file {self.path}: {len(later)} row(s) after iteration {start} (not "
                       f"in the checkpoint this run starts from) moved to {self.path}.replaced", flush=True)
@@ -173,11 +173,11 @@ def _finite(value: object) -> object:
     return value
 
 
-def _iteration(line: str) -> int:
-    """A row's iteration (-1 for a line that is not a record: kept)."""
+def _iteration(line: bytes) -> int:
+    """A row's iteration (-1 for a line that is not a record, e.g. not JSON or not UTF-8: kept)."""
     try:
         value = json.loads(line).get("iteration")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError):  # UnicodeDecodeError is a ValueError
         return -1
     return value if isinstance(value, int) else -1
 
