@@ -149,6 +149,18 @@ _CPU_TRAINING_PATCHES = {
 }
 
 
+_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+def _not_fork_warning(record: logging.LogRecord) -> bool:
+    """Drops megatron-core's warning that a CPU random draw happened inside `CudaRNGStatesTracker.fork`. On a GPU
+    it flags CPU code drawing from the wrong generator; on the CPU every draw inside a fork (weight init, dropout)
+    is a CPU draw by design, so it fired 50-121 times a training log while saying nothing about the run. The
+    tracker's states still fork and restore as on a GPU (`_get_state`/`_set_state`); what draws from the global
+    CPU generator inside a fork did so before this filter too (it only silences the line)."""
+    return record.getMessage() != _FORK_WARNING
+
+
 def apply_cpu_compat() -> bool:
     """Make megatron-core runnable on CPU/gloo when CUDA is absent. Returns True when active."""
     global _applied
@@ -158,6 +170,7 @@ def apply_cpu_compat() -> bool:
         return True
     patches.apply_process(_CPU_PATCHES)
     _CudaToCpu().__enter__()  # stays active for the life of the process
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_not_fork_warning)
     _applied = True
     log.info("CUDA not available: megatron-core runs on CPU (gloo) through megatron_jreg.compat")
     return True

@@ -30,6 +30,21 @@ _SLURM_TRES = ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES", "SLURM_STEP_GRES")  # "c
 _NOT_A_GPU = ("", "0", "none", "void", "NoDevFiles")  # values that allocate no GPU
 
 
+def _gres_gpus(value: str) -> int:
+    """GPUs a Slurm GRES/TRES value allocates: "gpu:8", "gpu:a100:2(IDX:0-1)", "cpu=8,gres/gpu=1",
+    "gres/gpu:h100=2" (an entry without a count is one GPU; "gpu:0" is none)."""
+    total = 0
+    for entry in value.split(","):
+        entry = entry.split("(")[0].strip().removeprefix("gres/").removeprefix("gres:")
+        name, _, count = entry.partition("=")
+        if name.split(":")[0] != "gpu":
+            continue
+        parts = name.split(":")
+        count = count or (parts[-1] if len(parts) > 1 and parts[-1].isdigit() else "1")
+        total += int(count) if count.isdigit() else 1
+    return total
+
+
 def _int(environ: Mapping[str, str], key: str) -> int:
     try:
         return int(environ.get(key, ""))
@@ -55,7 +70,7 @@ def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")
     # SLURM_JOB_GPUS / SLURM_STEP_GPUS list GPU indices ("0" is GPU 0); the others count ("0", "h100:0": none)
     slurm = [k for k in sorted(env) if _SLURM_GPU.fullmatch(k) and env[k] and (
         k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS") or not re.fullmatch(r"(?:\w+:)?0", env[k]))]
-    slurm += [k for k in _SLURM_TRES if "gpu" in env.get(k, "")]
+    slurm += [k for k in _SLURM_TRES if _gres_gpus(env.get(k, ""))]
     if slurm:
         signs.append("a Slurm GPU allocation (" + ", ".join(f"{k}={env[k]}" for k in slurm[:2]) + ")")
     world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")

@@ -38,6 +38,8 @@ NEEDLES = {"cuda-visible-devices": "CUDA_VISIBLE_DEVICES='0'",
     ({"SLURM_STEP_GPUS": "0"}, [], "a Slurm GPU allocation (SLURM_STEP_GPUS=0)"),  # GPU index 0
     ({"SLURM_GPUS_PER_NODE": "h100:4"}, [], "a Slurm GPU allocation (SLURM_GPUS_PER_NODE=h100:4)"),
     ({"SLURM_TRES_PER_TASK": "cpu=8,gres/gpu=1"}, [], "SLURM_TRES_PER_TASK=cpu=8,gres/gpu=1"),
+    ({"SLURM_JOB_GRES": "gpu:a100:2(IDX:0-1)"}, [], "a Slurm GPU allocation (SLURM_JOB_GRES=gpu:a100:2(IDX:0-1))"),
+    ({"SLURM_STEP_GRES": "shard:4,gpu"}, [], "a Slurm GPU allocation (SLURM_STEP_GRES=shard:4,gpu)"),
     ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, [], "ranks on several nodes (WORLD_SIZE/LOCAL_WORLD_SIZE=16/8)"),
     ({"SLURM_NNODES": "4"}, [], "ranks on several nodes (SLURM_NNODES=4)"),
 ])
@@ -58,6 +60,8 @@ def test_each_sign_of_a_gpu_is_named(tmp_path, env, dev_nodes, needle):
     {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "1"},  # torchrun --nproc-per-node 4
     {"NVIDIA_VISIBLE_DEVICES": "void", "SLURM_GPUS_ON_NODE": "0", "SLURM_GPUS_PER_NODE": "h100:0",
      "SLURM_NNODES": "1", "SLURM_JOB_ID": "7"},
+    # issue 46.12: a GRES/TRES that names GPUs with a count of 0 allocates none (was read as an allocation)
+    {"SLURM_JOB_GRES": "gpu:0", "SLURM_STEP_GRES": "gpu:h100:0", "SLURM_TRES_PER_TASK": "cpu=8,gres/gpu=0"},
 ])
 def test_no_sign_of_a_gpu_keeps_the_automatic_cpu_run(tmp_path, env):
     from megatron_jreg.compat import cpu_training_refusal, gpu_signs
@@ -163,3 +167,32 @@ def test_a_real_launch_stops_at_once():
     assert [line for line in proc.stderr.splitlines() if line.startswith(ERROR)] == [
         line for line in proc.stderr.splitlines() if "SLURM_STEP_GPUS=0" in line]
     assert "arguments" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+_FORK = """
+import logging, sys, torch
+from megatron_jreg.compat import apply_cpu_compat
+apply_cpu_compat()
+from megatron.core.tensor_parallel import random
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+tracker = random.get_cuda_rng_tracker()
+tracker.add("model-parallel-rng", 1234)
+for _ in range(3):
+    with tracker.fork():
+        torch.nn.init.normal_(torch.empty(4))  # weight init draws on the CPU inside a fork, as on every CPU run
+print("filtered")
+logging.getLogger("megatron.core.tensor_parallel.random").filters.clear()
+with tracker.fork():
+    torch.randn(2)
+"""
+
+
+@pytest.mark.slow
+def test_no_rng_fork_warning_on_the_cpu():
+    """issue 46.6: megatron-core's "CPU RNG state changed within GPU RNG context", 50-121 lines a CPU training log
+    (every CPU draw inside its RNG tracker's fork, by design on a CPU), is filtered where compat is applied; the
+    same draws without the filter show that the warning is megatron's own."""
+    proc = subprocess.run([sys.executable, "-c", _FORK], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("filtered\n") == ["", "CPU RNG state changed within GPU RNG context\n"], proc.stdout
