@@ -60,7 +60,7 @@ def build_chunks(config) -> list:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
-    from megatron_jreg.training.model import layer_spec
+    from megatron_jreg.layer_spec import layer_spec
 
     cfg = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, vocab_size=VOCAB,
                          make_vocab_size_divisible_by=64, should_pad_vocab=True, seq_length=SEQ,
