@@ -155,6 +155,37 @@ def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) 
     )
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub (huggingface_hub's ENDPOINT, through the HTTPS proxy when one is set) cannot be
+    reached from here: its host name does not resolve, the connection is refused, or no answer within `timeout`
+    seconds; None when a TCP connection opens. One try: huggingface_hub retries a failed request five times
+    with backoff (about a minute) before transformers gives up, for a name that most likely was a mistyped folder."""
+    import socket
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(endpoint.scheme)
+    target = urllib.parse.urlsplit(proxy if "://" in (proxy or "://") else f"http://{proxy}") if proxy else endpoint
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    answer: list[str | None] = []
+
+    def connect() -> None:  # in a thread: name resolution has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            answer.append(None)
+        except OSError as e:
+            answer.append(f"{host}: {e.strerror or e}")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else f"{host}: no answer within {timeout:g} s"
+
+
 def describe(path: Path) -> str | None:
     """`org/name@<commit>` for a path inside a hub-cache snapshot, else None (for result records)."""
     parts = Path(path).resolve().parts if Path(path).exists() else Path(path).parts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,23 @@ def test_mistyped_folder_read_as_hub_id_is_one_line_when_offline(offline_hub):
         _tokenizer_check("org/tok")
 
 
+def _hub_at(monkeypatch, listening: bool):  # -> socket.socket | None
+    """huggingface_hub's ENDPOINT on a local port that accepts connections (a reachable hub, without a network: the
+    listening socket, which the caller closes) or refuses them (no hub: None); no proxy."""
+    import socket
+
+    from huggingface_hub import constants
+
+    for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    if listening:
+        return server
+    server.close()
+    return None
+
+
 def test_hub_id_in_the_cache_or_online_is_left_to_transformers(offline_hub, monkeypatch):
     from huggingface_hub import constants
 
@@ -140,7 +158,41 @@ def test_hub_id_in_the_cache_or_online_is_left_to_transformers(offline_hub, monk
     (repo / "refs" / "main").write_text(commit)
     _tokenizer_check("org/tok")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    _tokenizer_check("data/bpe4")  # online: a hub id transformers may download
+    server = _hub_at(monkeypatch, listening=True)
+    try:
+        _tokenizer_check("data/bpe4")  # online, the hub reachable: a hub id transformers may download
+    finally:
+        server.close()
+
+
+def test_a_name_that_is_no_folder_and_no_reachable_hub_id_is_one_line_at_once(offline_hub, monkeypatch):
+    """issue 46.13: `--tokenizer-model data/no-such-folder` (no data/ here), online but the hub unreachable: one try
+    and one line naming both readings (was 54 s of huggingface_hub's retries, then transformers' line). A cached
+    id is still read from the cache (offline from then on: no retries before transformers reads it)."""
+    from huggingface_hub import constants
+
+    from megatron_jreg.training.arguments import UsageError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    _hub_at(monkeypatch, listening=False)
+    with pytest.raises(UsageError) as refused:
+        _tokenizer_check("data/no-such-folder")
+    assert str(refused.value) == (
+        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model data/no-such-folder: no such local folder (nor is "
+        f"there a folder data), and not a reachable hub id (not in the local Hugging Face cache {offline_hub}; the "
+        "hub: 127.0.0.1: Connection refused); give the tokenizer's folder, or run `hf download "
+        "data/no-such-folder` on a machine with internet and copy the cache here")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (offline_hub / "models--org--tok" / "snapshots" / commit).mkdir(parents=True)
+    (offline_hub / "models--org--tok" / "refs").mkdir()
+    (offline_hub / "models--org--tok" / "refs" / "main").write_text(commit)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # force_offline sets them:
+        monkeypatch.setenv(name, "0")  # restored after the test
+    if "datasets.config" in sys.modules:
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            monkeypatch.setattr(sys.modules["datasets.config"], name, getattr(sys.modules["datasets.config"], name))
+    _tokenizer_check("org/tok")
+    assert constants.HF_HUB_OFFLINE is True
 
 
 @pytest.mark.slow
@@ -154,7 +206,6 @@ def test_refused_launch_writes_its_one_line_and_nothing_else(tmp_path, flags, li
     "No CUDA runtime is found" line before its one line (megatron-core's import, now quiet). A fresh process, as a
     user's launch is, from a folder without data/, the hub offline and its cache empty."""
     import subprocess
-    import sys
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     env.pop("PYTHONWARNINGS", None)

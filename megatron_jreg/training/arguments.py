@@ -362,8 +362,10 @@ def _check_tokenizer_path(args: argparse.Namespace) -> None:
     """A local --tokenizer-model that does not exist: transformers would take `data/bpe4` for a hub id and retry
     the network for a minute before failing. A path counts as local when it starts with / . or ~, has more
     parts than a hub id's `org/name`, or its first folder exists here; a tokenizer file of the other types
-    always is. A hub id is left to transformers unless Hugging Face is offline (HF_HUB_OFFLINE, huggingface_hub's
-    own switch): then it must be in the local cache, else the value is most likely a mistyped folder."""
+    always is. A hub id in the local cache is left to transformers (offline when the hub cannot be reached, so
+    that it reads the cache without retrying); one that is not must be reachable on the hub (one try,
+    `hub.hub_unreachable`), else the value is most likely a mistyped folder: one line naming both readings.
+    Offline (HF_HUB_OFFLINE, huggingface_hub's own switch) it must be in the cache."""
     import difflib
 
     text = args.tokenizer_model
@@ -385,19 +387,27 @@ def _check_tokenizer_path(args: argparse.Namespace) -> None:
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
-    from megatron_jreg.hub import HubError, resolve
+    from megatron_jreg.hub import HubError, force_offline, hub_unreachable, resolve
 
-    if not constants.HF_HUB_OFFLINE:
-        return  # a Hugging Face hub id (`org/name`): transformers resolves it
+    online = not constants.HF_HUB_OFFLINE
+    cache = Path(constants.HF_HUB_CACHE)
     try:
         resolve(text, "--tokenizer-model")
-        return  # in the local cache, where transformers finds it offline
+        if online and hub_unreachable() is not None:
+            force_offline()  # transformers would retry the hub five times before reading its cache
+        return  # in the local cache, where transformers finds it
     except HubError as e:
-        cache = Path(constants.HF_HUB_CACHE)
-        if (cache / repo_folder_name(repo_id=text, repo_type="model")).is_dir():
+        if not online and (cache / repo_folder_name(repo_id=text, repo_type="model")).is_dir():
             raise UsageError(f"--tokenizer-type {args.tokenizer_type} {e}") from None  # cached, but incomplete
+    why = hub_unreachable() if online else None
+    if online and why is None:
+        return  # a Hugging Face hub id (`org/name`) the hub may hold: transformers downloads it
     fix = hint[2:] if hint.startswith(";") else (f"give the tokenizer's folder, or run `hf download {text}` on a "
                                                  "machine with internet and copy the cache here")
+    if online:
+        nor = hint if hint.startswith(" (") else ""
+        raise UsageError(f"{given}: no such local folder{nor}, and not a reachable hub id (not in the local Hugging "
+                         f"Face cache {cache}; the hub: {why}); {fix}")
     raise UsageError(f"{given}: neither a folder here nor a model in the local Hugging Face cache {cache} (offline: "
                      f"HF_HUB_OFFLINE); {fix}")
 
