@@ -59,3 +59,24 @@ def test_two_runs_at_the_same_step_are_two_models_not_a_series():
     assert _colors(finals)[1] == ["baseline (L=2, step 3000)", "jreg (L=2, step 3000)"]
     series = [result("iter_10", 10), result("iter_20", 20)]
     assert _is_series(series) and _colors(series)[1] == ["step 10", "step 20"]
+
+
+def test_heatmap_title_fits_one_panel_with_positions_last(tmp_path):
+    """issue 46.6: with --positions last the measure's label ("... over the last token of each sample") is wider
+    than one heat-map panel, and the title was cut at both edges of the figure; it wraps to the figure instead
+    (no dark pixel in the outer columns of the title rows)."""
+    from matplotlib.image import imread
+
+    from megatron_jreg.analysis.measure import ModelResult
+    from megatron_jreg.analysis.plot import plot_layer_distances
+
+    size = 4
+    result = ModelResult(label="m", path="", kind="hf", model_class="", convention="hooks", step=None,
+                         positions="last", sums=[1.0] * (size - 1), counts=[4] * (size - 1), samples=1,
+                         truncated_samples=0, norm_sums=[4.0] * size,
+                         distance_sums=[[0.1 * (j - i) if j > i else 0.0 for j in range(size)] for i in range(size)])
+    image = imread(plot_layer_distances([result], tmp_path / "d.png"))[..., :3]
+    title = image[: image.shape[0] // 8]  # the figure's top eighth: the title, above the panel
+    dark = (title < 0.5).any(-1)
+    assert dark.any(), "no title drawn"
+    assert not dark[:, :4].any() and not dark[:, -4:].any(), "the title runs off the figure"

@@ -160,6 +160,12 @@ def _shown(results: list[ModelResult]) -> list[ModelResult]:
 def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
     """Gromov et al.'s heat-map per model: x = the first layer ℓ (h_ℓ, 0 = embeddings), y = the span n,
     colour = mean d(h_ℓ, h_{ℓ+n}); the bottom row (n = 1) is Ψ. One colour scale for all panels."""
+    return _save(layer_distances_figure(results), path)
+
+
+def layer_distances_figure(results: list[ModelResult]):  # noqa: ANN201 - a matplotlib Figure
+    """`plot_layer_distances`' figure; its title wraps to the figure's width (one panel is 4.6 inches wide, narrower
+    than the measure's label for --positions last)."""
     import numpy as np
 
     shown = _shown(results)
@@ -186,8 +192,9 @@ def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
     if image is not None:
         fig.colorbar(image, ax=list(axes[: len(shown)]), shrink=0.85, label="mean d")
     note = "" if len(shown) == len(results) else f" ({len(shown)} of {len(results)} models, evenly spaced)"
-    fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\nd: {measure_label(results)}", fontsize=8)
-    return _save(fig, path)
+    fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\nd: {measure_label(results)}", fontsize=8,
+                 wrap=True)
+    return fig
 
 
 def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
