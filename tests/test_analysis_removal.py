@@ -336,3 +336,41 @@ def test_other_families_equal_the_hook_reference(family, llama, samples, windows
         result = measure(load(folder, label=family), texts, ModelSpec(folder, family, "hf"), batch_size=3,
                          remove_layers=TOP_K)
         assert_matches(result.removal, ref, matter=20)
+
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF), docs/results/analyze_smollm2.txt: Ψ of the 100-passage run, layer removal of the
+# 20-passage run (30 layers, 1,661 predicted tokens)
+SMOLLM2_PSI = [0.4966, 0.1920, 0.0902, 0.0778, 0.0810, 0.0811, 0.0819, 0.0835, 0.0931, 0.0870, 0.0936, 0.0924, 0.0774,
+               0.0730, 0.0713, 0.0749, 0.0773, 0.0694, 0.0855, 0.0897, 0.1030, 0.0942, 0.0948, 0.0959, 0.1769, 0.0685,
+               0.0753, 0.0943, 0.1023, 0.2225]
+SMOLLM2_DELTA_CE = [7.7435, 3.6309, 1.1914, 0.1326, 0.1350, 0.0722, 0.1500, 0.1081, 0.7421, 0.2550, 0.3171, 2.0484,
+                    0.1429, 0.1251, 0.0963, 0.1706, 0.1500, 0.0822, 0.1299, 0.1542, 0.1655, 0.2363, 0.2230, 0.1930,
+                    0.6240, 0.2006, 0.2401, 0.3214, 1.2246, 1.8147]
+
+
+def _removal_result(psi: list[float], delta_ce: list[float], top: list[float]):
+    from megatron_jreg.analysis.measure import ModelResult
+
+    removal = {"base_ce": 3.6198, "delta_ce": delta_ce, "top_k": [1, 2, 3][: len(top)], "delta_ce_top": top}
+    return ModelResult(label="m", path="", kind="hf", model_class="", convention="hooks", step=None,
+                       sums=[p * 10 for p in psi], counts=[10] * len(psi), samples=1, truncated_samples=0,
+                       removal=removal)
+
+
+def test_the_reading_names_the_cheapest_block_to_remove_not_the_smallest_psi():
+    """issue 46.6: the reading named only the costliest layer; it now names the cheapest contiguous block of those
+    measured (each layer alone, the top k) and, when that is another layer, what the layer of smallest Ψ costs: a
+    layer that barely moves the hidden state is not necessarily cheap to remove (SmolLM2-135M: Ψ is smallest at
+    layer 26, which costs nearly 3 × the cheapest layer's ΔCE)."""
+    from megatron_jreg.analysis.report import reading
+
+    text = reading(_removal_result(SMOLLM2_PSI, SMOLLM2_DELTA_CE, [1.8147, 3.0544, 4.3789]))
+    assert ("Layer removal (CE 3.6198 nats): layer 1 costs most (+7.7435); the cheapest block measured is layer 6 "
+            "alone (+0.0722), not layer 26 of the smallest Ψ (+0.2006); top 1: +1.8147, top 2: +3.0544, top 3: "
+            "+4.3789") in text, text
+    # JREG's near-identity top layers: skipping the top two lowers CE, cheaper than any layer alone
+    jreg = reading(_removal_result([0.2, 0.1, 0.15, 0.01], [2.0, 0.5, 0.05, 0.02], [0.02, -0.6250]))
+    assert "the cheapest block measured is layers 3-4, the top 2 (-0.6250), not layer 4 of the smallest Ψ" in jreg
+    assert "layer 1 costs most (+2.0000)" in jreg
+    same = reading(_removal_result([0.2, 0.1, 0.01, 0.15], [2.0, 0.5, 0.05, 0.3], [0.3, 0.4]))
+    assert "the cheapest block measured is layer 3 alone (+0.0500); top 1" in same  # the smallest Ψ: nothing to add

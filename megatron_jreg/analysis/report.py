@@ -106,12 +106,33 @@ def reading(result: ModelResult) -> str:
         else:
             text += " — below the top three layers: no top-of-stack jump"
     if result.removal is not None:
-        delta = result.removal["delta_ce"]
-        worst = max(range(L), key=lambda i: delta[i])
-        tops = ", ".join(f"top {k}: {d:+.4f}" for k, d in zip(result.removal["top_k"], result.removal["delta_ce_top"]))
-        text += (f". Layer removal (CE {result.removal['base_ce']:.4f} nats): layer {worst + 1} costs most "
-                 f"({delta[worst]:+.4f}); {tops}")
+        text += f". {_removal_reading(result)}"
     return text
+
+
+def _removal_reading(result: ModelResult) -> str:
+    """Which single layer costs most, which contiguous block of those measured (each layer alone, the top k) is
+    cheapest to remove, and what the layer of smallest Ψ costs when that is not it: the layer that moves the
+    hidden state least (Gromov et al.'s pick for a block of one) is not necessarily cheap to remove
+    (docs/analysis.md, "The reading")."""
+    removal, L = result.removal, result.num_layers
+    delta = removal["delta_ce"]
+
+    def low(value: float) -> float:  # a NaN is never the cheapest
+        return value if math.isfinite(value) else math.inf
+
+    worst = max(range(L), key=lambda i: -low(-delta[i]))  # a NaN is never the costliest either
+    blocks = [(delta[i], f"layer {i + 1} alone ({delta[i]:+.4f})") for i in range(L)]  # the top 1 is layer L alone
+    blocks += [(d, f"layers {L - k + 1}-{L}, the top {k} ({d:+.4f})")
+               for k, d in zip(removal["top_k"], removal["delta_ce_top"]) if k > 1]
+    cheapest = min(blocks, key=lambda b: low(b[0]))[1]
+    text = (f"Layer removal (CE {removal['base_ce']:.4f} nats): layer {worst + 1} costs most ({delta[worst]:+.4f}); "
+            f"the cheapest block measured is {cheapest}")
+    still = min(range(L), key=lambda i: low(result.psi[i]))
+    if not cheapest.startswith(f"layer {still + 1} alone"):
+        text += f", not layer {still + 1} of the smallest Ψ ({delta[still]:+.4f})"
+    tops = ", ".join(f"top {k}: {d:+.4f}" for k, d in zip(removal["top_k"], removal["delta_ce_top"]))
+    return f"{text}; {tops}"
 
 
 def measure_label(results: list[ModelResult]) -> str:
