@@ -204,7 +204,8 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for fragment in ("or all (default: 100)", "(default: 8)", "(default: jump_analysis)", "(default: 1,2,3)",
+    for fragment in ("or all (default: 100)", "(default: 8)", "(default: jump_analysis)",
+                     "(default: 1,2,3, those up to the model's number of layers)",
                      "(default: all)", "(default: angular)"):
         assert fragment in text, fragment
 

@@ -795,3 +795,29 @@ def test_layer_removal_bad_input_is_one_clear_error(name, inputs):
     assert "\n" not in message
     for fragment in expect:
         assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_remove_layers_on_a_shallow_model_keeps_the_default_top_k_within_it(inputs, tmp_path, layers):
+    """issue 46.12: `analyze --remove-layers` on a 1- or 2-layer model refused "--top-k 2,3", which the user never
+    passed; the default 1,2,3 is capped at the model's layers (for analyze and the library entry), while a --top-k
+    the user gives is still checked against them."""
+    import torch
+
+    from megatron_jreg.analysis.removal import layer_removal
+    from megatron_jreg.analysis.source import AnalysisError
+    from tests._toy import save_random_model
+
+    folder = save_random_model(family_config("llama", layers=layers), tmp_path / "shallow", inputs.tokenizer)
+    rc, err = run("analyze", ["--model", str(folder), "--num-samples", "2", "--remove-layers", "--no-progress",
+                              "--output", str(tmp_path / "out")])
+    assert rc == 0, err
+    removal = json.loads((tmp_path / "out" / "results.json").read_text())["models"][0]["layer_removal"]
+    assert removal["top_k"] == list(range(1, layers + 1)), removal
+    windows = torch.randint(0, VOCAB, (2, 6))
+    assert layer_removal(folder, windows)["top_k"] == list(range(1, layers + 1))
+    rc, err = run("analyze", ["--model", str(folder), "--num-samples", "2", "--remove-layers", "--top-k", "1,3",
+                              "--output", str(tmp_path / "out")])
+    assert rc == 2 and "--top-k 3: k must be between 1 and the model's" in err, err
+    with pytest.raises(AnalysisError, match="top_k 3"):
+        layer_removal(folder, windows, top_k=(3,))

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         "skipped (output := input), and when the top k layers are; costs about L/2 forward passes per batch",
     )
     p.add_argument("--top-k", type=_ints, metavar="K,K,...",
-                   help="with --remove-layers: the top k layers skipped together (default: 1,2,3)")
+                   help="with --remove-layers: the top k layers skipped together (default: 1,2,3, those up to the "
+                        "model's number of layers)")
     p.add_argument(
         "--include-final-norm",
         action="store_true",

@@ -57,8 +57,9 @@ class AnalyzeConfig:
     """--progress / --no-progress: bars on stderr; None: when stderr is a terminal (`progress.show_progress`)."""
     remove_layers: bool = False
     """--remove-layers: also measure layer removal (`removal.py`): ΔCE per skipped layer and for the top k."""
-    top_k: tuple[int, ...] = (1, 2, 3)
-    """--top-k: the k of "the top k layers skipped" (each at most the model's number of layers)."""
+    top_k: tuple[int, ...] | None = None
+    """--top-k: the k of "the top k layers skipped" (each at most the model's number of layers); None: 1, 2, 3, those
+    up to each model's number of layers (`removal.default_top_k`)."""
     positions: str = "all"
     """--positions: every measure over all real tokens, or over each sample's last token only."""
     revisions: list[str] = field(default_factory=list)
@@ -79,12 +80,13 @@ class AnalyzeConfig:
                                      ("padding_side", self.padding_side, PADDING_SIDES)):
             if value not in allowed:
                 raise AnalysisError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-        self.top_k = tuple(self.top_k)
-        if not self.top_k or any(not isinstance(k, int) or k < 1 for k in self.top_k):
-            raise AnalysisError(f"--top-k {','.join(map(str, self.top_k))}: each k must be a whole number >= 1, "
-                                "e.g. --top-k 1,2,3")
-        if self.top_k != (1, 2, 3) and not self.remove_layers:
-            raise AnalysisError("--top-k is the k of layer removal: add --remove-layers (or drop --top-k)")
+        if self.top_k is not None:
+            self.top_k = tuple(self.top_k)
+            if not self.top_k or any(not isinstance(k, int) or k < 1 for k in self.top_k):
+                raise AnalysisError(f"--top-k {','.join(map(str, self.top_k))}: each k must be a whole number >= 1, "
+                                    "e.g. --top-k 1,2,3")
+            if not self.remove_layers:
+                raise AnalysisError("--top-k is the k of layer removal: add --remove-layers (or drop --top-k)")
         if self.revisions:
             if not self.models:
                 raise AnalysisError("--revision needs --model ORG/NAME (a hub id in the local cache)")

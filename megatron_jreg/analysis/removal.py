@@ -81,6 +81,11 @@ class RemovalTotals:
         }
 
 
+def default_top_k(num_layers: int) -> tuple[int, ...]:
+    """TOP_K's values up to `num_layers` (a 2-layer model: the top 1 and 2), for a caller that named none."""
+    return tuple(k for k in TOP_K if k <= num_layers)
+
+
 def check_top_k(top_k: Sequence[int], num_layers: int, flag: str = "top_k") -> tuple[int, ...]:
     """Distinct k in 1..L, in increasing order; an AnalysisError names `flag` otherwise."""
     ks = tuple(sorted(set(int(k) for k in top_k)))
@@ -252,7 +257,7 @@ def check_windows(windows: Any, vocab_size: int | None) -> Tensor:
     return windows.long()
 
 
-def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, batch_size: int = 8,
+def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] | None = None, *, batch_size: int = 8,
                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                   stream: bool = False, progress: bool = False) -> dict:
     """ΔCE per skipped decoder layer and for the top k layers skipped, on pre-tokenized windows.
@@ -260,7 +265,8 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
     model: a Hugging Face folder, GGUF file or megatron-jreg checkpoint (run folder or iter_* folder; any
     saved TP/PP layout), or an already loaded model (see `_as_source`). windows[N, S] int64: each row is S
     consecutive tokens; the model reads tokens 0..S−2 and predicts tokens 1..S−1 (N·(S−1) predicted
-    tokens; pass seq_length + 1 tokens per window, as Megatron-LM's GPTDataset makes them). stream: read a
+    tokens; pass seq_length + 1 tokens per window, as Megatron-LM's GPTDataset makes them). top_k: None for 1, 2,
+    3 up to the model's number of layers (`default_top_k`). stream: read a
     Hugging Face folder one layer at a time. Returns `RemovalTotals.as_dict()`: base_ce, ce_skip[L],
     delta_ce[L] (index ℓ−1), top_k, ce_skip_top and delta_ce_top (aligned with top_k), predicted_tokens,
     num_layers, definition; CE in nats per predicted token.
@@ -270,7 +276,7 @@ def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] = TOP_K, *, 
     source, owned = _as_source(model, dtype, device, stream, progress)
     try:
         windows = check_windows(windows, getattr(source, "vocab_size", None))
-        ks = check_top_k(top_k, source.num_layers)
+        ks = check_top_k(default_top_k(source.num_layers) if top_k is None else top_k, source.num_layers)
         batches = [(w[:, :-1].contiguous(), torch.ones_like(w[:, :-1]), w[:, 1:].contiguous())
                    for w in windows.split(batch_size)]
         return removal_figures(source, batches, ks, "layer removal", progress)

@@ -16,6 +16,7 @@ from megatron_jreg.analysis.loading import ModelSpec, load_source
 from megatron_jreg.analysis.measure import ModelResult, measure
 from megatron_jreg.analysis.memory import PeakMemory
 from megatron_jreg.analysis.plot import write_plots
+from megatron_jreg.analysis.removal import TOP_K, default_top_k
 from megatron_jreg.analysis.report import format_table, write_results
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.analysis.stream_source import not_streamable, should_stream
@@ -75,7 +76,8 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
     log(
         f"analyze: {len(specs)} model(s), {len(texts)} samples of {cfg.data}, distance {cfg.distance}, "
         f"positions {cfg.positions}, {cfg.dtype} on {cfg.torch_device}"
-        + (f", layer removal (top k {','.join(map(str, cfg.top_k))})" if cfg.remove_layers else "")
+        + (f", layer removal (top k {','.join(map(str, cfg.top_k or TOP_K))}"
+           f"{'' if cfg.top_k else ', up to each model’s layers'})" if cfg.remove_layers else "")
     )
     results: list[ModelResult] = []
     i = 0
@@ -135,7 +137,7 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
                 padding_side=cfg.padding_side,
                 progress=progress,
                 positions=cfg.positions,
-                remove_layers=cfg.top_k if cfg.remove_layers else None,
+                remove_layers=(cfg.top_k or default_top_k(source.num_layers)) if cfg.remove_layers else None,
             )
             if result.step is None:
                 result.step = getattr(source, "iteration", None)
