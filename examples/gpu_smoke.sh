@@ -29,7 +29,7 @@ train() {  # train RUN [FLAGS...]: one short training; its metrics go to $OUT/RU
     echo "== $run: $PRESET, $ITERS iterations of $MBS × $SEQ tokens $*"
     "$PYTHON" -m megatron_jreg.train --model-preset "$PRESET" --seq-length "$SEQ" --mock-data --vocab-size 32000 \
         --tokenizer-type NullTokenizer --micro-batch-size "$MBS" --global-batch-size "$MBS" --train-iters "$ITERS" \
-        --log-interval 1 --lr 3e-4 --lr-warmup-iters 10 --eval-iters 0 --jreg-lambda 1 --jreg-alpha 1 --no-progress \
+        --log-interval 1 --lr 3e-4 --lr-warmup-iters $(( ITERS / 3 )) --eval-interval "$ITERS" --eval-iters 0 --jreg-lambda 1 --jreg-alpha 1 --no-progress \
         --bf16 --metrics-file "$OUT/$run.jsonl" "$@" 2>&1 | tee "$OUT/$run.log"
 }
 

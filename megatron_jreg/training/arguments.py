@@ -181,8 +181,8 @@ def _check_paths(args: argparse.Namespace) -> None:
                              f"× data-parallel size = {args.micro_batch_size} × {dp}: choose a multiple of "
                              f"{args.micro_batch_size * dp}")
     if args.eval_interval is None and not args.skip_train and not args.full_validation:
-        raise UsageError("give --eval-interval N: Megatron-LM's loop sizes the validation samples from it (and fails "
-                         "without it); add --eval-iters 0 to train without validation")
+        raise UsageError("give --eval-interval N: Megatron-LM's loop sizes the validation samples from it and fails "
+                         "without it, --eval-iters 0 too (which then runs no validation)")
     if args.save is not None and args.save_interval is None:
         raise UsageError(f"--save {args.save} needs --save-interval N (Megatron-LM saves every N iterations; at exit "
                          "too with --exit-interval or on SIGTERM)")

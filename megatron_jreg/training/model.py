@@ -44,7 +44,8 @@ def check_transformer_impl(args: argparse.Namespace) -> None:
     if args.transformer_impl == "transformer_engine" and not have_te:
         raise UsageError(
             "--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine is not importable "
-            "here; use the NGC PyTorch image (docker/Dockerfile) or add --transformer-impl local"
+            "here; use the NGC PyTorch image (docker/Dockerfile) or add --transformer-impl local "
+            "--no-gradient-accumulation-fusion --no-rope-fusion --no-masked-softmax-fusion (no flash attention)"
         )
     if torch.cuda.is_available() and not have_te:
         # Megatron-LM's default-on fused kernels that come from TE/apex or a CUDA extension the wheel lacks:
