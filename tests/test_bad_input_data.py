@@ -748,6 +748,23 @@ CASES: dict[str, Case] = {
         ("different tokenizers",),
         merged_nothing,
     ),
+    # issue 46.11: shards without manifests (Megatron-LM's tools write none) of two tokenizers merged without a word
+    "mg-two-tokenizers-without-manifests": Case(
+        "merge-datasets",
+        lambda e, t: mg(e, t, str(_manifestless(t, "a", 0)), str(_manifestless(t, "b", 299))),
+        2,
+        ("every document of {tmp}/in/a ends with token 0 and every one of {tmp}/in/b with token 299",
+         "different tokenizers"),
+        merged_nothing,
+    ),
+    "mg-one-tokenizer-without-manifests": Case(  # the same end-of-document token: merged, no tokenizer claimed
+        "merge-datasets",
+        lambda e, t: mg(e, t, str(_manifestless(t, "a", 0)), str(_manifestless(t, "b", 0)), e.shards[0]),
+        0,
+        ("merged 3 datasets",),
+        lambda t, e, o: json.loads((t / "out" / "merged.manifest.json").read_text())["tokenizer"] is None
+        or pytest.fail("the merged manifest claims a tokenizer for shards without one"),
+    ),
     "mg-nothing-matches": Case(
         "merge-datasets", lambda e, t: mg(e, t, str(t / "none*.idx")), 2, ("--input", "none*.idx"), merged_nothing
     ),
@@ -833,6 +850,21 @@ def _overwrite(prefix: Path, suffix: str, at: int, data: bytes) -> Path:
     blob = bytearray(path.read_bytes())
     blob[at : at + len(data) if at + len(data) != 0 else None] = data
     path.write_bytes(bytes(blob))
+    return prefix
+
+
+def _manifestless(tmp: Path, name: str, end: int) -> Path:
+    """A dataset of 30 documents whose every one ends with token `end` (a tokenizer's end-of-document id), without
+    a manifest, as Megatron-LM's preprocess_data.py writes it."""
+    import numpy as np
+
+    from megatron_jreg.data.indexed import Builder
+
+    prefix = tmp / "in" / name
+    builder = Builder(prefix, np.uint16)
+    for i in range(30):
+        builder.add_document(np.array([5 + i % 7, 40 + i, 7, end], dtype=np.int64), [4])
+    builder.finalize()
     return prefix
 
 

@@ -120,3 +120,23 @@ def verify_dataset(prefix: str | Path) -> Dataset:
         state = "truncated" if bin_bytes < needed else "longer than its index says"
         raise ValueError(f"{bin_path(prefix)}: {state} ({bin_bytes:,} bytes, the index needs {needed:,}); {_FIX}")
     return Dataset(index.dtype, len(docs) - 1, len(lengths), int(lengths.sum()))
+
+
+def document_end_token(prefix: str | Path, sample: int = 1000, least: int = 20) -> int | None:
+    """The token that every one of up to `sample` documents (spread over a verified dataset) ends with: a
+    tokenizer's end-of-document id when the data was made with --append-eod. None when they end differently, or
+    with fewer than `least` documents (too few for a text's own last token to say anything)."""
+    index = megatron_package().core.datasets.indexed_dataset.IndexedDataset(str(prefix), mmap=False).index
+    docs = index.document_indices
+    if len(docs) - 1 < least:
+        return None
+    picked = np.unique(np.linspace(1, len(docs) - 1, min(sample, len(docs) - 1)).astype(np.int64))
+    last = docs[picked] - 1  # each picked document's last sequence
+    lengths = index.sequence_lengths[last].astype(np.int64)
+    last, lengths = last[lengths > 0], lengths[lengths > 0]
+    if not len(last):
+        return None
+    itemsize = np.dtype(index.dtype).itemsize
+    tokens = np.memmap(bin_path(prefix), dtype=index.dtype, mode="r")
+    ends = np.unique(tokens[index.sequence_pointers[last] // itemsize + lengths - 1])
+    return int(ends[0]) if len(ends) == 1 else None

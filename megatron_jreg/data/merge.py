@@ -2,7 +2,8 @@
 
 Inputs are prefixes, directories (every finished pair inside, sorted by name, as Megatron-LM's
 tools/merge_datasets.py does) or globs. Shards must share the token dtype and, where they have manifests,
-the tokenizer. The merged manifest lists each input with its sizes and sha256 and sums the counts.
+the tokenizer; where some have none, the token their documents end with (`_check_document_ends`). The merged
+manifest lists each input with its sizes and sha256 and sums the counts.
 Every input is checked before anything is written (index size and consistency, .bin size, manifest), so a
 damaged shard is named instead of being copied into the merge.
 """
@@ -19,7 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from megatron_jreg.data.checks import DataError, check_output_prefix
-from megatron_jreg.data.indexed import Builder, bin_path, dataset_exists, idx_path, remove_dataset, verify_dataset
+from megatron_jreg.data.indexed import (
+    Builder,
+    bin_path,
+    dataset_exists,
+    document_end_token,
+    idx_path,
+    remove_dataset,
+    verify_dataset,
+)
 from megatron_jreg.data.manifest import (
     fingerprint,
     is_complete,
@@ -87,6 +96,8 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
             "--input: the shards were made with different tokenizers (see their .manifest.json 'tokenizer'); "
             "merge only shards of one tokenizer"
         )
+    if None in manifests:
+        _check_document_ends(prefixes)
     described = [[p, bin_path(p).stat().st_size, os.stat(idx_path(p)).st_mtime_ns] for p in prefixes]
     fp = fingerprint({"merge": described})
     done = is_complete(output_prefix, fp)
@@ -118,7 +129,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
         tokens=sum(i.tokens for i in indexes),
         max_token_id=max(largest) if len(known) == len(prefixes) and all(isinstance(x, int) for x in largest)
         else None,
-        tokenizer=known[0]["tokenizer"] if known else None,
+        tokenizer=known[0]["tokenizer"] if known and len(known) == len(prefixes) else None,  # else not known
         append_eod=known[0].get("append_eod") if known else None,
         level=known[0].get("level") if known else None,
         filters=known[0].get("filters") if known else None,
@@ -138,6 +149,20 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     )
     write_json_atomic(manifest_path(output_prefix), manifest)
     return manifest
+
+
+def _check_document_ends(prefixes: list[str]) -> None:
+    """Shards without a manifest (Megatron-LM's own tools write none) have no recorded tokenizer; what they still
+    tell is the token every document ends with (a tokenizer's end-of-document id, with --append-eod). Two shards
+    whose documents end with two different tokens were made by two tokenizers, or one with --append-eod and one
+    without: refused, naming both."""
+    ends = [(p, end) for p in prefixes if (end := document_end_token(p)) is not None]
+    for p, end in ends[1:]:
+        if end != ends[0][1]:
+            raise DataError(f"--input: every document of {ends[0][0]} ends with token {ends[0][1]} and every one of "
+                            f"{p} with token {end} (each its tokenizer's end-of-document id): the shards were made "
+                            "by different tokenizers, or one with --append-eod and one without; merge only shards "
+                            "made alike")
 
 
 def build_parser() -> argparse.ArgumentParser:
