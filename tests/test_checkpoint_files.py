@@ -90,6 +90,28 @@ def test_manifest_by_ranks_equals_one_process_and_names_a_corrupt_file(tmp_path)
         verify_integrity(ckpt)
 
 
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
+    """issue 46.10: a shard left out of integrity.json (or a file added after the save) loaded unchecked under
+    "verified 3 file(s)"; every file of the checkpoint must be listed, on every rank's verification."""
+    from megatron_jreg.checkpoints import CheckpointError, verify_integrity, write_integrity
+
+    ckpt = _iteration(tmp_path, 3, {".metadata": b"m", "__0_0.distcp": b"shard", "mp_rank_00/extra.pt": b"x"})
+    write_integrity(ckpt)
+    assert verify_integrity(ckpt) == 4
+    manifest = json.loads((ckpt / "integrity.json").read_text())
+    del manifest["files"]["__0_0.distcp"]
+    (ckpt / "integrity.json").write_text(json.dumps(manifest))
+    for rank in (0, 1):
+        with pytest.raises(CheckpointError, match=r"iter_0000003/__0_0.distcp: not listed in integrity.json, so it "
+                                                  r"cannot be verified .*delete integrity.json to load it unverified"):
+            verify_integrity(ckpt, rank, 2)
+    write_integrity(ckpt)
+    (ckpt / "later.bin").write_bytes(b"y")
+    (ckpt / "mp_rank_00" / "later.pt").write_bytes(b"z")
+    with pytest.raises(CheckpointError, match=r"later.bin: not listed in integrity.json \(and 1 more\)"):
+        verify_integrity(ckpt)
+
+
 def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
     from megatron_jreg.checkpoints import CheckpointError, verify_integrity
 

@@ -401,11 +401,18 @@ def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
 
 def verify_integrity(ckpt: str | Path, rank: int = 0, world: int = 1, threads: int | None = None) -> int | None:
     """Check the files (with `rank`/`world`: this rank's `share`) against the SHA-256 manifest; the number
-    checked here, None without a manifest. CheckpointError names the first missing or corrupt file."""
+    checked here, None without a manifest. CheckpointError names the first missing, corrupt or unlisted file:
+    a file the manifest does not name would be read unchecked (a shard left out of it loaded under "verified")."""
     ckpt = Path(ckpt)
     files = read_integrity(ckpt)
     if files is None:
         return None
+    unlisted = sorted(set(checkpoint_files(ckpt)) - set(files))
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise CheckpointError(f"{ckpt / unlisted[0]}: not listed in {INTEGRITY}{more}, so it cannot be verified (a "
+                              "file added after the save, or a manifest of another save): restore the checkpoint or "
+                              f"resume from another iteration, or delete {INTEGRITY} to load it unverified")
     names = share(sorted(files), rank, world)
     for name in names:
         if not (ckpt / name).is_file():
