@@ -65,9 +65,9 @@ def _megatron_tokenizer(library: str, path: str, **kwargs):
 
 def _tiktoken_json(bpe_folder: str, out: Path) -> int:
     """Megatron-LM's tiktoken vocabulary from a byte-level BPE (bytes, then merges); returns its size."""
-    from megatron_jreg.data.tokenizers import _byte_to_unicode
+    from megatron_jreg.data.fast_bpe import byte_to_unicode
 
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
+    to_byte = {c: b for b, c in byte_to_unicode().items()}
     merges = json.loads(Path(bpe_folder, "tokenizer.json").read_text())["model"]["merges"]
     pieces = [bytes([b]) for b in range(256)] + [bytes(to_byte[c] for c in "".join(m)) for m in merges]
     out.write_text(
@@ -85,13 +85,28 @@ def _tiktoken_json(bpe_folder: str, out: Path) -> int:
     return len(pieces)
 
 
-@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer"])
+KINDS = ["HuggingFaceTokenizer", "SmolLM2-style", "Llama-3-style", "SentencePieceTokenizer", "TikTokenizer"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_output_is_byte_identical_to_megatron_lm(kind, corpus, tmp_path):
-    path, texts = corpus
+    """Every kind of tokenizer, on its fast engine (tiktoken where it converts exactly): the bytes Megatron-LM
+    writes with megatron-core's tokenizer. SmolLM2-style: bytes lacking from the vocabulary, a duplicate piece, its
+    special tokens; Llama-3-style: its regex, ignore_merges, a BOS and 256 special tokens (tests/_tokenizers.py)."""
+    from tests._tokenizers import llama3_style, smollm2_style
+
+    texts = [*corpus[1], "lacking bytes\x01\x02 here \x7f", "paragraphs\n\nand\n\n\nnewlines"]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     extra: dict = {}
     if kind == "SentencePieceTokenizer":
         model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "sp"), 800, max_chars=300_000)
         ref = _megatron_tokenizer("sentencepiece", model)
+    elif kind.endswith("-style"):
+        articles = [a.replace(" \n \n ", "\n\n") for a in wikitext_articles(WIKI / "valid.txt")]
+        model = (smollm2_style(tmp_path / "smollm2", articles, 1500) if kind == "SmolLM2-style"
+                 else llama3_style(tmp_path / "llama3", articles, 1756))
+        ref, kind = _megatron_tokenizer("huggingface", model), "HuggingFaceTokenizer"
     else:
         model = train_tokenizer(
             [str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 1200, "hf-bpe", max_chars=300_000
@@ -107,9 +122,11 @@ def test_output_is_byte_identical_to_megatron_lm(kind, corpus, tmp_path):
         tokenizer_type=kind,
         tokenizer_model=model,
         append_eod=True,
+        workers=2,
         **extra,
     )
     summary = preprocess(cfg)
+    assert summary["tokenizer_backend"] == ("megatron-core (tiktoken)" if kind == "TikTokenizer" else "tiktoken")
 
     # The one intended difference: a text with no tokens (" " under SentencePiece) is skipped and counted,
     # where Megatron-LM writes a document without sequences, which GPTDataset cannot index consistently.
@@ -122,6 +139,25 @@ def test_output_is_byte_identical_to_megatron_lm(kind, corpus, tmp_path):
     )
     assert Path(f"{tmp_path}/out_text_document.bin").read_bytes() == expected_bin
     assert Path(f"{tmp_path}/out_text_document.idx").read_bytes() == expected_idx
+
+
+def test_tokenizer_flags_table_is_megatron_lms_group():
+    """preprocess parses Megatron-LM's tokenizer flags from a table (no torch for --help and the flag checks):
+    the same flags as megatron-core's own `_add_tokenizer_args` group, spelling, action, type, default, choices
+    and help, so that an upgrade that changes them fails here."""
+    import argparse
+
+    from megatron.training.arguments import _add_tokenizer_args
+
+    from megatron_jreg.data.tokenizer_flags import add_tokenizer_args
+
+    def described(parser: argparse.ArgumentParser) -> list:
+        return [(g.title, g.description, [(type(a).__name__, a.option_strings, a.dest, a.default, a.type, a.nargs,
+                                           a.const, a.choices and list(a.choices), a.help) for a in g._group_actions])
+                for g in parser._action_groups]
+
+    assert described(add_tokenizer_args(argparse.ArgumentParser())) == described(
+        _add_tokenizer_args(argparse.ArgumentParser()))
 
 
 def test_megatron_core_reads_the_output(corpus, tmp_path):

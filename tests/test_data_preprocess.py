@@ -480,3 +480,47 @@ def test_progress_line_eta_counts_hours_past_a_day():
     progress.start -= 3600  # one hour in, 1 % of the input read
     progress.update(docs=1, text_bytes=10, tokens=3, input_bytes=1)
     assert re.search(r"input 1\.0% ETA 99:0[01]:\d\d$", progress.line()), progress.line()  # 99 h (+ test time)
+
+
+@pytest.mark.parametrize("entry", ["tools/preprocess_data.py", "megatron-jreg preprocess"])
+def test_help_and_bad_flags_are_answered_before_torch_loads(entry, tmp_path):
+    """issue 48: `--help` took 6.7 s (torch and megatron-core loaded to build the parser); the flags are now read
+    and checked first, by both entry points, and neither --help nor a bad flag loads torch, megatron or numpy."""
+    if entry.endswith(".py"):
+        script = str(ROOT / entry)
+        call = f"sys.argv = [{script!r}, *{{argv}}]; import runpy; runpy.run_path({script!r}, run_name='__main__')"
+    else:
+        call = "from megatron_jreg.cli import main; sys.exit(main(['preprocess', *{argv}]))"
+    loaded = "sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules)"
+    for argv, status, says in (
+        (["--help"], 0, "--tokenizer-special-tokens"),
+        (["--input", "a.jsonl", "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "8", "--workers", "0"], 2, "--workers must be a finite number >= 1"),
+    ):
+        report = f"import sys, atexit\natexit.register(lambda: print({loaded}, file=sys.stderr))\n"
+        proc = subprocess.run([sys.executable, "-c", report + call.format(argv=argv)], cwd=ROOT, capture_output=True,
+                              text=True)
+        assert proc.returncode == status, proc.stderr
+        assert says in proc.stdout + proc.stderr
+        assert proc.stderr.rstrip().endswith("[]"), proc.stderr  # nothing heavy was imported
+
+
+def test_a_tokenizer_without_a_fast_path_says_so_once_in_the_progress_line(bpe, articles, tmp_path, capsys):
+    """A tokenizer.json with a normalizer has no exact tiktoken conversion: the `tokenizers` library's batch
+    encoding runs, the first progress line says so (not every line), and the output is megatron-core's ids."""
+    from tokenizers import Tokenizer, normalizers
+
+    folder = tmp_path / "nfkc"
+    folder.mkdir()
+    hf = Tokenizer.from_file(f"{bpe}/tokenizer.json")
+    hf.normalizer = normalizers.NFKC()
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    summary = _run(str(folder), _write_jsonl(tmp_path / "a.jsonl", articles), tmp_path / "out", log_interval=5,
+                   block_mb=0.02)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("processed")]
+    note = "tokenizer tokenizers (no exact tiktoken conversion: a normalizer)"
+    assert len(lines) > 1 and lines[0].endswith(f" | {note}") and not any(note in line for line in lines[1:])
+    assert summary["tokenizer_backend"] == note.removeprefix("tokenizer ")
+    tok = build_tokenizer("HuggingFaceTokenizer", str(folder))
+    assert _docs(tmp_path / "out") == [list(tok.megatron.tokenize(t)) + [tok.eod] for t in articles]

@@ -1,4 +1,6 @@
-"""Tokenizers: megatron-core's, by Megatron-LM's --tokenizer-type; the tiktoken fast path's exactness; clear errors."""
+"""Tokenizers: megatron-core's, by Megatron-LM's --tokenizer-type; the fast engines' exactness on every kind of
+tokenizer (GPT-2/SmolLM2/Llama-3-style byte-level BPE, SentencePiece BPE, the ones without a tiktoken conversion);
+clear errors."""
 
 from __future__ import annotations
 
@@ -112,10 +114,133 @@ def test_unconvertible_tokenizer_falls_back_to_tokenizers(hf_bpe, tmp_path):
     hf.normalizer = normalizers.NFKC()
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
-    assert tok.backend.startswith("megatron-core (no exact tiktoken conversion: a normalizer")
+    assert tok.backend == "tokenizers (no exact tiktoken conversion: a normalizer)"
     assert tok.eod is None  # no tokenizer_config.json: no eos token, so --append-eod will refuse
     assert tok.tokenize_batch(TRICKY) == [hf.encode(t).ids for t in TRICKY]
     assert tok.tokenize(TRICKY[2]) != _reference_ids(hf_bpe, TRICKY[2])  # NFKC really changed the ids
+
+
+# Text the engines must get right beyond TRICKY: bytes and characters the stand-ins lack (control bytes, rare
+# scripts, private use, emoji), the stand-ins' special and added tokens in and between words, runs of newlines.
+EDGES = [
+    "control\x01bytes\x00 and \x7f delete\tand\x0btabs\r\n",
+    "rare scripts: ܐܒܓ ދިވެހި ߒߞߏ \ue000\U000f0000 \U0001f600\U0001f680 ＡＢＣ",
+    "chat: <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n\n\nhello<|im_end|><|endoftext|>",
+    "llama: <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>x<|reserved_special_token_7|>",
+    "\n\n\n\n\n and a\n\nb and \n\n",
+    "<|endoftext|",
+]
+
+
+def _corpus() -> list[str]:
+    return [*TRICKY, *EDGES, *(WIKI / "test.txt").read_text(encoding="utf-8")[:300_000].split("\n")]
+
+
+def _same_ids_as_megatron_core(tok, texts: list[str]) -> None:  # noqa: ANN001 - our Tokenizer
+    expected = [list(tok.megatron.tokenize(t)) for t in texts]
+    got = tok.tokenize_batch(texts)
+    wrong = [t for t, a, b in zip(texts, got, expected) if a != b]
+    assert not wrong, f"{len(wrong)} texts differ, e.g. {wrong[0][:80]!r}"
+    assert [list(map(int, ids)) for ids in tok.tokenize_arrays(texts)] == expected  # what preprocess writes
+
+
+@pytest.fixture(scope="module")
+def smollm2_like(tmp_path_factory) -> str:
+    from megatron_jreg.data.text import wikitext_articles
+    from tests._tokenizers import smollm2_style
+
+    paragraphs = [a.replace(" \n \n ", "\n\n") for a in wikitext_articles(WIKI / "valid.txt")]  # makes "ĊĊ"
+    return smollm2_style(tmp_path_factory.mktemp("smollm2"), paragraphs, 3000)
+
+
+@pytest.mark.parametrize("flags", [{}, {"include_special_tokens": False}])
+def test_smollm2_style_bpe_lacking_bytes_with_a_duplicate_piece_runs_on_tiktoken(smollm2_like, flags):
+    """SmolLM2-style: its special tokens first, bytes missing from the vocabulary, "\n\n" both a piece and an added
+    token: exact on tiktoken, a text holding a lacking byte tokenized by the library (which drops the byte)."""
+    from tests._tokenizers import DUPLICATE, SMOLLM2_SPECIALS
+
+    tok = build_tokenizer("HuggingFaceTokenizer", smollm2_like, **flags)
+    assert tok.backend == "tiktoken"
+    plan = tok._engine.plan
+    assert plan.uncovered is not None and plan.uncovered.search(b"\x01")  # the stand-in lacks bytes
+    _same_ids_as_megatron_core(tok, _corpus())
+    backend = tok.megatron._tokenizer.tokenizer.backend_tokenizer
+    duplicate, piece = backend.token_to_id(DUPLICATE), backend.model.token_to_id("ĊĊ")
+    assert duplicate != piece is not None  # the same text twice: as the added token it is always the added id
+    ids = tok.tokenize(f"a{DUPLICATE}\nb")
+    assert duplicate in ids and piece not in ids
+    assert tok.eod == 0 and tok.tokenize(SMOLLM2_SPECIALS[2]) == [2]
+
+
+@pytest.mark.parametrize("flags", [{}, {"include_special_tokens": False}])
+def test_llama3_style_bpe_with_reserved_specials_and_ignore_merges_runs_on_tiktoken(tmp_path, flags):
+    from megatron_jreg.data.text import wikitext_articles
+    from tests._tokenizers import llama3_specials, llama3_style
+
+    folder = llama3_style(tmp_path / "llama3", wikitext_articles(WIKI / "valid.txt"), 3256)
+    tok = build_tokenizer("HuggingFaceTokenizer", folder, **flags)
+    assert tok.backend == "tiktoken"
+    _same_ids_as_megatron_core(tok, _corpus())
+    bos, eos, eot = 3000, 3001, 3009  # the 256 special tokens follow the 3000 trained pieces, in Llama-3's order
+    with_bos = [] if flags else [bos]
+    assert tok.eod == eos and tok.tokenize(llama3_specials()[9]) == [*with_bos, eot]
+
+
+def test_ids_out_of_merge_order_are_mapped(hf_bpe, tmp_path):
+    """A vocabulary whose ids do not rise with the merge index (two merged pieces' ids swapped): tiktoken ranks in
+    merge order, its ids mapped back to the vocabulary's."""
+    spec = json.loads(Path(hf_bpe, "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, last = ("".join(m) if isinstance(m, list) else m.replace(" ", "") for m in spec["model"]["merges"][::600])
+    vocab[first], vocab[last] = vocab[last], vocab[first]
+    Path(tmp_path, "tokenizer.json").write_text(json.dumps(spec))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert tok.backend == "tiktoken" and tok._engine.plan.table is not None
+    _same_ids_as_megatron_core(tok, _corpus())
+
+
+def test_merges_edited_by_hand_fall_back_to_tokenizers_batch_encoding(hf_bpe, tmp_path):
+    """A merge repeated at the end of the list (`tokenizers` keeps the last index) no longer makes the pieces built
+    on it from their characters: tiktoken would give other ids, so the `tokenizers` engine runs, exactly."""
+    spec = json.loads(Path(hf_bpe, "tokenizer.json").read_text())
+    spec["model"]["merges"].append(spec["model"]["merges"][2])
+    Path(tmp_path, "tokenizer.json").write_text(json.dumps(spec))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert tok.backend.startswith("tokenizers (no exact tiktoken conversion: merges that do not make the piece")
+    _same_ids_as_megatron_core(tok, _corpus())
+
+
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_sentencepiece_bpe_runs_on_tiktoken(tmp_path, byte_fallback):
+    """A SentencePiece BPE (Llama-2's kind, with or without byte fallback, with user-defined symbols): exact on
+    tiktoken; characters the model lacks become byte pieces, or one unknown piece per run."""
+    import sentencepiece
+
+    prefix = str(tmp_path / "sp")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(WIKI / "valid.txt"), model_prefix=prefix, vocab_size=1200, model_type="bpe", minloglevel=2,
+        byte_fallback=byte_fallback, character_coverage=0.999, user_defined_symbols=["<tag>", "<|im_start|>"])
+    tok = build_tokenizer("SentencePieceTokenizer", f"{prefix}.model")
+    assert tok.backend == "tiktoken"
+    _same_ids_as_megatron_core(tok, [*_corpus(), "a<tag>b <tag> <|im_start|>x東京😀y"])
+    processor = tok.megatron._tokenizer.tokenizer
+    lacking = [i for i in tok.tokenize("x \U0001f600\U0001f680 y") if processor.is_byte(i) or processor.is_unknown(i)]
+    assert len(lacking) == (8 if byte_fallback else 1)  # two emoji: their 8 bytes, or one unknown piece
+
+
+def test_sentencepiece_unigram_and_legacy_mode_say_why_they_have_no_fast_path(tmp_path):
+    import sentencepiece
+
+    prefix = str(tmp_path / "uni")
+    sentencepiece.SentencePieceTrainer.train(input=str(WIKI / "valid.txt"), model_prefix=prefix, vocab_size=800,
+                                             model_type="unigram", minloglevel=2)
+    tok = build_tokenizer("SentencePieceTokenizer", f"{prefix}.model")
+    assert tok.backend == ("megatron-core (no fast path: no exact tiktoken conversion: a SentencePiece model that is "
+                           "not BPE (unigram: no merges to convert))")
+    assert tok.tokenize_batch(TRICKY) == [list(tok.megatron.tokenize(t)) for t in TRICKY]
+    model = train_tokenizer([str(WIKI / "valid.txt")], str(tmp_path / "bpe"), 600, max_chars=200_000)
+    tok = build_tokenizer("SentencePieceTokenizer", model, sentencepiece_legacy=True, special_tokens=["<x>"])
+    assert tok.backend.startswith("megatron-core (no fast path: --tokenizer-sentencepiece-legacy")
 
 
 def test_gpt2_bpe_from_vocab_and_merges_matches_transformers(hf_bpe, tmp_path):

@@ -76,9 +76,9 @@ def skip_counts(skipped: dict[str, int]) -> str:
 @functools.cache
 def megatron_package() -> Any:
     """The `megatron` package with the parts the data commands use (megatron-core's tokenizers and indexed
-    datasets, Megatron-LM's tokenizer arguments), imported once without the notices megatron-core gives on a machine
-    without CUDA, Transformer Engine or Apex (fallbacks that do not concern data): a command's output, an error's
-    one line included, stays its own."""
+    datasets; Megatron-LM's tokenizer flags are a table, tokenizer_flags.py), imported once without the notices
+    megatron-core gives on a machine without CUDA, Transformer Engine or Apex (fallbacks that do not concern
+    data): a command's output, an error's one line included, stays its own."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)  # a line per index read
     warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)  # a lone process: rank 0, rightly
@@ -86,6 +86,5 @@ def megatron_package() -> Any:
         warnings.simplefilter("ignore")
         import megatron.core.datasets.indexed_dataset
         import megatron.core.tokenizers.utils.build_tokenizer
-        import megatron.training.arguments
 
     return megatron

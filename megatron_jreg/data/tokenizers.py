@@ -5,9 +5,9 @@ Megatron-LM's tools/preprocess_data.py builds them, so the ids are Megatron-LM's
 
 - `identity`: what a preprocess manifest records (type, model file, sha256, vocabulary size, eod, options that
   differ from Megatron-LM's defaults), which a resumed run, training and convert compare;
-- a fast path for byte-level BPE tokenizers (GPT-2's `ByteLevel`, Llama-3's `Split`+`ByteLevel`): tiktoken's
-  BPE engine over the same ranks, used only when the tokenizer.json converts exactly and gives megatron-core's
-  ids on a probe text (~5x megatron-core's HuggingFaceTokenizer: docs/results/preprocess_throughput.txt);
+- an exact fast engine for its ids (`fast_bpe.engine_for`: tiktoken over a byte-level BPE tokenizer.json or a
+  SentencePiece BPE model, else the `tokenizers` library's batch encoding), checked against megatron-core's own
+  ids on a probe text when it is built (docs/results/preprocess_tokenizers.txt);
 - GPT2BPETokenizer from the local `--vocab-file/--merge-file` alone: megatron-core loads gpt2's config from the
   Hub for it (offline: "couldn't connect to 'https://huggingface.co'"); here transformers' GPT2TokenizerFast
   over the two files (what that config adds: `<|endoftext|>` as eos, no prefix space);
@@ -19,38 +19,32 @@ Megatron-LM's tools/preprocess_data.py builds them, so the ids are Megatron-LM's
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.data.checks import megatron_package
+import numpy as np
 
-SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = (*SP_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
-# Megatron-LM's other --tokenizer-type names, and why megatron-jreg refuses them.
-_BERT = ("a BERT WordPiece tokenizer for BERT/T5 models, which megatron-jreg does not train (Megatron-LM fetches "
-         "its config from the Hub); for a BERT tokenizer saved with save_pretrained use --tokenizer-type "
-         "HuggingFaceTokenizer")
-_NO_FLAGS = ("needs prompt-format flags that Megatron-LM's tools/preprocess_data.py does not have either (it fails "
-             "there); text data needs a text tokenizer")
-REFUSED_TYPES = {
-    "BertWordPieceLowerCase": _BERT,
-    "BertWordPieceCase": _BERT,
-    "MultimodalTokenizer": _NO_FLAGS,
-    "SFTTokenizer": _NO_FLAGS,
-    "NullMultimodalTokenizer": "serves multimodal (LLaVA) training, which megatron-jreg does not run; for "
-    "pre-tokenized text use --tokenizer-type NullTokenizer",
-}
-ENDOFTEXT = "<|endoftext|>"
-PROBE_TEXT = (
-    "Hello world! It's 3.14159 o'clock; they'll  say \"naïve café\" — 東京 😀\n\n\tTabs   and"
-    " spaces  \n x=y+1; don't I'VE 1234567 ｆｕｌｌ <tag> ... ?!"
+from megatron_jreg.data import fast_bpe
+from megatron_jreg.data.checks import megatron_package
+from megatron_jreg.data.fast_bpe import PROBE_TEXT
+from megatron_jreg.data.tokenizer_flags import (
+    REFUSED_TYPES,
+    SP_TYPES,
+    TOKENIZER_TYPES,
+    add_tokenizer_args,
+    megatron_args,
+    tokenizer_defaults,
 )
+
+__all__ = ["PROBE_TEXT", "REFUSED_TYPES", "SP_TYPES", "TOKENIZER_TYPES", "Tokenizer", "add_tokenizer_args",
+           "build_tokenizer", "from_args", "megatron_args", "tokenizer_defaults"]
+_byte_to_unicode = fast_bpe.byte_to_unicode  # where convert's tests read it
+
+ENDOFTEXT = "<|endoftext|>"
 # What a wrong file gives megatron-core, in one line naming the flag and the fix.
 _LOAD_HINTS = {
     **dict.fromkeys(SP_TYPES, "not a SentencePiece model; {type} needs a SentencePiece .model file (for a folder "
@@ -72,26 +66,6 @@ def file_sha256(*paths: str | Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
-
-
-def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's tokenizer flags, its own parser group (as its tools/preprocess_data.py adds them)."""
-    return megatron_package().training.arguments._add_tokenizer_args(parser)
-
-
-@functools.cache
-def tokenizer_defaults() -> dict[str, Any]:
-    """Megatron-LM's tokenizer flags (dest names) and their defaults, from its own parser group (read-only)."""
-    return vars(add_tokenizer_args(argparse.ArgumentParser()).parse_args([]))
-
-
-def megatron_args(tokenizer_type: str, tokenizer_model: str | None = None, **flags: Any) -> argparse.Namespace:
-    """Megatron-LM's tokenizer args: its parser's defaults, `flags` by their dest names, and the values its
-    preprocess_data.py fills in for the tokenizer (rank, vocabulary padding)."""
-    args = argparse.Namespace(**tokenizer_defaults())
-    vars(args).update(flags, tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model)
-    vars(args).update(rank=1, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, vocab_extra_ids=0)
-    return args
 
 
 def build_tokenizer(
@@ -199,7 +173,8 @@ def _identity(args: argparse.Namespace, megatron: Any, files: list[str]) -> dict
 
 
 class Tokenizer:
-    """megatron-core's tokenizer plus a manifest identity, batch tokenization and the byte-level BPE fast path.
+    """megatron-core's tokenizer plus a manifest identity and an exact fast engine for its ids (`backend` names
+    it, or says why there is none).
 
     `megatron` is megatron-core's tokenizer (`MegatronTokenizerText`); `processor`/`model_file`/
     `special_tokens` (SentencePiece), `encoding` (TikTokenizer) and `backend_tokenizer()` (Hugging Face) are
@@ -218,16 +193,20 @@ class Tokenizer:
         self.special_tokens = dict(getattr(library, "special_token_to_id", {}) or {})
         self.encoding = library.tokenizer if identity["type"] == "TikTokenizer" else None
         self._hf = library.tokenizer if identity["type"] in ("HuggingFaceTokenizer", "GPT2BPETokenizer") else None
-        self._fast, self.backend = None, "megatron-core"
-        if self._hf is not None:
-            self._fast, self.backend = _fast_path(self._hf, library.include_special_tokens, megatron.tokenize)
+        self._engine, self.backend = fast_bpe.engine_for(identity["type"], library, megatron.tokenize)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._fast.encode(text) if self._fast else self.megatron.tokenize(text)
+        return self._engine.encode(text) if self._engine else list(self.megatron.tokenize(text))
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        if self._fast:
-            return [self._fast.encode(t) for t in texts]
+        if self._engine:
+            return self._engine.encode_batch(texts)
+        return [list(self.megatron.tokenize(t)) for t in texts]
+
+    def tokenize_arrays(self, texts: list[str]) -> list[list[int] | np.ndarray]:
+        """`tokenize_batch`'s ids, each a list or an int array (what preprocess writes; no conversion back)."""
+        if self._engine:
+            return self._engine.ids_batch(texts)
         return [self.megatron.tokenize(t) for t in texts]
 
     def detokenize(self, ids: list[int]) -> str:
@@ -317,127 +296,3 @@ def _openai_tiktoken(path: Path) -> Tokenizer:
     identity = {"type": "TikTokenizer", "model": str(path.resolve()), "sha256": file_sha256(path),
                 "vocab_size": encoding.vocab_size, "eod": encoding.eod}
     return Tokenizer(encoding, identity)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The fast path: a byte-level BPE tokenizer.json on tiktoken's engine.
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256+.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    mapping = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in mapping)
-    mapping.update({b: chr(256 + i) for i, b in enumerate(shifted)})
-    return mapping
-
-
-# GPT-2's pre-tokenizer regex, as the `tokenizers` ByteLevel pre-tokenizer applies it with use_regex=True.
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-@dataclass
-class _Fast:
-    """tiktoken encoding + the ids the post-processor adds; special-token text becomes the special id."""
-
-    encoding: Any
-    prefix: list[int]
-    suffix: list[int]
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.encoding.encode(text, allowed_special="all", disallowed_special=())
-        return self.prefix + ids + self.suffix if self.prefix or self.suffix else ids
-
-
-def _template_ids(processor: dict | None) -> tuple[list[int], list[int]] | str:
-    """Ids a post-processor puts before/after a single sequence, or the reason it cannot be mirrored."""
-    kind = (processor or {}).get("type")
-    if kind in (None, "ByteLevel"):
-        return [], []
-    if kind == "Sequence":
-        prefix: list[int] = []
-        suffix: list[int] = []
-        for sub in processor["processors"]:
-            got = _template_ids(sub)
-            if isinstance(got, str):
-                return got
-            prefix, suffix = prefix + got[0], got[1] + suffix
-        return prefix, suffix
-    if kind != "TemplateProcessing":
-        return f"post-processor {kind}"
-    ids: tuple[list[int], list[int]] = ([], [])
-    after = 0
-    for piece in processor["single"]:
-        if "Sequence" in piece:
-            after = 1
-        else:
-            ids[after].extend(processor["special_tokens"][piece["SpecialToken"]["id"]]["ids"])
-    return ids
-
-
-def _plan(spec: dict) -> tuple[str, dict[bytes, int], dict[str, int], list[int], list[int]] | str:
-    """(pattern, ranks, specials, prefix ids, suffix ids) of a tokenizer.json (as a dict) on tiktoken, or why
-    it cannot be exact."""
-    model = spec.get("model", {})
-    if model.get("type") != "BPE":
-        return f"model type {model.get('type')}"
-    if model.get("dropout") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-        return "BPE dropout or subword prefix/suffix"
-    if spec.get("normalizer") is not None:
-        return "a normalizer"
-    pre = spec.get("pre_tokenizer") or {}
-    parts = [p.get("type") for p in pre.get("pretokenizers", [])]
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
-        pattern = GPT2_PATTERN
-    elif pre.get("type") == "Sequence" and parts == ["Split", "ByteLevel"]:
-        split, byte_level = pre["pretokenizers"]
-        if (split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in split.get("pattern", {})
-                or byte_level.get("use_regex") or byte_level.get("add_prefix_space")):
-            return "an unsupported Split/ByteLevel pre-tokenizer"
-        pattern = split["pattern"]["Regex"]
-    else:
-        return f"pre-tokenizer {pre.get('type')}"
-    template = _template_ids(spec.get("post_processor"))
-    if isinstance(template, str):
-        return template
-    added = spec.get("added_tokens", [])
-    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added):
-        return "added tokens with lstrip/rstrip/single_word"
-    specials = {t["content"]: t["id"] for t in added}
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
-    vocab: dict[str, int] = model["vocab"]
-    try:
-        ranks = {bytes(to_byte[c] for c in piece): i for piece, i in vocab.items() if piece not in specials}
-    except KeyError:
-        return "vocabulary entries outside the byte-level alphabet"
-    if len(ranks) != len(vocab) - sum(p in vocab for p in specials) or not all(bytes([b]) in ranks for b in range(256)):
-        return "a vocabulary without all 256 bytes or with duplicate pieces"
-    merged = ["".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in model.get("merges", [])]
-    ids = [vocab.get(m, -1) for m in merged]
-    if any(i < 0 for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
-        return "merges whose results are missing or not in increasing id order"  # tiktoken merges by rank = id
-    if {p for p in vocab if len(p) > 1 and p not in specials} != set(merged):
-        return "vocabulary pieces not produced by any merge"
-    # Longest special first: tiktoken matches specials leftmost-first, `tokenizers` leftmost-longest.
-    specials = dict(sorted(specials.items(), key=lambda kv: -len(kv[0])))
-    return pattern, ranks, specials, *template
-
-
-def _fast_path(hf: Any, with_specials: bool, reference: Any) -> tuple[_Fast | None, str]:
-    """The tiktoken engine for a transformers fast tokenizer, when it converts exactly and gives the ids of
-    `reference` (megatron-core's tokenize) on a probe text holding every added token; else (None, why not)."""
-    import tiktoken
-
-    plan = _plan(json.loads(hf.backend_tokenizer.to_str()))
-    if isinstance(plan, str):
-        return None, f"megatron-core (no exact tiktoken conversion: {plan})"
-    pattern, ranks, specials, prefix, suffix = plan
-    encoding = tiktoken.Encoding("jreg", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-    fast = _Fast(encoding, prefix if with_specials else [], suffix if with_specials else [])
-    probe = PROBE_TEXT + "".join(f" a{t}b {t}" for t in specials)
-    if fast.encode(probe) != list(reference(probe)):
-        return None, "megatron-core (the tiktoken conversion disagreed on the probe text)"
-    return fast, "tiktoken"

@@ -12,8 +12,19 @@ tools/preprocess_data.py. One module per concern:
     cli.py       the command line over the above
 """
 
+from typing import Any
+
 from megatron_jreg.data.preprocess.cli import build_parser, main
 from megatron_jreg.data.preprocess.config import PreprocessConfig
-from megatron_jreg.data.preprocess.driver import PreprocessError, preprocess
 
 __all__ = ["PreprocessConfig", "PreprocessError", "build_parser", "main", "preprocess"]
+
+
+def __getattr__(name: str) -> Any:
+    """`preprocess` and `PreprocessError` from the driver, imported when first used: `--help` and the flag
+    checks run without it (numpy, the input readers, megatron-core)."""
+    if name in ("preprocess", "PreprocessError"):
+        from megatron_jreg.data.preprocess import driver
+
+        return getattr(driver, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,11 @@
 """`megatron-jreg preprocess` / `tools/preprocess_data.py`: the command line over `preprocess()`.
 
 Megatron-LM's tools/preprocess_data.py parser (core_v0.19.0): its tokenizer group is Megatron-LM's own
-(`_add_tokenizer_args`), its other options keep their names, meanings and defaults; megatron-jreg's own flags
-follow. Two defaults are relaxed, not changed: `--workers` is optional (1) and `--input` takes several files,
-directories or globs. Bad input ends in one line (see `megatron_jreg.data.checks`), Ctrl-C too.
+(`_add_tokenizer_args`, as the table in data/tokenizer_flags.py), its other options keep their names, meanings
+and defaults; megatron-jreg's own flags follow. Two defaults are relaxed, not changed: `--workers` is optional (1)
+and `--input` takes several files, directories or globs. Bad input ends in one line (see
+`megatron_jreg.data.checks`), Ctrl-C too. The flags are read and checked before torch and megatron-core load
+(`--help` took 6.7 s when the parser loaded them): the driver, which loads them, is imported only to run.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ import argparse
 import sys
 
 from megatron_jreg.data.checks import describe_skips
-from megatron_jreg.data.manifest import manifest_path
 from megatron_jreg.data.preprocess.config import PreprocessConfig
-from megatron_jreg.data.preprocess.driver import preprocess
-from megatron_jreg.data.tokenizers import add_tokenizer_args, tokenizer_defaults
+from megatron_jreg.data.tokenizer_flags import add_tokenizer_args, tokenizer_defaults
 from megatron_jreg.errors import Interrupted, run_command
 from megatron_jreg.usage import OneLineParser, example
 
@@ -91,9 +91,12 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 
 
 def _run(cfg: PreprocessConfig) -> int:
-    cfg.validate()
+    cfg.validate()  # the flags are checked before torch and megatron-core load (with the driver)
     for note in cfg.notes():
         print(note, file=sys.stderr)
+    from megatron_jreg.data.manifest import manifest_path
+    from megatron_jreg.data.preprocess.driver import preprocess
+
     summary = preprocess(cfg)
     print(
         f"done: {summary['documents']:,} documents, {summary['tokens']:,} tokens ({summary['dtype']}, "

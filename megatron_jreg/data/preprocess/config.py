@@ -1,12 +1,12 @@
 """`PreprocessConfig`: every preprocess flag, Megatron-LM's and ours, checked once before any work.
 
 Megatron-LM's tools/preprocess_data.py flags keep their names, defaults and meaning; its tokenizer flags are its
-own parser group (`megatron.training.arguments._add_tokenizer_args`), kept by their Megatron-LM names in
-`tokenizer` and handed to megatron-core's `build_tokenizer` as they are. Some of them do nothing to the data
-there (`--padded-vocab-size`, a `--tokenizer-model` for NullTokenizer, ...): `notes()` says so in one line each.
-What megatron-jreg does not run is refused in one line with the reason and the fix: `--partitions N` (here
-`--workers` spreads the work and the output keeps the input order), `--find-optimal-num-workers`, a tokenizer
-with its own Python code.
+own parser group (`megatron.training.arguments._add_tokenizer_args`, as a table in data/tokenizer_flags.py, so
+that nothing here loads torch), kept by their Megatron-LM names in `tokenizer` and handed to megatron-core's
+`build_tokenizer` as they are. Some of them do nothing to the data there (`--padded-vocab-size`, a
+`--tokenizer-model` for NullTokenizer, ...): `notes()` says so in one line each. What megatron-jreg does not run
+is refused in one line with the reason and the fix: `--partitions N` (here `--workers` spreads the work and the
+output keeps the input order), `--find-optimal-num-workers`, a tokenizer with its own Python code.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_jreg.data.checks import DataError, check_positive
-from megatron_jreg.data.tokenizers import REFUSED_TYPES, SP_TYPES, megatron_args, tokenizer_defaults
+from megatron_jreg.data.tokenizer_flags import REFUSED_TYPES, SP_TYPES, megatron_args, tokenizer_defaults
 
 HF_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
 _TEXT = (*SP_TYPES, *HF_TYPES, "TikTokenizer")

@@ -133,7 +133,9 @@ def _manifest(cfg: PreprocessConfig, prefix: str, key: str, w: Written, **fields
 
 def _start_pool(cfg: PreprocessConfig) -> Any:
     """`--workers` forked processes that inherit `worker.STATE` (no tokenizer is rebuilt, nothing re-imported)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per process: processes give the speed
+    # One thread per process (processes give the speed); and rayon's pool, if the tokenizer's checks used it
+    # here, does not survive the fork: a worker must not wait on its threads.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # The parent's objects (torch, megatron-core, the tokenizer) out of the collector's reach: a collection in a
     # worker would otherwise touch them and copy their pages (0.8 s -> 1.4 s on 16 MB, preprocess_throughput.txt).
     gc.freeze()  # the workers inherit the frozen state; this process collects as before
@@ -187,7 +189,8 @@ def preprocess(cfg: PreprocessConfig) -> dict:
                  json_keys=cfg.json_keys, min_int_score=cfg.min_int_score, min_chars=cfg.min_chars, splitter=splitter)
     pool = _start_pool(cfg) if cfg.workers > 1 and todo else None
     hasher = cf.ThreadPoolExecutor(1)  # input sha256 for the manifests, alongside tokenization (after the fork)
-    progress = Progress(sum(f.size for _, fs, _, _ in todo for f in fs), cfg.log_interval)
+    note = f"tokenizer {tokenizer.backend}" if "(no " in tokenizer.backend else None  # no fast path, or not tiktoken
+    progress = Progress(sum(f.size for _, fs, _, _ in todo for f in fs), cfg.log_interval, note)
     kept = summary["documents"]
     unreported: list[str] = []  # "shard i: wrote ..." lines, held back until the run has kept a document
     current, current_prefixes = None, {}

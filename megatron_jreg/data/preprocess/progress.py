@@ -20,8 +20,9 @@ from tqdm import tqdm
 class Progress:
     """Counts documents, text bytes, tokens and input bytes; prints a line every `interval` documents."""
 
-    def __init__(self, total_input_bytes: int, interval: int) -> None:
+    def __init__(self, total_input_bytes: int, interval: int, note: str | None = None) -> None:
         self.start = time.monotonic()
+        self.note = note  # said once, at the end of the first line (e.g. that the tokenizer has no fast path)
         self.total = max(total_input_bytes, 1)
         self.interval = interval
         self.docs = self.text_bytes = self.tokens = self.input_bytes = 0
@@ -40,8 +41,9 @@ class Progress:
     def print(self) -> None:
         """The progress line on stderr (the final one too, unless it would repeat the last)."""
         if self.docs and self.docs != self._printed_at:
+            line = self.line() if self._printed_at or not self.note else f"{self.line()} | {self.note}"
             self._printed_at = self.docs
-            print(self.line(), file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
 
     def rates(self) -> dict:
         """Throughput so far, for the summary."""

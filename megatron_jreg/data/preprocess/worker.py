@@ -77,20 +77,33 @@ def sentence_splitter(lang: str, keep_newlines: bool) -> Any:
     return PunktSentenceTokenizer(train_text=punkt._params, lang_vars=KeepNewlines())
 
 
-def _encode(text: str) -> tuple[np.ndarray, list[int]]:
-    """(tokens, sequence lengths) of one document text: one sequence, or one per non-empty sentence; with
-    --append-eod the eod ends the last sequence (none for a document without tokens)."""
+def _encode(texts: list[str]) -> list[tuple[np.ndarray, list[int]]]:
+    """(tokens, sequence lengths) of each document text: one sequence, or one per non-empty sentence; with
+    --append-eod the eod ends the last sequence (none for a document without tokens). The texts of a unit are
+    tokenized in one batch (the `tokenizers` engine encodes a batch in one call)."""
     tokenizer, splitter, eod = STATE["tokenizer"], STATE["splitter"], STATE["eod"]
     if splitter is None:
-        sequences = [tokenizer.tokenize(text)]
+        per_doc = [[ids] for ids in tokenizer.tokenize_arrays(texts)]
     else:
-        pieces = (text[i : i + MAX_SPLIT_CHARS] for i in range(0, len(text), MAX_SPLIT_CHARS))
-        sequences = [tokenizer.tokenize(s) for piece in pieces for s in splitter.tokenize(piece)]
-    sequences = [ids for ids in sequences if ids]
-    if sequences and eod is not None:
-        sequences[-1].append(eod)
-    flat = sequences[0] if len(sequences) == 1 else [i for ids in sequences for i in ids]
-    return np.array(flat, dtype=STATE["dtype"]), [len(ids) for ids in sequences]
+        pieces = ((t[i : i + MAX_SPLIT_CHARS] for i in range(0, len(t), MAX_SPLIT_CHARS)) for t in texts)
+        sentences = [[s for piece in doc for s in splitter.tokenize(piece)] for doc in pieces]
+        flat = iter(tokenizer.tokenize_arrays([s for doc in sentences for s in doc]))
+        per_doc = [[next(flat) for _ in doc] for doc in sentences]
+    encoded = []
+    for sequences in per_doc:
+        sequences = [ids for ids in sequences if len(ids)]
+        lengths = [len(ids) for ids in sequences]
+        if sequences and eod is not None:
+            lengths[-1] += 1
+        tokens = np.empty(sum(lengths), dtype=STATE["dtype"])
+        at = 0
+        for ids in sequences:
+            tokens[at : at + len(ids)] = ids
+            at += len(ids)
+        if sequences and eod is not None:
+            tokens[-1] = eod
+        encoded.append((tokens, lengths))
+    return encoded
 
 
 def _filter(records: Records) -> tuple[list[int], list[int], list[tuple[int, str, str]]]:
@@ -124,7 +137,7 @@ def process_unit(unit: Unit) -> UnitResult:
     keys: list[str] = STATE["json_keys"]
     records = read_records(unit, keys, want_score=STATE["min_int_score"] is not None)
     keep, text_bytes, skipped = _filter(records)
-    encoded = {k: [_encode(records.texts[k][i]) for i in keep] for k in keys}
+    encoded = {k: _encode([records.texts[k][i] for i in keep]) for k in keys}
     # A document whose every key tokenizes to nothing is empty too (e.g. only characters the model drops).
     has_tokens = [any(len(encoded[k][j][0]) for k in keys) for j in range(len(keep))]
     skipped += [(records.positions[i], "empty", records.where[i]) for i, ok in zip(keep, has_tokens) if not ok]

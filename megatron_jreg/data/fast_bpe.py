@@ -1,0 +1,540 @@
+"""Megatron-LM's token ids, faster: exact fast engines for the tokenizers people bring to preprocess.
+
+Megatron-LM's tools/preprocess_data.py tokenizes each document with megatron-core's tokenizer: transformers'
+`tokenizer(text).input_ids` for HuggingFaceTokenizer and GPT2BPETokenizer, sentencepiece's `encode_as_ids` for
+the SentencePiece types. `engine_for` gives the same ids from one of two engines, or says why neither applies:
+
+- `TiktokenBPE`: tiktoken's BPE (~5-10x transformers' per CPU-second, docs/results/preprocess_tokenizers.txt) over
+  ranks converted from the tokenizer. Two conversions:
+  * a byte-level BPE tokenizer.json (GPT-2/SmolLM2's `ByteLevel`, Llama-3's `Split`+`ByteLevel`), by
+    `byte_level_plan`: ranks in merge order (`tokenizers` merges the pair of lowest merge index; tiktoken the
+    pair whose concatenation has the lowest rank), added tokens as tiktoken's special tokens (both match them
+    leftmost-longest before BPE), the post-processor's BOS/EOS as fixed ids, ids remapped where the vocabulary's
+    ids are not in merge order;
+  * a SentencePiece BPE model, by `sentencepiece_plan`: sentencepiece's own normalizer (the one `encode_as_ids`
+    runs), then ranks in score order (sentencepiece merges the adjacent pair whose concatenation is the piece of
+    highest score, as tiktoken does by rank), a multi-byte character assembled from its bytes before any merge,
+    the text cut before each `▁` (no piece holds `▁` past its first character: checked), user-defined symbols
+    as special tokens.
+  What a conversion does not cover is tokenized by the library itself, per document: a byte the byte-level
+  vocabulary lacks (`tokenizers` drops it and merges across it), a character the SentencePiece model lacks
+  (unknown or byte fallback).
+- `TokenizersBatch`: where no exact tiktoken conversion exists (a normalizer, another pre-tokenizer or model),
+  the `tokenizers` library's `encode_batch_fast` on the same backend transformers calls, per unit of documents,
+  without transformers' Python around each call (~1.8x per CPU-second).
+
+Every engine is checked against megatron-core's tokenizer on a probe text when it is built; the byte identity
+of whole runs is what tests/test_data_megatron_compat.py and benchmarks/preprocess_throughput.py check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PROBE_TEXT = (
+    "Hello world! It's 3.14159 o'clock; they'll  say \"naïve café\" — 東京 😀\n\n\tTabs   and"
+    " spaces  \n x=y+1; don't I'VE 1234567 ｆｕｌｌ <tag> ... ?!"
+)
+# GPT-2's pre-tokenizer regex, as the `tokenizers` ByteLevel pre-tokenizer applies it with use_regex=True.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+SPACE = "▁"  # SentencePiece's whitespace
+
+
+class NoConversion(Exception):
+    """Why a tokenizer has no exact tiktoken conversion (the message ends the backend's description)."""
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256+.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return mapping
+
+
+@dataclass
+class Plan:
+    """A tokenizer on tiktoken: `ranks` (bytes -> rank) and `specials` (text -> tiktoken id) for
+    `tiktoken.Encoding`; `table[tiktoken id]` is the tokenizer's id where they differ (None: equal); `prefix`
+    and `suffix` are the post-processor's ids. What the ranks lack: a match of `uncovered` (bytes the byte-level
+    vocabulary lacks) sends the whole document to the library's own encoder; a match of `cut` (characters a
+    SentencePiece model lacks) is cut out of the text and given `cut_ids` (it never merges with its neighbours),
+    unless it is a special token (which `cut` steps over)."""
+
+    pattern: str
+    ranks: dict[bytes, int]
+    specials: dict[str, int]
+    table: np.ndarray | None = None
+    prefix: list[int] = field(default_factory=list)
+    suffix: list[int] = field(default_factory=list)
+    uncovered: re.Pattern | None = None
+    cut: re.Pattern | None = None
+    cut_ids: Callable[[str], list[int]] | None = None
+
+
+class TiktokenBPE:
+    """tiktoken's engine over a `Plan`; `prepare` turns the text into what the ranks are of (SentencePiece's
+    normalizer), `fallback` tokenizes a document the plan does not cover, from the original text."""
+
+    name = "tiktoken"
+
+    def __init__(self, plan: Plan, fallback: Callable[[str], list[int]],
+                 prepare: Callable[[str], str] | None = None) -> None:
+        import tiktoken
+
+        self.encoding = tiktoken.Encoding("megatron-jreg", pat_str=plan.pattern, mergeable_ranks=plan.ranks,
+                                          special_tokens=plan.specials)
+        self._specials = set(plan.specials)
+        self.plan, self.fallback, self.prepare = plan, fallback, prepare
+
+    def _covered(self, text: str) -> bool:
+        try:
+            return self.plan.uncovered.search(text.encode("utf-8")) is None
+        except UnicodeEncodeError:  # a lone surrogate: the library decides
+            return False
+
+    def _bpe(self, text: str) -> list[int]:
+        if self._specials:
+            return self.encoding.encode(text, allowed_special=self._specials, disallowed_special=())
+        return self.encoding.encode_ordinary(text)
+
+    def _pieces(self, text: str) -> list[int]:
+        """BPE between the cut-out runs, the runs' own ids in place."""
+        ids, at = [], 0
+        for run in self.plan.cut.finditer(text):
+            if run.group() in self._specials:  # a special token: tiktoken's to match
+                continue
+            ids += self._bpe(text[at : run.start()])
+            ids += self.plan.cut_ids(run.group())
+            at = run.end()
+        return ids + self._bpe(text[at:])
+
+    def ids(self, text: str) -> list[int] | np.ndarray:
+        """The ids of `text`: a list, or an int64 array where the plan maps tiktoken's ids (no copy back)."""
+        plan = self.plan
+        if plan.uncovered is not None and not self._covered(text):
+            return list(self.fallback(text))
+        prepared = self.prepare(text) if self.prepare else text
+        ranks = self._pieces(prepared) if plan.cut is not None and plan.cut.search(prepared) else self._bpe(prepared)
+        if plan.table is None:
+            return plan.prefix + ranks + plan.suffix if plan.prefix or plan.suffix else ranks
+        ids = plan.table[np.array(ranks, dtype=np.int64)]
+        if ids.size and ids.min() < 0:  # an assembly prefix as a token: a bug, never silently written
+            raise RuntimeError(f"tiktoken conversion: a partial character in {text[:60]!r}")
+        return np.concatenate([plan.prefix, ids, plan.suffix]) if plan.prefix or plan.suffix else ids
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.ids(text)
+        return ids.tolist() if isinstance(ids, np.ndarray) else ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def ids_batch(self, texts: list[str]) -> list[list[int] | np.ndarray]:
+        return [self.ids(t) for t in texts]
+
+
+class TokenizersBatch:
+    """The `tokenizers` backend transformers calls for `tokenizer(text).input_ids`, called once per batch.
+
+    The live backend (added tokens included) without truncation or padding, as transformers sets it for each
+    call; `canon` maps each id to the id of its token string, which is what megatron-core returns with
+    --tokenizer-hf-no-include-special-tokens (`convert_tokens_to_ids(tokenize(text))`)."""
+
+    name = "tokenizers"
+
+    def __init__(self, hf: Any, with_specials: bool, canon: np.ndarray | None) -> None:
+        self.backend = hf.backend_tokenizer
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.backend.encode_special_tokens = bool(getattr(hf, "split_special_tokens", False))
+        self.with_specials, self.canon = with_specials, canon
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=self.with_specials)
+        if self.canon is None:
+            return [e.ids for e in encodings]
+        return [self.canon[np.array(e.ids, dtype=np.int64)].tolist() for e in encodings]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    ids_batch = encode_batch
+
+
+Engine = TiktokenBPE | TokenizersBatch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte-level BPE (tokenizer.json) on tiktoken.
+
+
+def _pattern(pre: dict | None) -> str:
+    """tiktoken's pattern for a byte-level pre-tokenizer, or NoConversion."""
+    pre = pre or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"]:
+        (byte_level,) = steps
+        if byte_level.get("add_prefix_space"):
+            raise NoConversion("a ByteLevel pre-tokenizer with add_prefix_space")
+        return GPT2_PATTERN if byte_level.get("use_regex", True) else r"(?s:.+)"
+    if kinds == ["Split", "ByteLevel"]:
+        split, byte_level = steps
+        regex = (split.get("pattern") or {}).get("Regex")
+        if (split.get("behavior") != "Isolated" or split.get("invert") or regex is None
+                or byte_level.get("use_regex", True) or byte_level.get("add_prefix_space")):
+            raise NoConversion("a Split/ByteLevel pre-tokenizer other than Llama-3's (Isolated regex, no prefix space)")
+        # `tokenizers` keeps the text between matches as pieces too; tiktoken encodes matches only.
+        return rf"(?:{regex})|(?:(?!(?:{regex}))(?s:.))+"
+    raise NoConversion(f"pre-tokenizer {'+'.join(map(str, kinds)) or None}")
+
+
+def _template_ids(processor: dict | None) -> tuple[list[int], list[int]]:
+    """Ids a post-processor puts before/after a single sequence, or NoConversion."""
+    kind = (processor or {}).get("type")
+    if kind in (None, "ByteLevel"):
+        return [], []
+    if kind == "Sequence":
+        prefix: list[int] = []
+        suffix: list[int] = []
+        for sub in processor["processors"]:
+            before, after = _template_ids(sub)
+            prefix, suffix = prefix + before, after + suffix
+        return prefix, suffix
+    if kind in ("RobertaProcessing", "BertProcessing"):
+        return [processor["cls"][1]], [processor["sep"][1]]
+    if kind != "TemplateProcessing":
+        raise NoConversion(f"post-processor {kind}")
+    ids: tuple[list[int], list[int]] = ([], [])
+    after = 0
+    for piece in processor["single"]:
+        if "Sequence" in piece:
+            after = 1
+        else:
+            ids[after].extend(processor["special_tokens"][piece["SpecialToken"]["id"]]["ids"])
+    return ids
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether occurrences of `a` and `b` can overlap in a text (one inside the other, or a suffix of one
+    starting the other)."""
+    return a in b or b in a or any(a.endswith(b[:k]) or b.endswith(a[:k]) for k in range(1, min(len(a), len(b))))
+
+
+def _added_tokens(added: list[dict], split_special: bool) -> dict[str, int]:
+    """The added tokens `tokenizers` matches in the text (all but the special ones under split_special_tokens),
+    or NoConversion where its matching is not tiktoken's leftmost-longest split before BPE."""
+    matched = [t for t in added if t.get("content") and not (split_special and t.get("special"))]
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in matched):
+        raise NoConversion("added tokens with lstrip/rstrip/single_word")
+    # `tokenizers` splits the non-normalized ones out first, then the normalized ones: one pass where none overlap.
+    raw = [t["content"] for t in matched if not t.get("normalized")]
+    normalized = [t["content"] for t in matched if t.get("normalized")]
+    if any(_overlap(a, b) for a in raw for b in normalized):
+        raise NoConversion("normalized and non-normalized added tokens that overlap")
+    # Longest first: tiktoken matches special tokens leftmost-first, `tokenizers` leftmost-longest.
+    return {t["content"]: t["id"] for t in sorted(matched, key=lambda t: -len(t["content"]))}
+
+
+def _merge_pairs(merges: list) -> list[tuple[str, str]]:
+    pairs = []
+    for m in merges:
+        parts = m.split(" ") if isinstance(m, str) else m
+        if len(parts) != 2:
+            raise NoConversion(f"a merge that is not a pair ({m!r})")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _check_merges_make_their_pieces(model: dict, pieces: list[str]) -> None:
+    """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece.
+
+    tiktoken takes a pre-token found in its ranks as one token, where `tokenizers` (without ignore_merges)
+    merges it; and it merges any adjacent pair whose concatenation is a piece, where `tokenizers` merges only
+    the pairs in its merge list. Both give the same ids when every piece is made by the merges from its own
+    characters: an adjacent pair that is not a merge but concatenates to a piece would, on that piece's
+    characters alone, be a state the merges cannot leave. A trained tokenizer has this property; a merge list
+    edited by hand (a merge moved or repeated) may not."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    vocab = model["vocab"]
+    alone = Backend(BPE(vocab, _merge_pairs(model.get("merges") or []), unk_token=model.get("unk_token"),
+                        fuse_unk=bool(model.get("fuse_unk")), byte_fallback=bool(model.get("byte_fallback"))))
+    made = alone.encode_batch_fast(pieces, add_special_tokens=False)
+    wrong = next((p for p, e in zip(pieces, made) if e.ids != [vocab[p]]), None)
+    if wrong is not None:
+        raise NoConversion(f"merges that do not make the piece {wrong!r} from its characters")
+
+
+def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
+    """A byte-level BPE tokenizer.json (as a dict) on tiktoken, or NoConversion naming what has none."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise NoConversion(f"model type {model.get('type')}")
+    if model.get("dropout") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise NoConversion("BPE dropout or subword prefix/suffix")
+    if spec.get("normalizer") is not None:
+        raise NoConversion("a normalizer")
+    pattern = _pattern(spec.get("pre_tokenizer"))
+    prefix, suffix = _template_ids(spec.get("post_processor"))
+    specials = _added_tokens(spec.get("added_tokens") or [], split_special)
+
+    alphabet = {ord(c): b for b, c in byte_to_unicode().items()}
+    latin = {**dict.fromkeys(range(256), 0xFFFF), **alphabet}  # a raw character below 256 is outside the alphabet
+
+    def as_bytes(piece: str) -> bytes | None:  # None: a piece no byte-level text can reach
+        try:
+            return piece.translate(latin).encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+
+    vocab: dict[str, int] = model.get("vocab") or {}
+    order: dict[tuple[str, str], int] = {}
+    for i, pair in enumerate(_merge_pairs(model.get("merges") or [])):
+        order[pair] = i  # as `tokenizers` builds its merge map: a repeated pair keeps its last index
+    made: dict[str, int] = {}  # merged piece (byte-level characters) -> its id, in merge order
+    for a, b in sorted(order, key=order.__getitem__):
+        piece = a + b
+        if piece in made:
+            raise NoConversion(f"a piece made by two merges ({piece!r})")
+        if piece not in vocab:
+            raise NoConversion(f"a merge whose piece is not in the vocabulary ({piece!r})")
+        made[piece] = vocab[piece]
+    singles = {b: vocab[c] for b, c in byte_to_unicode().items() if c in vocab}
+    present = {c for c in byte_to_unicode().values() if c in vocab}
+    made = {p: i for p, i in made.items() if set(p) <= present}  # a piece holding a lacking byte: unreachable
+    _check_merges_make_their_pieces(model, list(made))
+    if model.get("ignore_merges"):  # a whole pre-token found in the vocabulary is one token, merges or not
+        matched = {s.encode("utf-8") for s in specials}
+        unmade = [p for p in vocab if len(p) > 1 and p not in made and set(p) <= present
+                  and as_bytes(p) not in matched]
+        if unmade:
+            raise NoConversion(f"ignore_merges with vocabulary pieces no merge makes ({unmade[0]!r})")
+    # tiktoken's ranks are its output ids: the vocabulary's ids where they rise with the merge index.
+    merged = [as_bytes(p) for p in made]
+    merged_ids = list(made.values())
+    ids = [*singles.values(), *merged_ids]
+    in_order = all(a < b for a, b in zip(merged_ids, merged_ids[1:])) and len(set(ids)) == len(ids)
+    table = None
+    if in_order:
+        ranks = {bytes([b]): i for b, i in singles.items()}
+        ranks.update(zip(merged, merged_ids))
+    else:
+        ranks = {bytes([b]): r for r, b in enumerate(singles)}
+        ranks.update({p: len(singles) + r for r, p in enumerate(merged)})
+        table = np.array([*singles.values(), *merged_ids, *specials.values()], dtype=np.int64)
+        specials = {s: len(ranks) + k for k, s in enumerate(specials)}
+    missing = [b for b in range(256) if b not in singles]
+    uncovered = re.compile(b"[" + b"".join(re.escape(bytes([b])) for b in missing) + b"]") if missing else None
+    return Plan(pattern, ranks, specials, table, prefix, suffix, uncovered)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SentencePiece BPE on tiktoken.
+
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_BPE = 2  # TrainerSpec.model_type
+
+
+def _char_class(chars: list[str]) -> str:
+    """A regex character class of `chars`, as code point ranges."""
+    points = sorted(map(ord, chars))
+    spans: list[list[int]] = []
+    for p in points:
+        if spans and p == spans[-1][1] + 1:
+            spans[-1][1] = p
+        else:
+            spans.append([p, p])
+    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in spans)
+
+
+def _check_merges_make_their_pieces_sp(rank: dict[str, int]) -> None:
+    """NoConversion unless sentencepiece's merges (the adjacent pair whose concatenation ranks first), applied
+    to each piece's characters alone, make that piece: tiktoken takes a pre-token found in its ranks as one
+    token without merging."""
+    never = len(rank)
+    for piece in rank:
+        parts = list(piece)
+        pairs = [rank.get(a + b, never) for a, b in zip(parts, parts[1:])]  # rank of the pair at k, k + 1
+        while pairs:
+            best = min(pairs)
+            if best == never:
+                raise NoConversion(f"merges that do not make the piece {piece!r} from its characters")
+            k = pairs.index(best)
+            parts[k : k + 2] = [parts[k] + parts[k + 1]]
+            del pairs[k]
+            if k > 0:
+                pairs[k - 1] = rank.get(parts[k - 1] + parts[k], never)
+            if k < len(pairs):
+                pairs[k] = rank.get(parts[k] + parts[k + 1], never)
+
+
+def sentencepiece_plan(model_proto: bytes) -> Plan:
+    """A SentencePiece BPE model (its serialized ModelProto) on tiktoken, or NoConversion."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:  # protobuf missing
+        raise NoConversion(f"the model cannot be read ({e})") from None
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(model_proto)
+    if model.trainer_spec.model_type != _BPE:
+        raise NoConversion("a SentencePiece model that is not BPE (unigram: no merges to convert)")
+    if model.trainer_spec.treat_whitespace_as_suffix:
+        raise NoConversion("treat_whitespace_as_suffix")
+    pieces = list(model.pieces)
+    if any(p.type == _UNUSED for p in pieces):
+        raise NoConversion("unused pieces")
+    normal = [(i, p) for i, p in enumerate(pieces) if p.type == _NORMAL]
+    chars = {p.piece: i for i, p in normal if len(p.piece) == 1}
+    merged = sorted(((p.score, i, p.piece) for i, p in normal if len(p.piece) > 1), key=lambda s: (-s[0], s[1]))
+    if any(a[0] == b[0] for a, b in zip(merged, merged[1:])):
+        raise NoConversion("pieces of equal score (sentencepiece breaks such ties by position, tiktoken cannot)")
+    if any(SPACE in piece[1:] for _, _, piece in merged):
+        raise NoConversion(f"pieces with {SPACE} past their first character")
+    if SPACE not in chars:
+        raise NoConversion(f"no {SPACE} piece")
+    if any(not set(piece) <= chars.keys() for _, _, piece in merged):
+        raise NoConversion("pieces holding a character that is not a piece itself")
+    user = {p.piece: i for i, p in enumerate(pieces) if p.type == _USER_DEFINED}
+    if any(not s or SPACE in s or any(c.isspace() for c in s) for s in user):
+        raise NoConversion("user-defined symbols with whitespace")
+    _check_merges_make_their_pieces_sp({piece: r for r, (_, _, piece) in enumerate(merged)})
+    # A multi-byte character is assembled from its bytes before any merge: its byte prefixes and the character
+    # itself take the lowest ranks (output id -1 for a prefix, never emitted: every character is complete).
+    assembly: dict[bytes, int] = {}
+    for c, i in chars.items():
+        encoded = c.encode("utf-8")
+        for k in range(2, len(encoded)):
+            assembly.setdefault(encoded[:k], -1)
+        assembly[encoded] = i
+    ranks = {piece: r for r, piece in enumerate(assembly)}
+    ranks.update({piece.encode("utf-8"): len(assembly) + r for r, (_, _, piece) in enumerate(merged)})
+    specials = {s: len(ranks) + k for k, s in enumerate(sorted(user, key=len, reverse=True))}
+    # A character that is not a piece stays alone: its UTF-8 bytes as byte pieces (byte fallback), else one
+    # unknown piece for a run of them (sentencepiece merges adjacent unknown pieces).
+    base = len(ranks) + len(specials)
+    by_piece = {p.piece: i for i, p in enumerate(pieces)}
+    if model.trainer_spec.byte_fallback:
+        lacking = [by_piece.get(f"<0x{b:02X}>", -1) for b in range(256)]
+        if min(lacking) < 0:
+            raise NoConversion("byte fallback without all 256 byte pieces")
+        def cut_ids(run: str) -> list[int]:
+            return [base + b for b in run.encode("utf-8")]
+    else:
+        unknown = [i for i, p in enumerate(pieces) if p.type == _UNKNOWN]
+        if len(unknown) != 1:
+            raise NoConversion("no single unknown piece")
+        lacking = unknown
+        def cut_ids(run: str) -> list[int]:
+            return [base]
+    table = np.array([*assembly.values(), *(i for _, i, _ in merged), *(user[s] for s in specials), *lacking],
+                     dtype=np.int64)
+    lacking_run = f"[^{_char_class(list(chars))}]+"
+    if specials:  # a user-defined symbol is matched before anything is cut: the regex steps over it whole
+        either = "|".join(map(re.escape, specials))
+        lacking_run = f"(?:{either})|(?:(?!(?:{either}))[^{_char_class(list(chars))}])+"
+    cut = re.compile(lacking_run)
+    return Plan(rf"{SPACE}[^{SPACE}]*|[^{SPACE}]+", ranks, specials, table, cut=cut, cut_ids=cut_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choosing the engine.
+
+
+def _canon(hf: Any) -> np.ndarray | None:
+    """id -> the id of its token string (megatron-core's ids without special tokens go through the strings),
+    or None where every id maps to itself."""
+    backend = hf.backend_tokenizer
+    size = backend.get_vocab_size(with_added_tokens=True)
+    unk = hf.unk_token_id if hf.unk_token_id is not None else -1
+    canon = np.arange(size, dtype=np.int64)
+    for i in range(size):
+        token = backend.id_to_token(i)
+        found = backend.token_to_id(token) if token is not None else None
+        canon[i] = unk if found is None else found
+    return None if (canon == np.arange(size)).all() else canon
+
+
+def _probes(specials: list[str]) -> list[str]:
+    """The probe text whole and word by word (so that a covered word is checked where the whole text falls
+    back), and each added token inside and beside words."""
+    return [PROBE_TEXT, *PROBE_TEXT.split(" "), *(f" a{t}b {t}" for t in specials), "".join(specials)]
+
+
+def _checked(engine: Engine, reference: Callable[[str], Any], specials: list[str]) -> str | None:
+    """None when `engine` gives `reference`'s ids on the probes, else the first text where it does not."""
+    probes = _probes(specials)
+    got = engine.encode_batch(probes)
+    return next((p for p, ids in zip(probes, got) if ids != list(reference(p))), None)
+
+
+def engine_for(kind: str, library: Any, reference: Callable[[str], Any]) -> tuple[Engine | None, str]:
+    """The fastest exact engine for megatron-core's tokenizer library object `library` of type `kind` (its
+    `tokenize` is `reference`), and the backend's description: `tiktoken`, `tokenizers (no exact tiktoken
+    conversion: ...)`, `megatron-core (no fast path: ...)`, or for TikTokenizer and NullTokenizer, whose
+    megatron-core tokenizers are fast already, `megatron-core (tiktoken)` and `megatron-core (ids in the text)`."""
+    if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        return _hf_engine(library, reference)
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        return _sp_engine(library, reference)
+    return None, "megatron-core (tiktoken)" if kind == "TikTokenizer" else "megatron-core (ids in the text)"
+
+
+def _hf_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | None, str]:
+    hf, with_specials = library.tokenizer, library.include_special_tokens
+    if not hasattr(hf, "backend_tokenizer"):
+        return None, "megatron-core (no fast path: a slow transformers tokenizer)"
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    added = [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
+    canon = None if with_specials else _canon(hf)
+    batch = TokenizersBatch(hf, with_specials, canon)
+    try:
+        plan = byte_level_plan(spec, bool(getattr(hf, "split_special_tokens", False)))
+    except NoConversion as e:
+        why = f"no exact tiktoken conversion: {e}"
+    else:
+        if not with_specials:
+            plan.prefix = plan.suffix = []
+        if canon is not None:  # compose: tiktoken id -> vocabulary id -> id of its token string
+            plan.table = canon[plan.table if plan.table is not None else np.arange(_top(plan) + 1)]
+        engine = TiktokenBPE(plan, batch.encode)
+        bad = _checked(engine, reference, added)
+        if bad is None:
+            return engine, "tiktoken"
+        why = f"the tiktoken conversion disagreed on the probe text {bad[:40]!r}"
+    bad = _checked(batch, reference, added)
+    if bad is None:
+        return batch, f"tokenizers ({why})"
+    return None, f"megatron-core (no fast path: {why}; tokenizers' batch encoding disagreed on {bad[:40]!r})"
+
+
+def _top(plan: Plan) -> int:
+    return max([*plan.ranks.values(), *plan.specials.values()], default=0)
+
+
+def _sp_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | None, str]:
+    processor = library.tokenizer
+    if library.legacy or (library.removed_extra_spaces and not library.ignore_extra_whitespaces):
+        return None, ("megatron-core (no fast path: --tokenizer-sentencepiece-legacy or "
+                      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces reshape the text in Python)")
+    try:
+        plan = sentencepiece_plan(processor.serialized_model_proto())
+    except NoConversion as e:
+        return None, f"megatron-core (no fast path: no exact tiktoken conversion: {e})"
+    engine = TiktokenBPE(plan, processor.encode_as_ids, prepare=processor.normalize)
+    bad = _checked(engine, reference, [])
+    if bad is not None:
+        return None, f"megatron-core (no fast path: the tiktoken conversion disagreed on the probe text {bad[:40]!r})"
+    return engine, "tiktoken"
