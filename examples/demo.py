@@ -12,7 +12,8 @@
 4. The table (printed, and written to summary.md / summary.json) and a plot of Ψ_ℓ per layer (psi.png).
 
 Everything lands in --output (default demo_output/): per run metrics.jsonl, train.log, command.txt and the
-last checkpoint; summary.json, summary.md, psi.png.
+last checkpoint; summary.json, summary.md, psi.png. Before training it prints what the run will take (the
+recorded wall time and disk use, below) and, while training, an ETA.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ RUNS = {
     "baseline": ["--jreg-lambda", "0"],
     "jreg": ["--jreg-lambda", "1", "--jreg-alpha", "1", "--jreg-distance", "angular"],
 }
+# What the default run took where it was recorded: wall time (docs/results/demo.txt, 3,000 steps on 2 shared
+# cores) and disk use of --output (docs/results/demo_disk.txt); tests/test_demo.py keeps them equal to the files.
+RECORDED_STEPS = 3000
+RECORDED_WALL_S = 649
+RECORDED_DISK_MB = 32
 COLUMNS = (("train loss", "lm_loss", "{:.3f}"), ("held-out CE", "ce", "{:.3f}"), ("ζ_L", "zeta_L", "{:.2f}"),
            ("ζ_L-1", "zeta_L-1", "{:.2f}"), ("ζ_L-2", "zeta_L-2", "{:.2f}"),
            ("Ψ_L / mid Ψ", "psi_L_over_mid", "{:.3f}"))
@@ -51,6 +57,51 @@ def train_command(args: argparse.Namespace, data, run_dir: Path, extra: list[str
             "--metrics-file", str(run_dir / "metrics.jsonl"), "--no-progress", *extra]
 
 
+def estimate(stop_at: int) -> str:
+    """What the run will take, from the recorded run: wall time in proportion to the steps, disk use as recorded
+    (the checkpoints' size does not depend on the steps)."""
+    minutes = RECORDED_WALL_S * stop_at / RECORDED_STEPS / 60
+    return (f"about {max(minutes, 1):.0f} min on 2 CPU cores (the recorded {RECORDED_STEPS:,}-step run took "
+            f"{RECORDED_WALL_S} s: docs/results/demo.txt) and {RECORDED_DISK_MB} MB of disk "
+            "(docs/results/demo_disk.txt)")
+
+
+class Progress:
+    """The status line: each run's iteration and loss, and an ETA at the slower run's pace since its first logged
+    iteration (the start-up before it, tens of seconds on a busy machine, does not recur)."""
+
+    def __init__(self, stop_at: int) -> None:
+        self.stop_at = stop_at
+        self.first: dict[str, tuple[float, int]] = {}  # run → (elapsed, iteration) of its first record seen
+
+    def line(self, elapsed: float, runs: dict[str, tuple[bool, dict | None]]) -> str:
+        """`runs`: name → (finished, its latest training record or None)."""
+        status, left, unknown = [], [], False
+        for name, (finished, last) in runs.items():
+            if finished:
+                status.append(f"{name}: finished")
+                continue
+            if last is None:
+                status.append(f"{name}: starting")
+                unknown = True
+                continue
+            status.append(f"{name}: iter {last['iteration']}/{self.stop_at} lm loss {last['lm_loss']:.3f}")
+            t0, it0 = self.first.setdefault(name, (elapsed, last["iteration"]))
+            if last["iteration"] > it0:
+                left.append((elapsed - t0) / (last["iteration"] - it0) * (self.stop_at - last["iteration"]))
+            else:
+                unknown = True
+        eta = f"  ETA {int(max(left)) // 60}:{int(max(left)) % 60:02d}" if left and not unknown else ""
+        return f"[demo] {elapsed:5.0f}s  " + " | ".join(status) + eta
+
+
+def ce_difference(summary: dict) -> str:
+    """JREG's held-out CE against the baseline's, with what one seed can and cannot say."""
+    base, jr = summary["baseline"], summary["jreg"]
+    return (f"JREG − baseline held-out CE: {100 * (jr['ce'] / base['ce'] - 1):+.2f} % (one seed: not a measure of "
+            "JREG's effect on CE; the study pairs seeds and finds JREG α = 1 worse: docs/study.md)")
+
+
 def launch(args: argparse.Namespace, data, out: Path) -> dict[str, Path]:
     """Start both runs as separate processes (one thread each) and wait, printing progress."""
     procs = {}
@@ -63,16 +114,13 @@ def launch(args: argparse.Namespace, data, out: Path) -> dict[str, Path]:
         cmd = train_command(args, data, run_dir, extra)
         (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env()), log, run_dir)
-    start = time.time()
+    start, progress = time.time(), Progress(args.stop_at)
     while any(p.poll() is None for p, _, _ in procs.values()):
         time.sleep(10)
-        status = []
-        for name, (proc, _, run_dir) in procs.items():
-            last = next((r for r in reversed(_records(run_dir / "metrics.jsonl")) if "lm_loss" in r), None)
-            status.append(f"{name}: " + ("finished" if proc.poll() is not None else
-                                         f"iter {last['iteration']}/{args.stop_at} lm loss {last['lm_loss']:.3f}"
-                                         if last else "starting"))
-        print(f"[demo] {time.time() - start:5.0f}s  " + " | ".join(status), flush=True)
+        runs = {name: (proc.poll() is not None,
+                       next((r for r in reversed(_records(run_dir / "metrics.jsonl")) if "lm_loss" in r), None))
+                for name, (proc, _, run_dir) in procs.items()}
+        print(progress.line(time.time() - start, runs), flush=True)
     failed = []
     for name, (proc, log, run_dir) in procs.items():
         log.close()
@@ -162,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--stop-at {args.stop_at} is past --train-iters {args.train_iters}: use at most {args.train_iters}")
     out = Path(args.output).resolve()
     t0 = time.time()
+    print(f"[demo] trains a baseline and a JREG model side by side, one CPU core each: {estimate(args.stop_at)}; "
+          f"everything goes to {out}", flush=True)
     data = prepare_data(out)
     print(f"[demo] data ready in {time.time() - t0:.0f}s; training baseline and JREG "
           f"({args.stop_at} of {args.train_iters} scheduled steps × {args.batch_size} × 128 tokens each, in parallel)",
@@ -169,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = launch(args, data, out)
     summary = summarize(runs, data, out)
     print("\n" + table(summary))
-    base, jr = summary["baseline"], summary["jreg"]
-    print(f"JREG − baseline held-out CE: {100 * (jr['ce'] / base['ce'] - 1):+.2f} %")
+    print(ce_difference(summary))
     plot(summary, out / "psi.png")
     print(f"\n[demo] done in {time.time() - t0:.0f}s. Outputs in {out}:")
     print(f"  {out / 'summary.md'}, {out / 'summary.json'}   the table above")

@@ -249,7 +249,7 @@ def reruns(study: dict) -> list[str]:
         f"- Re-runs: {len(reps)} runs were trained a second time to record their layer removal (the report uses "
         f"the re-run). {same} of {len(base)} baseline re-runs equal the first run in every endpoint to the last "
         f"digit; the {len(jreg)} JREG re-runs moved by at most {gap:.4f} nats of held-out CE: the JREG op's "
-        "code changed between the two commits (issue 28's fused path) while the rest did not. Both values of "
+        "code changed between the two commits (its fused path) while the rest did not. Both values of "
         "each run are in raw_v3/study.json (`reproductions`)."
     ]
 
