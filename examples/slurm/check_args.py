@@ -118,15 +118,12 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def quiet_logs() -> Iterator[None]:
     """Megatron-LM's and megatron-jreg's INFO lines (micro-batches, vocabulary padding) kept out of the summary."""
-    loggers = [logging.getLogger(name) for name in ("megatron", "megatron_jreg")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        logging.disable(previous)
 
 
 def check(argv: list[str], world: int) -> Report:
