@@ -74,10 +74,10 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
                                         ("RoPE fusion (on unless --no-rope-fusion)", args.apply_rope_fusion)) if on]
         if not te_here and needs:
             not_checked.append(f"Transformer Engine, not importable here, which {' and '.join(needs)} need(s) on "
-                               "the GPU nodes")
+                               "the GPU nodes (each rank checks it at start)")
         if args.fp8 is not None:
             not_checked.append(f"FP8 (--fp8-format {args.fp8} --fp8-recipe {args.fp8_recipe}: the GPU's and "
-                               "Transformer Engine's support)")
+                               "Transformer Engine's support; each rank checks it at start)")
 
     check_model_config = arguments._check_model_config
 
@@ -102,7 +102,7 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
     try:
         yield not_checked
         if stand_ins:
-            not_checked.append("GPU memory")
+            not_checked.append("GPU memory (the first steps on the GPUs show it)")
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
@@ -231,7 +231,7 @@ def summary(report: Report) -> list[str]:
             lines.append(f"               {size(shutil.disk_usage(existing).free)} free now in {existing}")
     lines += [f"  note         {note}" for note in report.notes]
     if report.not_checked:
-        lines.append(f"  not checked  here (no CUDA): {'; '.join(report.not_checked)}; each rank checks them at start")
+        lines.append(f"  not checked  here (no CUDA): {'; '.join(report.not_checked)}")
     return lines
 
 
