@@ -1,23 +1,28 @@
-"""The JREG displacement op alone against the memory floor on the same device, side by side.
+"""The JREG op as training runs it, against the memory floor on the same device, side by side.
 
-The op is what the plugin runs per layer and microbatch: `jreg.displacement_total(h_in, h_out)` and its
-backward into both hidden states [T, h]. It must move at least 6·T·h elements (forward: read h_in and h_out;
-backward: read them again, write their two gradients); the floor is a plain copy of 3·T·h elements
-(`dst.copy_(src)`, read + written: the same bytes) on the same device. Op and floor alternate over repeated
-rounds (medians), after a warm-up call (which compiles where the op compiles). One profiled call gives the
-aten ops per layer call, and the kernel launches on a GPU. Also timed: allocating and first touching two
-[T, h] tensors, part of the op's time (its gradients are fresh tensors): on CPU that is page faults, which
-torch's THP_MEM_ALLOC_ENABLE=1 (huge pages) cuts. The benchmark runs as `megatron-jreg train` does: with huge
-pages on a machine with no sign of a GPU (megatron_jreg/process_env.py), unless THP_MEM_ALLOC_ENABLE is set.
+A layer call of the plugin: h_in and h_out = h_in + y are not leaves and receive gradients from the rest of the
+graph (⟨h_in, w_in⟩ + ⟨h_out, w_out⟩ stand in for it), and JREG adds its term λ·w_ℓ·Ψ_ℓ as the plugin wires it
+(`jreg.LayerPenalty`: a pre-hook on h_in, a post-hook on h_out). The op's cost is what that graph's forward and
+backward take with JREG less the same graph without it: time (median over rounds; on a GPU, CUDA events around
+`--reps` back-to-back calls, so the host's share of a call overlaps as in training), aten ops and device kernels
+(torch's profiler over one call: the CPU's aten ops are the proxy for a GPU's launches) and bytes allocated (the
+profiler's memory records). Two kinds of call: a step that does not log ("step"), and one that logs Ψ ("logging",
+plus `jreg.token_figures` and the masked sum, as the plugin records). The floor is a plain copy of 3·T·h elements
+(`dst.copy_(src)`: 6 passes over [T, h], reading h_in and h_out and the two gradients and writing the gradients),
+on the same device.
+
+`--baseline REV` also runs megatron_jreg/jreg.py (with its jreg_kernels.py and jreg_triton.py) as it was at that
+git revision, wired as that revision's plugin wired it (the term's scalar through an identity on h_out whose
+backward seeds it with ones: `attach_loss`), in the same rounds.
 
     python benchmarks/jreg_op.py                               # CPU: [16384, 768 | 2048 | 3072] × bf16, fp32
-    python benchmarks/jreg_op.py --device cuda --rounds 20     # the GPU check's call
-    python benchmarks/jreg_op.py --baseline 0f551ac            # also jreg.py as it was at that git revision
+    python benchmarks/jreg_op.py --baseline 94871a5            # ... and the op as it was at that revision
+    python benchmarks/jreg_op.py --device cuda --reps 20       # the GPU check's call
     python benchmarks/jreg_op.py --compile-cost                # CPU: first call of fresh processes, eager vs compiled
 
 `--backend triton|compiled|torch` forces jreg_kernels' backend (default: its choice for the device).
-Last line: op_vs_floor=… launches=… — the worse dtype at [16384, 2048]; launches are the CUDA kernels of one
-layer call on a GPU and its aten ops on CPU.
+Last line: op_vs_floor=… launches=… allocated_mib=… (the worse dtype of a step that does not log at
+[16384, 2048]; launches: a GPU's kernels, the CPU's aten ops), and op_vs_baseline=… with --baseline.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +52,8 @@ TARGET = (16384, 2048)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Sizes around jreg_kernels.COMPILE_MIN_ELEMENTS (4M): the demo's layer, then 1M, 4M, 16M elements.
 SMALL_SHAPES = ((512, 64), (4096, 256), (8192, 512), (16384, 1024))
+FACTOR = 0.5  # λ·w_ℓ of the layer
+MODULES = ("jreg", "jreg_kernels", "jreg_triton")  # the op's files, loaded together at a revision
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -53,77 +61,152 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def load_baseline(rev: str) -> types.ModuleType:
-    """megatron_jreg/jreg.py as it was at git revision `rev`, as a standalone module (it imports only torch)."""
-    src = subprocess.run(["git", "show", f"{rev}:megatron_jreg/jreg.py"], cwd=ROOT, capture_output=True, text=True)
-    if src.returncode != 0:
-        raise SystemExit(f"--baseline {rev}: git show failed ({src.stderr.strip()}); give a revision of this checkout")
-    module = types.ModuleType(f"jreg_at_{rev}")
-    exec(compile(src.stdout, f"jreg.py@{rev}", "exec"), module.__dict__)  # noqa: S102 - our own file at a revision
-    return module
+    """megatron_jreg/jreg.py at git revision `rev` with that revision's jreg_kernels.py and jreg_triton.py (where
+    they existed), as a package of their own: their `megatron_jreg` imports point into it."""
+    name = f"jreg_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
+    folder = Path(tempfile.mkdtemp(prefix="jreg-baseline-")) / name
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for module in MODULES:
+        src = subprocess.run(["git", "show", f"{rev}:megatron_jreg/{module}.py"], cwd=ROOT, capture_output=True,
+                             text=True)
+        if src.returncode != 0:
+            if module == "jreg":
+                raise SystemExit(f"--baseline {rev}: git show failed ({src.stderr.strip()}); give a revision of "
+                                 "this checkout")
+            continue
+        text = re.sub(r"\bfrom megatron_jreg import\b", f"from {name} import", src.stdout)
+        (folder / f"{module}.py").write_text(re.sub(r"\bfrom megatron_jreg\.", f"from {name}.", text))
+    sys.path.insert(0, str(folder.parent))
+    import importlib
+
+    return importlib.import_module(f"{name}.jreg")
 
 
-def op_of(jreg_module: types.ModuleType, kind: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """One layer call: the summed displacement and its backward into both (leaf) hidden states."""
-    total = getattr(jreg_module, "displacement_total", None)
-    if total is None:  # before displacement_total existed: the sum of displacement_sum
-        total = lambda a, b, mask, kind: jreg_module.displacement_sum(a, b, mask, kind)[0]  # noqa: E731
+class _AttachLoss(torch.autograd.Function):
+    """The plugin's wiring before LayerPenalty (up to 94871a5): identity on h_out whose backward seeds d(term) = 1."""
 
-    def run(a: torch.Tensor, b: torch.Tensor) -> None:
-        a.grad = b.grad = None
-        total(a, b, None, kind).backward()
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, term: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.term_shape, ctx.term_dtype = term.shape, term.dtype
+        return output
 
-    return run
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad_output, torch.ones(ctx.term_shape, dtype=ctx.term_dtype, device=grad_output.device)
 
 
-def counts(run: Callable[[], None], device: torch.device) -> dict:
-    """aten ops (nested included) and device kernels of one call, from torch's profiler."""
+def _attach_loss(output: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    out = _AttachLoss.apply(output, term)
+    try:
+        from megatron.core.utils import make_viewless_tensor
+    except ImportError:  # no megatron-core here: the view stays (an alias op less than that revision's plugin)
+        return out
+    return make_viewless_tensor(out, requires_grad=True, keep_graph=True)
+
+
+class Graph:
+    """One layer call's graph: leaves x, y [T, h]; h_in = x·1, h_out = h_in + y; loss ⟨h_in, w_in⟩ + ⟨h_out, w_out⟩
+    (so both receive gradients from elsewhere), with JREG added as `variant` wires it."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        g = torch.Generator(device=device).manual_seed(0)
+        self.x = torch.randn(rows, width, generator=g, device=device).to(dtype).requires_grad_(True)
+        self.y = (0.3 * torch.randn(rows, width, generator=g, device=device)).to(dtype).requires_grad_(True)
+        self.w_in = torch.randn(rows, width, generator=g, device=device).to(dtype)
+        self.w_out = torch.randn(rows, width, generator=g, device=device).to(dtype)
+        self.up = torch.full((1,), 1.0 / rows, device=device).expand(rows)  # the microbatch's scale / tokens
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # what a logging step adds Ψ into
+
+    def run(self, variant: str, module: types.ModuleType | None, record: bool) -> None:
+        """Forward and backward of the graph: variant "none" (without JREG), "op" (`module`'s LayerPenalty) or
+        "baseline" (`module` at a revision, wired through `_attach_loss`)."""
+        self.x.grad = self.y.grad = None
+        h_in = self.x * 1
+        if variant == "op":
+            penalty = module.LayerPenalty()
+            h_in = penalty.watch(h_in)
+        h_out = h_in + self.y
+        if variant == "op":
+            if record:
+                self.sums += module.token_figures(h_in, h_out).flatten(1).sum(1).double() / self.up.shape[0]
+            h_out = penalty.attach(h_out, h_in, self.up, FACTOR)
+        elif variant == "baseline":
+            total = (module.displacement_total(h_in, h_out) if hasattr(module, "displacement_total")
+                     else module.displacement_sum(h_in, h_out)[0])  # before displacement_total existed
+            share = total / self.up.shape[0]
+            if record:
+                self.sums[0] += share.detach().double()
+            h_out = _attach_loss(h_out, share * FACTOR)
+        ((h_in * self.w_in).sum() + (h_out * self.w_out).sum()).backward()
+
+
+def profile_call(run: Callable[[], None], device: torch.device) -> dict:
+    """aten ops (nested included), device kernels and bytes allocated by one call, from torch's profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, profile_memory=True) as prof:
         run()
         _sync(device)()
     events = prof.events()
+    memory = (lambda e: e.self_device_memory_usage) if device.type == "cuda" else (lambda e: e.self_cpu_memory_usage)
     return {"aten_ops": sum(1 for e in events if e.name.startswith("aten::")),
-            "kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA)}
+            "kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+            "allocated": sum(max(0, memory(e)) for e in events if e.device_type == DeviceType.CPU)}
 
 
-def measure(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rounds: int, kind: str,
-            variants: dict[str, types.ModuleType]) -> dict:
-    """Median seconds of each variant's layer call and of the floor copy, alternated round by round."""
-    rows, width = shape
-    g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(rows, width, generator=g, device=device).to(dtype).requires_grad_(True)
-    b = (a.detach().float() + 0.3 * torch.randn(rows, width, generator=g, device=device)).to(dtype)
-    b.requires_grad_(True)
-    src = torch.randn(3 * rows * width, generator=g, device=device).to(dtype)
-    dst = torch.empty_like(src)
-    sync = _sync(device)
-    ops = {name: op_of(module, kind) for name, module in variants.items()}
-    calls: dict[str, Callable[[], object]] = {name: (lambda op=op: op(a, b)) for name, op in ops.items()}
-    calls["floor"] = lambda: dst.copy_(src)
-    # what the op's time includes for its two fresh gradient tensors: allocating and first touching them (page
-    # faults on CPU)
-    calls["alloc"] = lambda: torch.empty(2 * rows * width, dtype=dtype, device=device).fill_(0)
+def timed(calls: dict[str, Callable[[], object]], device: torch.device, rounds: int, reps: int) -> dict:
+    """Median seconds per call of each entry, alternated round by round (the order rotates); on a GPU CUDA events
+    around `reps` back-to-back calls (no sync between them), on the CPU the wall clock around each call."""
+    sync, names = _sync(device), list(calls)
     for run in calls.values():  # warm-up (compiles where the op compiles)
         run()
     sync()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order every round
-            sync()
-            t0 = time.perf_counter()
-            calls[name]()
-            sync()
-            times[name].append(time.perf_counter() - t0)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    calls[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3 / reps)
+            else:
+                t0 = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def measure(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rounds: int, reps: int,
+            variants: dict[str, tuple[str, types.ModuleType]]) -> dict:
+    """Per variant and kind of call: its time, ops, kernels and bytes less the graph's without JREG."""
+    rows, width = shape
+    graph = Graph(rows, width, dtype, device)
+    src = torch.randn(3 * rows * width, device=device).to(dtype)
+    dst = torch.empty_like(src)
+    calls: dict[str, Callable[[], object]] = {"none": lambda: graph.run("none", None, False),
+                                              "floor": lambda: dst.copy_(src)}
+    for name, (kind, module) in variants.items():
+        for record in (False, True):
+            calls[f"{name}/{'logging' if record else 'step'}"] = (
+                lambda k=kind, m=module, rec=record: graph.run(k, m, rec))
+    seconds = timed(calls, device, rounds, reps)
+    base = profile_call(calls["none"], device)
     element = torch.finfo(dtype).bits // 8
-    result = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "rounds": rounds,
-              "bytes": 6 * rows * width * element + 40 * rows,  # + the [T] figures and the upstream gradient
-              "seconds": {name: statistics.median(v) for name, v in times.items()}}
-    for name in variants:
-        result[name] = {"vs_floor": result["seconds"][name] / result["seconds"]["floor"], **counts(calls[name], device)}
+    result = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "rounds": rounds, "reps": reps,
+              "floor_bytes": 6 * rows * width * element, "seconds": seconds, "graph": base, "calls": {}}
+    for name in calls:
+        if "/" not in name:
+            continue
+        counts = profile_call(calls[name], device)
+        extra = seconds[name] - seconds["none"]
+        result["calls"][name] = {"seconds": extra, "vs_floor": extra / seconds["floor"],
+                                 **{k: counts[k] - base[k] for k in counts}}
     return result
 
 
@@ -137,20 +220,18 @@ def first_call(shape: tuple[int, int], dtype: str) -> dict:
     from megatron_jreg import jreg, jreg_kernels
 
     imported = time.perf_counter() - t0
-    a = torch.randn(*shape).to(DTYPES[dtype]).requires_grad_(True)
-    b = torch.randn(*shape).to(DTYPES[dtype]).requires_grad_(True)
-    op = op_of(jreg, "angular")
+    graph = Graph(*shape, DTYPES[dtype], torch.device("cpu"))
     t1 = time.perf_counter()
-    op(a, b)
+    graph.run("op", jreg, False)
     t2 = time.perf_counter()
-    op(a, b)
+    graph.run("op", jreg, False)
     t3 = time.perf_counter()
-    return {"import": imported, "first": t2 - t1, "second": t3 - t2, "backend": jreg_kernels.backend_for(a)}
+    return {"import": imported, "first": t2 - t1, "second": t3 - t2, "backend": jreg_kernels.backend_for(graph.x)}
 
 
 def compile_cost(dtype: str) -> dict:
     """First-call seconds of fresh processes at [16384, 2048]: empty inductor cache, then warm; and the eager
-    and compiled per-call times around COMPILE_MIN_ELEMENTS."""
+    and compiled per-call times (the two gradient kernels) around COMPILE_MIN_ELEMENTS."""
     from megatron_jreg import jreg_kernels
 
     out: dict = {}
@@ -165,57 +246,77 @@ def compile_cost(dtype: str) -> dict:
             out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
     small = {}
     for rows, width in SMALL_SHAPES:
-        a = torch.randn(rows, width).to(DTYPES[dtype])
-        b = torch.randn(rows, width).to(DTYPES[dtype])
-        grad = torch.ones(rows)
+        a, b, g = (torch.randn(rows, width).to(DTYPES[dtype]) for _ in range(3))
+        up = torch.ones(rows)
+
+        def call(backend: str, a: torch.Tensor = a, b: torch.Tensor = b, g: torch.Tensor = g,
+                 up: torch.Tensor = up) -> None:
+            _, figures = jreg_kernels.grad_b(a, b, up, 1.0, True, g, out=g, backend=backend)
+            jreg_kernels.grad_a(a, b, figures, g, out=g, backend=backend)
+
         per: dict[str, list[float]] = {"torch": [], "compiled": []}
         for backend in per:
-            jreg_kernels.backward(a, b, grad, jreg_kernels.forward(a, b, True, backend)[1:], True, backend)
+            call(backend)
         reps = max(3, min(200, 2**24 // (rows * width)))
         for r in range(5):
             for backend in (("torch", "compiled") if r % 2 == 0 else ("compiled", "torch")):
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    rows_ = jreg_kernels.forward(a, b, True, backend)[1:]
-                    jreg_kernels.backward(a, b, grad, rows_, True, backend)
+                    call(backend)
                 per[backend].append((time.perf_counter() - t0) / reps)
         small[f"{rows}x{width}"] = {k: statistics.median(v) for k, v in per.items()}
     out["per_call"] = small
     return out
 
 
-def report(results: list[dict], variants: list[str], device: str) -> list[str]:
-    lines = [f"device {device}; op = jreg.displacement_total forward + backward of one layer call; floor = copy of "
-             f"the same bytes; medians over {results[0]['rounds']} alternated rounds; "
-             f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"]
+def report(results: list[dict], device: str) -> list[str]:
+    r0 = results[0]
+    timing = (f"CUDA events around {r0['reps']} back-to-back calls" if device.startswith("cuda") or "NVIDIA" in device
+              else "wall clock per call")
+    lines = [f"device {device}; a layer call as training runs it (h_in, h_out not leaves, gradients from the rest "
+             f"of the graph), less the same graph without JREG; floor = copy of 6 passes over [T, h]; medians of "
+             f"{r0['rounds']} alternated rounds, {timing}; THP_MEM_ALLOC_ENABLE="
+             f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"]
     for r in results:
-        head = f"[{r['shape'][0]}, {r['shape'][1]}] {r['dtype']:>8}: floor {1e3 * r['seconds']['floor']:8.1f} ms, " \
-               f"{r['bytes'] / 2**20:7.0f} MiB moved; allocating + first touch of the two gradients " \
-               f"{1e3 * r['seconds']['alloc']:.1f} ms"
-        lines.append(head)
-        for name in variants:
-            v = r[name]
-            kernels = f", {v['kernels']} kernels" if device.startswith("cuda") else ""
-            lines.append(f"    {name:>9}: {1e3 * r['seconds'][name]:8.1f} ms = {v['vs_floor']:5.2f} x floor, "
-                         f"{v['aten_ops']} aten ops{kernels}")
+        lines.append(f"[{r['shape'][0]}, {r['shape'][1]}] {r['dtype']:>8}: floor {1e3 * r['seconds']['floor']:8.2f} ms "
+                     f"({r['floor_bytes'] / 2**20:.0f} MiB); the graph without JREG {1e3 * r['seconds']['none']:.2f} "
+                     f"ms, {r['graph']['aten_ops']} aten ops, {r['graph']['kernels']} kernels, "
+                     f"{r['graph']['allocated'] / 2**20:.0f} MiB allocated")
+        for name, v in r["calls"].items():
+            lines.append(f"    {name:>18}: +{1e3 * v['seconds']:8.2f} ms = {v['vs_floor']:5.2f} x floor, "
+                         f"{v['aten_ops']:+d} aten ops, {v['kernels']:+d} kernels, "
+                         f"{v['allocated'] / 2**20:+.1f} MiB allocated")
     return lines
+
+
+def summary(results: list[dict], device: torch.device, baseline: str | None) -> str:
+    at_target = [r for r in results if tuple(r["shape"]) == TARGET] or results
+    step = [r["calls"]["op/step"] for r in at_target]
+    worst = max(step, key=lambda v: v["vs_floor"])
+    launches = max(v["kernels" if device.type == "cuda" else "aten_ops"] for v in step)
+    shape = at_target[0]["shape"]
+    line = (f"op_vs_floor={worst['vs_floor']:.2f} launches={launches} "
+            f"allocated_mib={max(v['allocated'] for v in step) / 2**20:.1f}")
+    if baseline:
+        ratio = max(r["calls"]["op/step"]["seconds"] / r["calls"][f"@{baseline}/step"]["seconds"] for r in at_target)
+        line += f" op_vs_baseline={ratio:.2f}"
+    return line + f" shape={shape[0]}x{shape[1]} device={device.type}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--rounds", type=int, default=7, help="alternated timed rounds per shape and dtype")
+    p.add_argument("--reps", type=int, default=20, help="GPU: back-to-back calls between two CUDA events")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
     p.add_argument("--shapes", default=None, help="comma-separated TxH (default: 16384x768,16384x2048,16384x3072)")
-    p.add_argument("--distance", choices=["angular", "cosine"], default="angular")
     p.add_argument("--backend", choices=["auto", "triton", "compiled", "torch"], default="auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads; default torch's)")
-    p.add_argument("--baseline", metavar="REV", help="also time megatron_jreg/jreg.py at this git revision")
+    p.add_argument("--baseline", metavar="REV", help="also time megatron_jreg's op at this git revision")
     p.add_argument("--compile-cost", action="store_true", help="CPU: first-call seconds of fresh processes")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--first-call", metavar="DTYPE", help=argparse.SUPPRESS)  # the fresh process of --compile-cost
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     if args.first_call:
         print(json.dumps(first_call(TARGET, args.first_call)))
         return 0
@@ -224,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device here")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
     if args.threads is not None:
         if args.threads < 1:
             p.error("--threads must be >= 1")
@@ -254,20 +357,20 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, device: torch.device, shapes: list[tuple[int, int]], dtypes: list[str],
         jreg: types.ModuleType) -> int:
     """Measure every shape × dtype (and the compile cost when asked), print, write --json."""
-    variants = {"op": jreg}
+    variants = {"op": ("op", jreg)}
     if args.baseline:
-        variants[f"@{args.baseline}"] = load_baseline(args.baseline)
+        variants[f"@{args.baseline}"] = ("baseline", load_baseline(args.baseline))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     results = []
     for shape in shapes:
         for dtype in dtypes:
-            results.append(measure(shape, DTYPES[dtype], device, args.rounds, args.distance, variants))
-            print("\n".join(report(results[-1:], list(variants), name)[1:]), flush=True)
-    print("\n".join(report(results, list(variants), name)), flush=True)
-    summary = {"results": results, "device": name}
+            results.append(measure(shape, DTYPES[dtype], device, args.rounds, args.reps, variants))
+            print("\n".join(report(results[-1:], name)[1:]), flush=True)
+    print("\n".join(report(results, name)), flush=True)
+    out = {"results": results, "device": name}
     if args.compile_cost:
         cost = {d: compile_cost(d) for d in dtypes}
-        summary["compile_cost"] = cost
+        out["compile_cost"] = cost
         for dtype, c in cost.items():
             e, w, eager = c["empty_cache"], c["warm_cache"], c["eager"]
             print(f"first layer call of a fresh process at [{TARGET[0]}, {TARGET[1]}] {dtype}: compiled "
@@ -276,14 +379,10 @@ def run(args: argparse.Namespace, device: torch.device, shapes: list[tuple[int, 
                   f"importing torch._dynamo and inductor before it (megatron-core does): {w['import']:.1f} s")
             for shape, t in c["per_call"].items():
                 print(f"    [{shape.replace('x', ', ')}] {dtype}: eager {1e3 * t['torch']:.2f} ms, compiled "
-                      f"{1e3 * t['compiled']:.2f} ms per layer call")
+                      f"{1e3 * t['compiled']:.2f} ms per layer call's backward")
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
-    at_target = [r for r in results if tuple(r["shape"]) == TARGET] or results
-    worst = max(r["op"]["vs_floor"] for r in at_target)
-    launches = max(r["op"]["kernels" if device.type == "cuda" else "aten_ops"] for r in at_target)
-    shape = at_target[0]["shape"]
-    print(f"op_vs_floor={worst:.2f} launches={launches} shape={shape[0]}x{shape[1]} device={device.type}")
+        args.json.write_text(json.dumps(out, indent=1))
+    print(summary(results, device, args.baseline))
     return 0
 
 

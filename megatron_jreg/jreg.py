@@ -12,19 +12,29 @@ Notation (layers ℓ = 1..L; h_0 = embeddings, h_L = last layer output *before* 
     w_ℓ      = softmax_ℓ(α · ℓ)                                          over the penalized layers
     L_cos    = Σ_ℓ w_ℓ Ψ_ℓ ;   loss = L_CE + λ · L_cos
 
-Everything is computed in fp32 whatever the activation dtype, by one fused kernel per direction
-(`jreg_kernels`: Triton on CUDA, torch.compile'd C++ on CPU, eager torch elsewhere; benchmarks/jreg_op.py).
-The per-token displacement is a custom autograd function that saves references to the two hidden states plus
-four fp32 figures per token, and reads the states once more in backward. Where the layers keep those states
-anyway (norms that save their input: Transformer Engine's, apex's, torch's in fp32) that adds no activation
-memory; a torch norm that saves an fp32 upcast of a bf16 input leaves JREG's references as the only holders
-of the bf16 states. At PP > 1 the output of a stage's last layer, which Megatron-LM frees once it is sent,
-stays until JREG's backward has read it: measured per microbatch by tests/test_jreg_hot_path.py (PP = 2).
+Everything is computed in fp32 whatever the activation dtype, by fused kernels (`jreg_kernels`: Triton on CUDA,
+torch.compile'd C++ on CPU, eager torch elsewhere; benchmarks/jreg_op.py). Two ways in:
+- `token_displacement` and the sums built on it (analysis, evaluation, tests): d per token with autograd; its
+  backward runs the two gradient kernels into fresh tensors.
+- `LayerPenalty` (training, through the plugin's hooks): λ·w_ℓ·Ψ_ℓ enters backward without a forward computation
+  and without a tensor of its own: an identity on h_out whose backward adds ∂/∂h_out into the gradient h_out
+  receives, and an identity on h_in (applied before the layer runs) whose backward adds ∂/∂h_in into the gradient
+  h_in receives from the layer. Between forward and backward it keeps references to h_in and h_out and nothing
+  else. Where the layers keep those states anyway (norms that save their input: Transformer Engine's, apex's,
+  torch's in fp32) that adds no activation memory; a torch norm that saves an fp32 upcast of a bf16 input leaves
+  JREG's references as the only holders of the bf16 states. At PP > 1 the output of a stage's last layer, which
+  Megatron-LM frees once it is sent, stays until JREG's backward has read it: measured per microbatch by
+  tests/test_jreg_hot_path.py (PP = 2).
 
-A hidden state that is not finite gives a NaN displacement (never 0.5), so Ψ and ζ of a broken step are NaN.
+A hidden state that is not finite gives a NaN displacement (never 0.5), so Ψ and ζ of a broken step are NaN; a zero
+vector reads as orthogonal (0.5 angular, 1 cosine) and is flagged (`forward`'s third row), so that the plugin can
+say so.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 from torch import Tensor
@@ -42,19 +52,19 @@ def _check_kind(kind: str) -> None:
 
 class _TokenDisplacement(torch.autograd.Function):
     """Per-token displacement d[T] between rows of a[T, h] and b[T, h] (any float dtype), fused (jreg_kernels):
-    the forward reads a and b once, the backward reads them once more and writes the two gradients."""
+    the forward reads a and b once, the backward reads them once more per gradient and writes the gradients."""
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, angular: bool) -> Tensor:  # type: ignore[override]
-        d, *rows = jreg_kernels.forward(a.detach(), b.detach(), angular)
-        ctx.save_for_backward(a, b, *rows)
+        ctx.save_for_backward(a, b)
         ctx.angular = angular
-        return d
+        return jreg_kernels.forward(a.detach(), b.detach())[0 if angular else 1]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
-        a, b, *rows = ctx.saved_tensors
-        grad_a, grad_b = jreg_kernels.backward(a.detach(), b.detach(), grad, tuple(rows), ctx.angular)
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor, None]:  # type: ignore[override]
+        a, b = (x.detach() for x in ctx.saved_tensors)
+        grad_b, figures = jreg_kernels.grad_b(a, b, grad, 1.0, ctx.angular)
+        grad_a = jreg_kernels.grad_a(a, b, figures) if ctx.needs_input_grad[0] else None
         return grad_a, grad_b, None
 
 
@@ -72,6 +82,15 @@ def token_displacement(h_in: Tensor, h_out: Tensor, kind: str = "angular") -> Te
     width = h_in.shape[-1]
     d = _TokenDisplacement.apply(h_in.reshape(-1, width), h_out.reshape(-1, width), kind == "angular")
     return d.view(lead)
+
+
+def token_figures(h_in: Tensor, h_out: Tensor) -> Tensor:
+    """[3, ...] fp32 per token of h_in, h_out[..., h], without autograd: the angular d, the cosine d, and 1.0 where
+    either state is the zero vector (what d reads as orthogonal)."""
+    if h_in.shape != h_out.shape:
+        raise ValueError(f"hidden state shapes differ: {tuple(h_in.shape)} vs {tuple(h_out.shape)}")
+    with torch.no_grad():
+        return jreg_kernels.forward(h_in, h_out).view(3, *h_in.shape[:-1])
 
 
 def displacement_total(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular") -> Tensor:
@@ -106,6 +125,121 @@ def displacement(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: 
     """Ψ for one layer: the mean per-token displacement over real tokens (fp32 scalar)."""
     total, count = displacement_sum(h_in, h_out, mask, kind)
     return total / count.clamp_min(1.0)
+
+
+def _owned(grad: Tensor, calibrating: list[int] | None = None) -> bool:
+    """Whether a gradient autograd hands to a backward is held by nothing else, so that adding into it changes no
+    other value: no other reference to the tensor (C++: `_use_count`; Python: a hook that kept it) or to its storage
+    (a view), and dense rows. Autograd makes the same test before it accumulates in place."""
+    references = sys.getrefcount(grad)
+    if calibrating is not None:
+        calibrating.append(references)
+        return False
+    return (grad._use_count() == 1 and references <= _unheld_references() and grad.is_contiguous()
+            and not grad._is_view() and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2)  # + ours
+
+
+@functools.cache
+def _unheld_references() -> int:
+    """sys.getrefcount that `_owned` sees for a gradient nothing else holds (the references torch's call of a
+    backward and the calls down to `_owned` make), measured once on a probe."""
+    seen: list[int] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+            _target(grad, seen)  # as the backwards below ask
+            return grad
+
+    with torch.enable_grad():
+        x = torch.zeros(2, requires_grad=True)
+        (Probe.apply(x * 1) * 2).sum().backward()
+    return seen[0]
+
+
+class LayerPenalty:
+    """The term factor·Σ_t up[t]·d_t of one layer call (the plugin's λ·w_ℓ·Ψ_ℓ, scaled like the main loss), added to
+    backward without computing anything in forward and without a [T, h] tensor of its own:
+
+        h_in = penalty.watch(h_in)                          # before the layer runs (a forward pre-hook)
+        h_out = penalty.attach(h_out, h_in, up, factor)     # after it (a forward hook)
+
+    h_in, h_out: [..., h] (any leading shape); up: [T] per token of the flattened leading dimensions (the token mask
+    times the microbatch's scale, or that scale expanded). In backward, `attach`'s identity on h_out adds ∂/∂h_out
+    into the gradient h_out receives (jreg_kernels.grad_b) and hands the per-row figures to `watch`'s identity on
+    h_in, whose backward runs after the layer's (it needs h_in's whole gradient from the layer) and adds ∂/∂h_in
+    (jreg_kernels.grad_a). Each adds in place where autograd handed it the gradient alone (`_owned`), else writes a
+    fresh tensor: one pass either way, never a separate add."""
+
+    def __init__(self, kind: str = "angular") -> None:
+        _check_kind(kind)
+        _unheld_references()  # measured here, outside any backward
+        self.angular = kind == "angular"
+        self.watching = False  # h_in's gradient passes through `watch`'s identity
+        self.handoff: tuple[Tensor, Tensor, Tensor] | None = None  # (h_in, h_out, figures), h_out's backward → h_in's
+
+    def watch(self, h_in: Tensor) -> Tensor:
+        """h_in unchanged (an alias), through an identity whose backward adds ∂/∂h_in; h_in itself if it needs none."""
+        if not (torch.is_grad_enabled() and h_in.requires_grad):
+            return h_in
+        self.watching = True
+        return _WatchInput.apply(h_in, self)
+
+    def attach(self, h_out: Tensor, h_in: Tensor, up: Tensor, factor: float) -> Tensor:
+        """h_out unchanged (an alias), through an identity whose backward adds ∂/∂h_out and readies ∂/∂h_in for
+        `watch`'s identity. An h_in that was not watched (the layer has run on it already) gets ∂/∂h_in as a fresh
+        tensor that autograd adds to its gradient (one more pass and tensor: the way in without a pre-hook)."""
+        if h_in.shape != h_out.shape:
+            raise ValueError(f"hidden state shapes differ: {tuple(h_in.shape)} vs {tuple(h_out.shape)}")
+        return _AttachOutput.apply(h_out, h_in, up, factor, self)
+
+
+def _target(grad: Tensor, calibrating: list[int] | None = None) -> Tensor:
+    """Where a backward writes grad + its term: grad itself when nothing else holds it (`_owned`, asked before any
+    view of grad exists), else a fresh tensor of its shape (not a view, so that the next backward may own it)."""
+    return grad if _owned(grad, calibrating) else torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+class _AttachOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_out: Tensor, h_in: Tensor, up: Tensor, factor: float,  # type: ignore[override]
+                penalty: LayerPenalty) -> Tensor:
+        ctx.save_for_backward(h_in, h_out, up)
+        ctx.factor, ctx.penalty = factor, penalty
+        return h_out.detach()  # an alias, not a view: what megatron-core's pipeline sends must not be a view
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None, None]:  # type: ignore[override]
+        h_in, h_out, up = ctx.saved_tensors
+        penalty, out = ctx.penalty, _target(grad)
+        _, figures = jreg_kernels.grad_b(h_in, h_out, up, ctx.factor, penalty.angular, grad, out=out)
+        grad_in = None
+        if penalty.watching:
+            penalty.handoff = (h_in, h_out, figures)
+        elif ctx.needs_input_grad[1]:
+            grad_in = jreg_kernels.grad_a(h_in, h_out, figures)
+        return out, grad_in, None, None, None
+
+
+class _WatchInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_in: Tensor, penalty: LayerPenalty) -> Tensor:  # type: ignore[override]
+        ctx.penalty = penalty
+        return h_in.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        penalty = ctx.penalty
+        handoff, penalty.handoff = penalty.handoff, None
+        if handoff is None:  # h_out got no gradient: the term is not in this backward
+            return grad, None
+        h_in, h_out, figures = handoff
+        out = _target(grad)
+        return jreg_kernels.grad_a(h_in, h_out, figures, grad, out=out), None
 
 
 def layer_weights(num_layers: int, alpha: float, layers: list[int] | None = None) -> Tensor:

@@ -1,37 +1,53 @@
-"""The fused per-token displacement: d[T] between the rows of a[T, h] and b[T, h], and its two gradients, in as
-few passes over [T, h] as the math allows (forward: read a and b; backward: read them again and write the two
-gradients; the upstream gradient and the per-row figures are [T]).
+"""The fused per-token displacement between the rows of a[T, h] and b[T, h] (a layer's h_in and h_out), in as few
+passes over [T, h] as the math allows. Three entry points:
+
+- `forward` (only where Ψ's value is wanted: logging steps, evaluation, analysis): reads a and b once and writes
+  [3, T]: the angular d, the cosine d and a zero-vector flag per row;
+- `grad_b`: reads a, b and the gradient b already receives, writes that gradient plus Σ_t up[t]·∂d_t/∂b (in place
+  when the caller owns it) and five per-row figures [5, T] for `grad_a`;
+- `grad_a`: reads a, b, the figures and the gradient a already receives, writes it plus Σ_t up[t]·∂d_t/∂a.
+
+A training step that does not log runs the two gradient kernels only: 8 passes over [T, h] per layer call (each
+kernel reads a, b and one incoming gradient and writes that gradient back), no [T, h] tensor allocated, and
+nothing kept from the forward for the backward but references to a and b (jreg.LayerPenalty wires this into
+autograd).
 
 The math, fp32 whatever the input dtype, per row t (ε = NORM_EPS: a row shorter than ε is the zero vector):
 
     ra = 1/max(|a|, ε),  rb = 1/max(|b|, ε),  â = a·ra,  b̂ = b·rb
-    c² = |â − b̂|²,  s² = |â + b̂|²             (elementwise sums: exact near θ = 0 and near θ = π)
-    angular  d = 2·atan2(c, s)/π ∈ [0, 1]      cosine  d = 1 − cos = 2c²/(c² + s²) ∈ [0, 2]
-    zero vector: d = 0.5 (angular) / 1 (cosine) with no gradient; a non-finite row: d = NaN
+    δ = b̂ − â as (b − a)·rb + a·(rb − ra),   σ = â + b̂ as (a + b)·ra + b·(rb − ra)
+    c² = |δ|²,  s² = |σ|²                       (elementwise sums: exact near θ = 0 and near θ = π)
+    angular  d = 2·atan2(c, s)/π ∈ [0, 1]        cosine  d = 1 − cos = 2c²/(c² + s²) ∈ [0, 2]
+    ∂d/∂a = −k·ra·(b̂ − â·cos),  ∂d/∂b = −k·rb·(â − b̂·cos),  k = 1 (cosine) or 1/(π·sin θ) (angular),
+    sin θ = 2cs/(c² + s²), with the directions written without cancellation where they vanish:
+      θ ≤ π/2 (c² ≤ s²):  b̂ − â·cos = δ + â·(1 − cos),   â − b̂·cos = −δ + b̂·(1 − cos),   1 − cos = 2c²/(c² + s²)
+      θ > π/2:            b̂ − â·cos = σ − â·(1 + cos),   â − b̂·cos =  σ − b̂·(1 + cos),   1 + cos = 2s²/(c² + s²)
 
-The forward also returns the per-row (|a|², |b|², c², s²) [T] (16 bytes a token), so the backward needs no
-reduction, only one elementwise pass:
-
-    cos = (s² − c²)/(s² + c²),  sin = 2cs/(s² + c²)
-    ∂d/∂a = −k·ra·(b̂ − â·cos),  ∂d/∂b = −k·rb·(â − b̂·cos),  k = 1 (cosine) or 1/(π·sin) (angular)
-
-|b̂ − â·cos| = sin, so the angular gradient is bounded by 1/(π|a|), and 0 when a ∥ b (sin = 0, b̂ = â). A
-row whose upstream gradient is 0 (a masked token) gets exactly 0, even if its state is not finite.
+Edge cases:
+- b = a exactly (an identity layer; likewise b = −a): (b − a) and (rb − ra) are exactly 0, so δ, c², 1 − cos and
+  both gradients are exactly 0 however products and divisions round (FMA contraction, Triton's approximate fp32
+  division on NVIDIA: tests/test_jreg_kernels.py runs the Triton kernels with every division off by an ulp).
+- a zero vector: d = 0.5 (angular) / 1 (cosine), flagged, no gradient; a row whose upstream gradient is 0 (a
+  masked token) gets exactly 0, even if its state is not finite.
+- not finite: a row holding inf/NaN, or one whose |x|² overflows fp32 (|x| ≳ 1.8e19), gives d = NaN and a NaN
+  gradient (never 0.5, never 0), also beside a zero vector.
+- tiny angles: â and b̂ carry their fp32 rounding, so the direction of an fp32 gradient at angle θ is off by about
+  1e-7·max(1, |a|/|b|)/θ relative: ~1 % at θ = 1e-5 and worse below. bf16 states that differ at all are farther
+  apart than that (one bf16 ulp in one of h components moves θ by ~2⁻⁸/√h, 8e-5 at h = 2048);
+  tests/test_jreg_math.py measures the bound against float64.
 
 Three ways to run it, chosen per call from the tensors' device (`backend_for`), or forced with
 MEGATRON_JREG_KERNEL=triton|compiled|torch:
-- "triton" (CUDA, h ≤ jreg_triton.MAX_WIDTH): `jreg_triton`'s two kernels, each row whole in registers:
-  2 launches per layer call.
+- "triton" (CUDA, h ≤ jreg_triton.MAX_WIDTH): `jreg_triton`'s kernels, each row whole in registers: one launch per
+  entry point.
 - "compiled" (CPU, from COMPILE_MIN_ELEMENTS elements): the torch bodies below compiled by torch.compile
-  (inductor's C++/OpenMP), which fuses each row's passes into one loop over the rows. The first call in a
-  process compiles (or loads inductor's on-disk cache); if compiling fails (no C++ compiler, say) it warns
-  once and uses "torch" from then on.
-- "torch": the same per-row math with its [T, h] passes written for eager torch (`_eager_row_sums`,
-  `_eager_backward`), in row chunks that bound the fp32 temporaries. It
-  compiles nothing: below COMPILE_MIN_ELEMENTS (tests, the demo, the study's small models) a process would
-  spend longer compiling than the compiled calls save.
-Figures (ops per call, time against a plain copy of the bytes, compile cost): benchmarks/jreg_op.py,
-docs/results/jreg_op.txt.
+  (inductor's C++/OpenMP). The first call in a process compiles (or loads inductor's on-disk cache); if compiling
+  fails (no C++ compiler, say) it warns once and uses "torch" from then on.
+- "torch": the same per-row math written for eager torch (`_eager_*`), in row chunks that bound the fp32
+  temporaries. It compiles nothing: below COMPILE_MIN_ELEMENTS (tests, the demo, the study's small models) a
+  process would spend longer compiling than the compiled calls save.
+Figures (ops and full-size tensors per layer call, time against a plain copy of the bytes, compile cost):
+benchmarks/jreg_op.py, docs/results/jreg_op.txt.
 """
 
 from __future__ import annotations
@@ -49,112 +65,137 @@ BACKENDS = ("triton", "compiled", "torch")
 ENV = "MEGATRON_JREG_KERNEL"
 _CHUNK_ELEMENTS = 1 << 22  # the eager path's fp32 temporaries are bounded to this many elements per chunk
 COMPILE_MIN_ELEMENTS = _CHUNK_ELEMENTS  # CPU calls from this size compile (benchmarks/jreg_op.py --compile-cost)
-_SIN_FLOOR = 1e-12  # sin θ below this is 0: b̂ = ±â there and the direction b̂ − â·cos is exactly 0
+_SIN_FLOOR = 1e-12  # sin θ below this is 0: δ and 1 − cos are exactly 0 there when b = a
 _TINY = 1e-30  # keeps c² + s² (≈ 4, 0 only for two zero rows) off 0 in divisions
+FIGURES = 5  # per-row figures grad_b hands to grad_a: ra, rb, ka = −k·ra (0: no gradient), 1 − cos, 1 + cos
 
 
+# -- the per-row math, shared by the compiled and the eager bodies ----------------------------------------------------
 def _inverse_norm(sq: Tensor) -> Tensor:
-    """1/max(|x|, ε) from |x|² [T]: one expression for every path, so that the backward rebuilds â and b̂ bit for
-    bit as the forward had them (their difference, not their rounding, must set the gradient's direction)."""
-    return 1.0 / sq.sqrt().clamp_min(NORM_EPS)
+    """1/max(|x|, ε) from |x|² [T]; NaN where |x|² is not finite (an overflowing row is not a zero vector)."""
+    return 1.0 / sq.sqrt().clamp_min(NORM_EPS) + sq * 0.0
 
 
+def _flat(x: Tensor) -> Tensor:
+    """Rows x[T, h] of x[..., h] (a view where the leading dimensions allow)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _chord(a: Tensor, b: Tensor, ra: Tensor, rb: Tensor) -> Tensor:
+    """δ = b̂ − â [T, h] (fp32) as (b − a)·rb + a·(rb − ra): exactly 0 where b = a. ra, rb: [T, 1]."""
+    return (b - a).mul_(rb).addcmul_(a, rb - ra)
+
+
+def _sum_vector(a: Tensor, b: Tensor, ra: Tensor, rb: Tensor) -> Tensor:
+    """σ = â + b̂ [T, h] (fp32) as (a + b)·ra + b·(rb − ra): exactly 0 where b = −a. ra, rb: [T, 1]."""
+    return (a + b).mul_(ra).addcmul_(b, rb - ra)
+
+
+def _displacements(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor) -> Tensor:
+    """[3, T]: angular d = 2·atan2(c, s)/π, cosine d = 2c²/(c² + s²) (0.5 / 1 for a zero vector, NaN where a row is
+    not finite), and 1.0 where a row is the zero vector."""
+    zero = (sa.sqrt() <= NORM_EPS) | (sb.sqrt() <= NORM_EPS)
+    poison = (sa + sb) * 0.0  # NaN where a row is not finite or overflows, so that it wins over the zero vector
+    angular = torch.where(zero, 0.5, torch.atan2(c2.sqrt(), s2.sqrt()) * (2.0 / math.pi)) + poison
+    cosine = torch.where(zero, 1.0, 2.0 * c2 / (c2 + s2).clamp_min(_TINY)) + poison
+    return torch.stack([angular, cosine, zero.float()])
+
+
+def _row_factors(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, g: Tensor, angular: bool) -> tuple[Tensor, ...]:
+    """Per row [T]: ra, rb, ka = −k·ra, kb = −k·rb (both 0 where the row gets no gradient: zero vectors beside a
+    finite row, and rows whose upstream gradient g is 0), 1 − cos and 1 + cos."""
+    ra, rb = _inverse_norm(sa), _inverse_norm(sb)
+    zero = (sa.sqrt() <= NORM_EPS) | (sb.sqrt() <= NORM_EPS)
+    off = (g == 0) | (zero & ((sa + sb) * 0.0 == 0.0))
+    both = (c2 + s2).clamp_min(_TINY)
+    omc, opc = 2.0 * c2 / both, 2.0 * s2 / both
+    k = g / (math.pi * (2.0 * (c2 * s2).sqrt() / both).clamp_min(_SIN_FLOOR)) if angular else g
+    return ra, rb, torch.where(off, 0.0, -k * ra), torch.where(off, 0.0, -k * rb), omc, opc
+
+
+def _regime(omc: Tensor, opc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row [T]: the weights α, β of δ and σ in a direction and its â (or b̂) coefficient m: (1, 0, 1 − cos)
+    for θ ≤ π/2, (0, 1, −(1 + cos)) beyond. b̂ − â·cos = α·δ + β·σ + â·m,  â − b̂·cos = −α·δ + β·σ + b̂·m."""
+    near = omc <= opc
+    return near.float(), (~near).float(), torch.where(near, omc, -opc)
+
+
+# -- the compiled bodies (inductor fuses each into one C++ kernel) ----------------------------------------------------
 def _row_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
-    """|a|², |b|², c², s² [T] (fp32) of rows a, b[T, h], written for inductor (the compiled path).
-
-    Inductor fuses each row's two passes (squares, then â ± b̂) into one loop over the rows when the norms are
-    recomputed from the sums where used, and when d is left to `_displacement` (a [T] epilogue in the same
-    graph keeps its C++ from fusing the passes)."""
-    a, b = a.float(), b.float()
+    """|a|², |b|², c², s² [T] (fp32) of rows a, b[..., h]; d is left to `_displacements` (a [T] epilogue in the
+    same graph keeps inductor's C++ from fusing the passes)."""
+    a, b = _flat(a).float(), _flat(b).float()
     sa, sb = (a * a).sum(-1), (b * b).sum(-1)
-    ua = a * _inverse_norm(sa).unsqueeze(-1)
-    ub = b * _inverse_norm(sb).unsqueeze(-1)
-    return sa, sb, (ua - ub).square().sum(-1), (ua + ub).square().sum(-1)
+    ra, rb = _inverse_norm(sa).unsqueeze(-1), _inverse_norm(sb).unsqueeze(-1)
+    delta, summ = (b - a) * rb + a * (rb - ra), (a + b) * ra + b * (rb - ra)
+    return sa, sb, delta.square().sum(-1), summ.square().sum(-1)
+
+
+def _grad_b_body(a: Tensor, b: Tensor, up: Tensor, factor: float, g: Tensor | None, out: Tensor,
+                 angular: bool) -> Tensor:
+    """out ← g + factor·Σ_t up[t]·∂d_t/∂b (out may be g); returns the figures."""
+    a, b = _flat(a).float(), _flat(b).float()
+    sa, sb = (a * a).sum(-1), (b * b).sum(-1)
+    ra, rb = _inverse_norm(sa).unsqueeze(-1), _inverse_norm(sb).unsqueeze(-1)
+    delta, summ = (b - a) * rb + a * (rb - ra), (a + b) * ra + b * (rb - ra)
+    ra, rb, ka, kb, omc, opc = _row_factors(sa, sb, delta.square().sum(-1), summ.square().sum(-1),
+                                            factor * up.float(), angular)
+    alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
+    kb = kb.unsqueeze(-1)
+    grad = torch.where(kb == 0, 0.0, kb * (beta * summ - alpha * delta + b * (rb.unsqueeze(-1) * m)))
+    out.copy_((grad if g is None else _flat(g).float() + grad).view(out.shape))
+    return torch.stack([ra, rb, ka, omc, opc])
+
+
+def _grad_a_body(a: Tensor, b: Tensor, figures: Tensor, g: Tensor | None, out: Tensor) -> None:
+    """out ← g + Σ_t up[t]·∂d_t/∂a from grad_b's figures (out may be g)."""
+    a, b = _flat(a).float(), _flat(b).float()
+    ra, rb, ka, omc, opc = figures.unbind(0)
+    alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
+    ra, rb, ka = ra.unsqueeze(-1), rb.unsqueeze(-1), ka.unsqueeze(-1)
+    delta, summ = (b - a) * rb + a * (rb - ra), (a + b) * ra + b * (rb - ra)
+    grad = torch.where(ka == 0, 0.0, ka * (alpha * delta + beta * summ + a * (ra * m)))
+    out.copy_((grad if g is None else _flat(g).float() + grad).view(out.shape))
+
+
+# -- the eager bodies: few passes and allocations (each fresh [T, h] buffer costs page faults on CPU) -----------------
+def _fp32(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 rows: torch's CPU kernels take a slow, unvectorised path on mixed bf16/fp32 operands."""
+    return a.float(), b.float()
+
+
+def _eager_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+    """|a|², |b|², ra, rb [T, 1], δ, σ [T, h] (fp32), c², s² [T], in few passes over the copies `_fp32` made."""
+    a, b = _fp32(a, b)
+    sa, sb = torch.linalg.vecdot(a, a), torch.linalg.vecdot(b, b)
+    ra, rb = _inverse_norm(sa).unsqueeze_(-1), _inverse_norm(sb).unsqueeze_(-1)
+    delta, summ = _chord(a, b, ra, rb), _sum_vector(a, b, ra, rb)
+    return a, b, sa, sb, delta, summ, torch.linalg.vecdot(delta, delta), torch.linalg.vecdot(summ, summ)
 
 
 def _eager_row_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
-    """`_row_sums` in few eager passes and allocations (each fresh [T, h] buffer costs page faults on CPU): over
-    fp32 copies (torch's CPU kernels take a slow, unvectorised path on mixed bf16/fp32 operands), scaled in place
-    when the copies are ours, â + b̂ built in place of â."""
-    owned = a.dtype != torch.float32  # a.float() made copies we may overwrite
-    a, b = a.float(), b.float()
-    sa, sb = torch.linalg.vecdot(a, a), torch.linalg.vecdot(b, b)
-    ra, rb = _inverse_norm(sa).unsqueeze_(-1), _inverse_norm(sb).unsqueeze_(-1)
-    ua, ub = (a.mul_(ra), b.mul_(rb)) if owned else (a * ra, b * rb)
-    diff = ua - ub
-    summ = ua.add_(ub)
-    return sa, sb, torch.linalg.vecdot(diff, diff), torch.linalg.vecdot(summ, summ)
+    _, _, sa, sb, _, _, c2, s2 = _eager_sums(a, b)
+    return sa, sb, c2, s2
 
 
-def _displacement(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, angular: bool) -> Tensor:
-    """d [T] from the row sums: 2·atan2(c, s)/π or 2c²/(c² + s²); 0.5 / 1 for a zero vector."""
-    zero = (sa.sqrt() <= NORM_EPS) | (sb.sqrt() <= NORM_EPS)
-    if angular:
-        return torch.where(zero, 0.5, torch.atan2(c2.sqrt(), s2.sqrt()) * (2.0 / math.pi))
-    return torch.where(zero, 1.0, 2.0 * c2 / (c2 + s2).clamp_min(_TINY))
+def _eager_grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool) -> tuple[Tensor, Tensor]:
+    """(factor·Σ_t up[t]·∂d_t/∂b [T, h] fp32, the [5, T] figures)."""
+    _, b, sa, sb, delta, summ, c2, s2 = _eager_sums(a, b)
+    ra, rb, ka, kb, omc, opc = _row_factors(sa, sb, c2, s2, factor * up.float(), angular)
+    alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
+    kb = kb.unsqueeze(-1)
+    grad = delta.mul_(-alpha).addcmul_(summ, beta).addcmul_(b, rb.unsqueeze(-1) * m).mul_(kb)
+    return grad.masked_fill_(kb == 0, 0.0), torch.stack([ra, rb, ka, omc, opc])
 
 
-def _row_factors(grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, angular: bool) -> tuple[Tensor, ...]:
-    """Per row [T, 1]: 1/|a|, 1/|b|, the gradients' factors −k/|a|, −k/|b|, cos θ, and `off` (no gradient)."""
-    na, nb = sa.sqrt(), sb.sqrt()
-    k = grad.float()
-    # zero vectors and tokens without upstream gradient (masked) get exactly 0, whatever their state holds
-    off = (na <= NORM_EPS) | (nb <= NORM_EPS) | (k == 0)
-    both = (s2 + c2).clamp_min(_TINY)  # ≈ 4; 0 only when both rows are zero
-    cos = (s2 - c2) / both
-    if angular:
-        k = k / (math.pi * (2.0 * (c2 * s2).sqrt() / both).clamp_min(_SIN_FLOOR))  # 1/(π·sin θ)
-    ra, rb = _inverse_norm(sa), _inverse_norm(sb)
-    return tuple(x.unsqueeze(-1) for x in (ra, rb, -k * ra, -k * rb, cos, off))
-
-
-def _backward_body(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
-                   angular: bool) -> tuple[Tensor, Tensor]:
-    """∂/∂a, ∂/∂b [T, h] (dtypes of a, b) of Σ_t grad[t]·d[t] (the compiled path: one fused pass)."""
-    ra, rb, ka, kb, cos, off = _row_factors(grad, sa, sb, c2, s2, angular)
-    ua, ub = a.float() * ra, b.float() * rb
-    grad_a = torch.where(off, 0.0, ka * (ub - ua * cos))
-    grad_b = torch.where(off, 0.0, kb * (ua - ub * cos))
-    return grad_a.to(a.dtype), grad_b.to(b.dtype)
-
-
-def _eager_backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
-                    angular: bool) -> tuple[Tensor, Tensor]:
-    """`_backward_body` in few eager passes, â and b̂ scaled in place where the fp32 copies are ours and ∂/∂b
-    built in place of â."""
-    ra, rb, ka, kb, cos, off = _row_factors(grad, sa, sb, c2, s2, angular)
-    owned = a.dtype != torch.float32
-    a32, b32 = a.float(), b.float()
-    ua, ub = (a32.mul_(ra), b32.mul_(rb)) if owned else (a32 * ra, b32 * rb)
-    grad_a = torch.addcmul(ub, ua, cos, value=-1.0).mul_(ka).masked_fill_(off, 0.0)  # ka·(b̂ − â·cos)
-    grad_b = ua.addcmul_(ub, cos, value=-1.0).mul_(kb).masked_fill_(off, 0.0)  # kb·(â − b̂·cos)
-    return grad_a.to(a.dtype), grad_b.to(b.dtype)
-
-
-def _chunked_forward(a: Tensor, b: Tensor, angular: bool) -> tuple[Tensor, ...]:
-    chunks = _row_chunks(*a.shape)
-    if len(chunks) == 1:
-        sums = _eager_row_sums(a, b)
-        return _displacement(*sums, angular), *sums
-    outs = [torch.empty(a.shape[0], dtype=torch.float32, device=a.device) for _ in range(5)]
-    for lo, hi in chunks:
-        sums = _eager_row_sums(a[lo:hi], b[lo:hi])
-        for out, part in zip(outs, (_displacement(*sums, angular), *sums)):
-            out[lo:hi] = part
-    return tuple(outs)
-
-
-def _chunked_backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor,
-                      angular: bool) -> tuple[Tensor, Tensor]:
-    chunks = _row_chunks(*a.shape)
-    if len(chunks) == 1:
-        return _eager_backward(a, b, grad, sa, sb, c2, s2, angular)
-    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
-    for lo, hi in chunks:
-        rows = slice(lo, hi)
-        grad_a[rows], grad_b[rows] = _eager_backward(a[rows], b[rows], grad[rows], sa[rows], sb[rows], c2[rows],
-                                                     s2[rows], angular)
-    return grad_a, grad_b
+def _eager_grad_a(a: Tensor, b: Tensor, figures: Tensor) -> Tensor:
+    """Σ_t up[t]·∂d_t/∂a [T, h] fp32 from grad_b's figures."""
+    a, b = _fp32(a, b)
+    ra, rb, ka, omc, opc = figures.unbind(0)
+    alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
+    ra, rb, ka = ra.unsqueeze(-1), rb.unsqueeze(-1), ka.unsqueeze(-1)
+    grad = _chord(a, b, ra, rb).mul_(alpha).addcmul_(_sum_vector(a, b, ra, rb), beta).addcmul_(a, ra * m).mul_(ka)
+    return grad.masked_fill_(ka == 0, 0.0)
 
 
 def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
@@ -162,21 +203,54 @@ def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
+def _eager_forward(a: Tensor, b: Tensor) -> Tensor:
+    a, b = _flat(a), _flat(b)
+    out = torch.empty(3, a.shape[0], dtype=torch.float32, device=a.device)
+    for lo, hi in _row_chunks(*a.shape):
+        out[:, lo:hi] = _displacements(*_eager_row_sums(a[lo:hi], b[lo:hi]))
+    return out
+
+
+def _eager_grad(which: str, a: Tensor, b: Tensor, rows: Tensor, g: Tensor | None, out: Tensor,
+                factor: float = 1.0, angular: bool = True) -> Tensor | None:
+    """grad_b (`rows` = up [T]; returns the figures) or grad_a (`rows` = the figures [5, T]) over row chunks, each
+    chunk's g + term written into out."""
+    a, b, out_rows = _flat(a), _flat(b), _flat(out)
+    g = None if g is None else (out_rows if g is out else _flat(g))
+    out = out_rows
+    figures = torch.empty(FIGURES, a.shape[0], dtype=torch.float32, device=a.device) if which == "b" else None
+    for lo, hi in _row_chunks(*a.shape):
+        if which == "b":
+            grad, figures[:, lo:hi] = _eager_grad_b(a[lo:hi], b[lo:hi], rows[lo:hi], factor, angular)
+        else:
+            grad = _eager_grad_a(a[lo:hi], b[lo:hi], rows[:, lo:hi])
+        if g is None:
+            out[lo:hi] = grad
+        elif out is g:
+            g[lo:hi].add_(grad)
+        else:
+            out[lo:hi] = grad.add_(g[lo:hi])
+    return figures
+
+
 class _Compiled:
     """torch.compile'd bodies, built on first use; `failed` says why once compiling has failed. A call whose
     guards would need more graphs than Dynamo's recompile limit (a process calling with many dtypes, distances
     and gradient layouts) runs eagerly, counted in `eager_calls`, and compiling stays on for the others."""
 
-    BODIES: dict[str, Callable] = {"row_sums": _row_sums, "displacement": _displacement, "backward": _backward_body}
+    BODIES: dict[str, Callable] = {"row_sums": _row_sums, "displacements": _displacements, "grad_b": _grad_b_body,
+                                   "grad_a": _grad_a_body}
+
+    EAGER = object()  # what a call returns where the caller must run the eager path
 
     def __init__(self) -> None:
         self.fns: dict[str, Callable] = {}
         self.failed: str | None = None
         self.eager_calls = 0
 
-    def __call__(self, name: str, *args: object) -> Tensor | tuple[Tensor, ...] | None:
+    def __call__(self, name: str, *args: object) -> object:
         if self.failed is not None:
-            return None
+            return self.EAGER
         try:
             if name not in self.fns:  # a second number of tokens recompiles once, for any number (dynamic)
                 self.fns[name] = torch.compile(self.BODIES[name], fullgraph=True)
@@ -184,11 +258,11 @@ class _Compiled:
         except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager bodies
             if type(e).__name__ == "FailOnRecompileLimitHit":
                 self.eager_calls += 1
-                return None
+                return self.EAGER
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             warnings.warn(f"megatron-jreg: torch.compile of the JREG displacement kernel failed ({self.failed}); "
                           f"using the eager torch path (slower; {ENV}=torch skips the attempt)", stacklevel=2)
-            return None
+            return self.EAGER
 
 
 _COMPILED = _Compiled()
@@ -226,31 +300,53 @@ def _triton_max_width() -> int:
     return jreg_triton.MAX_WIDTH
 
 
-def forward(a: Tensor, b: Tensor, angular: bool, backend: str | None = None) -> tuple[Tensor, ...]:
-    """d, |a|², |b|², c², s² [T] (fp32) of the rows of a, b[T, h] (same shape, any float dtype, no autograd)."""
+def forward(a: Tensor, b: Tensor, backend: str | None = None) -> Tensor:
+    """[3, T] fp32 of the rows of a, b[..., h] (same shape, any float dtype, no autograd; T = the leading
+    dimensions' product): the angular d, the cosine d, and 1.0 where a row is the zero vector."""
     backend = backend or backend_for(a)
     if backend == "triton":
         from megatron_jreg import jreg_triton
 
-        return jreg_triton.forward(a, b, angular, NORM_EPS, _TINY)
+        return jreg_triton.forward(a, b, NORM_EPS, _TINY)
     if backend == "compiled":
         sums = _COMPILED("row_sums", a, b)
-        d = _COMPILED("displacement", *sums, angular) if sums is not None else None
-        if d is not None:
-            return d, *sums
-    return _chunked_forward(a, b, angular)
+        d = _COMPILED("displacements", *sums) if sums is not _COMPILED.EAGER else sums
+        if d is not _COMPILED.EAGER:
+            return d
+    return _eager_forward(a, b)
 
 
-def backward(a: Tensor, b: Tensor, grad: Tensor, rows: tuple[Tensor, ...], angular: bool,
-             backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """∂/∂a, ∂/∂b of Σ_t grad[t]·d[t], from a, b[T, h], grad[T] and the forward's rows = (|a|², |b|², c², s²)."""
+def grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool, g: Tensor | None = None,
+           out: Tensor | None = None, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """(out = g + factor·Σ_t up[t]·∂d_t/∂b [T, h] in b's dtype, the figures [5, T] for `grad_a`).
+
+    a, b: [..., h] (T rows: the leading dimensions flattened); up: [T] (any dtype and stride: a mask, per-row
+    weights, an upstream gradient); g: the gradient b already receives (b's shape and dtype), None for none; out:
+    where the result goes (b's shape, contiguous; g itself to add in place; default a fresh tensor). Flat shapes
+    need no reshape op on the Triton and compiled paths."""
     backend = backend or backend_for(a)
+    out = torch.empty_like(b, memory_format=torch.contiguous_format) if out is None else out
     if backend == "triton":
         from megatron_jreg import jreg_triton
 
-        return jreg_triton.backward(a, b, grad, *rows, angular, NORM_EPS, _TINY, _SIN_FLOOR)
+        return out, jreg_triton.grad_b(a, b, up, factor, angular, g, out, NORM_EPS, _TINY, _SIN_FLOOR)
     if backend == "compiled":
-        out = _COMPILED("backward", a, b, grad, *rows, angular)
-        if out is not None:
-            return out
-    return _chunked_backward(a, b, grad, *rows, angular)
+        figures = _COMPILED("grad_b", a, b, up, factor, g, out, angular)
+        if figures is not _COMPILED.EAGER:
+            return out, figures
+    return out, _eager_grad("b", a, b, up, g, out, factor, angular)
+
+
+def grad_a(a: Tensor, b: Tensor, figures: Tensor, g: Tensor | None = None, out: Tensor | None = None,
+           backend: str | None = None) -> Tensor:
+    """out = g + Σ_t up[t]·∂d_t/∂a [T, h] in a's dtype, from `grad_b`'s figures of the same a, b and up; g and out
+    as for `grad_b`."""
+    backend = backend or backend_for(a)
+    out = torch.empty_like(a, memory_format=torch.contiguous_format) if out is None else out
+    if backend == "triton":
+        from megatron_jreg import jreg_triton
+
+        jreg_triton.grad_a(a, b, figures, g, out)
+    elif backend != "compiled" or _COMPILED("grad_a", a, b, figures, g, out) is _COMPILED.EAGER:
+        _eager_grad("a", a, b, figures, g, out)
+    return out

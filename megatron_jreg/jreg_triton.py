@@ -1,10 +1,13 @@
 """Triton kernels of the fused per-token displacement (CUDA; with TRITON_INTERPRET=1 set before this module is
 imported they run on CPU tensors, which is how the tests check them).
 
-The math and its notation are `jreg_kernels`' docstring. Each program holds BLOCK_T rows whole in registers
-(BLOCK_H = the next power of two ≥ h, at most MAX_WIDTH), so the forward reads a and b once and writes five
-[T] figures, and the backward reads a, b and the [T] figures once and writes the two gradients once:
-2 launches per layer call. Wider rows take jreg_kernels' eager path.
+The math, its notation and its edge cases are `jreg_kernels`' docstring. Each program holds BLOCK_T rows whole in
+registers (BLOCK_H = the next power of two ≥ h, at most MAX_WIDTH), so each kernel reads its [T, h] operands once
+and writes its [T, h] result once: `forward` reads a and b and writes [3, T]; `grad_b` reads a, b and b's incoming
+gradient and writes that gradient plus ∂/∂b (into the same memory when the caller owns it) and five per-row
+figures; `grad_a` reads a, b, the figures and a's incoming gradient and writes it plus ∂/∂a. One launch each, and
+the scalar glue of the layer's term (its weight, scale, token mask and count) comes in as their arguments: a
+training step that does not log launches two kernels per layer call. Wider rows take jreg_kernels' eager path.
 """
 
 from __future__ import annotations
@@ -35,69 +38,113 @@ def _atan_ratio(c, s):
 
 
 @triton.jit
-def _forward_kernel(a_ptr, b_ptr, d_ptr, sa_ptr, sb_ptr, c2_ptr, s2_ptr, rows_total, width, stride_a, stride_b,
-                    EPS: tl.constexpr, TINY: tl.constexpr, ANGULAR: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _load(a_ptr, b_ptr, rows, rows_total, width, stride_a, stride_b, BLOCK_H: tl.constexpr):
+    """Rows a, b [BLOCK_T, BLOCK_H] in fp32 (0 outside), the row mask and the element mask."""
     cols = tl.arange(0, BLOCK_H)
-    live_rows = rows < rows_total
-    inside = live_rows[:, None] & (cols[None, :] < width)
+    live = rows < rows_total
+    inside = live[:, None] & (cols[None, :] < width)
     r64 = rows.to(tl.int64)[:, None]
     a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    sa = tl.sum(a * a, axis=1)
-    sb = tl.sum(b * b, axis=1)
-    na = tl.sqrt(sa)
-    nb = tl.sqrt(sb)
-    ua = a * (1.0 / tl.maximum(na, EPS))[:, None]
-    ub = b * (1.0 / tl.maximum(nb, EPS))[:, None]
-    diff = ua - ub
-    summ = ua + ub
-    c2 = tl.sum(diff * diff, axis=1)
-    s2 = tl.sum(summ * summ, axis=1)
-    zero = (na <= EPS) | (nb <= EPS)
-    if ANGULAR:
-        d = tl.where(zero, 0.5, _atan_ratio(tl.sqrt(c2), tl.sqrt(s2)) * (2.0 / _PI))
-    else:
-        d = tl.where(zero, 1.0, 2.0 * c2 / tl.maximum(c2 + s2, TINY))
-    tl.store(d_ptr + rows, d, mask=live_rows)
-    tl.store(sa_ptr + rows, sa, mask=live_rows)
-    tl.store(sb_ptr + rows, sb, mask=live_rows)
-    tl.store(c2_ptr + rows, c2, mask=live_rows)
-    tl.store(s2_ptr + rows, s2, mask=live_rows)
+    return a, b, live, inside
 
 
 @triton.jit
-def _backward_kernel(a_ptr, b_ptr, g_ptr, sa_ptr, sb_ptr, c2_ptr, s2_ptr, ga_ptr, gb_ptr, rows_total, width,
-                     stride_a, stride_b, stride_g, stride_ga, stride_gb,
-                     EPS: tl.constexpr, TINY: tl.constexpr, SIN_FLOOR: tl.constexpr, ANGULAR: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _vectors(a, b, ra, rb):
+    """δ = b̂ − â as (b − a)·rb + a·(rb − ra) and σ = â + b̂ as (a + b)·ra + b·(rb − ra): exactly 0 where b = a
+    (b = −a) whatever the compiler contracts into FMAs."""
+    delta = (b - a) * rb[:, None] + a * (rb - ra)[:, None]
+    summ = (a + b) * ra[:, None] + b * (rb - ra)[:, None]
+    return delta, summ
+
+
+@triton.jit
+def _row_sums(a, b, EPS: tl.constexpr):
+    """|a|², |b|², ra, rb (NaN for a row whose |x|² is not finite), δ, σ, c² = |δ|², s² = |σ|²."""
+    sa = tl.sum(a * a, axis=1)
+    sb = tl.sum(b * b, axis=1)
+    ra = 1.0 / tl.maximum(tl.sqrt(sa), EPS) + sa * 0.0
+    rb = 1.0 / tl.maximum(tl.sqrt(sb), EPS) + sb * 0.0
+    delta, summ = _vectors(a, b, ra, rb)
+    return sa, sb, ra, rb, delta, summ, tl.sum(delta * delta, axis=1), tl.sum(summ * summ, axis=1)
+
+
+@triton.jit
+def _regime(omc, opc):
+    """α, β, m per row: b̂ − â·cos = α·δ + β·σ + â·m (jreg_kernels._regime)."""
+    near = omc <= opc
+    return near.to(tl.float32), 1.0 - near.to(tl.float32), tl.where(near, omc, -opc)
+
+
+@triton.jit
+def _forward_kernel(a_ptr, b_ptr, d_ptr, rows_total, width, stride_a, stride_b, EPS: tl.constexpr,
+                    TINY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_H)
-    live_rows = rows < rows_total
-    inside = live_rows[:, None] & (cols[None, :] < width)
+    a, b, live, inside = _load(a_ptr, b_ptr, rows, rows_total, width, stride_a, stride_b, BLOCK_H)
+    sa, sb, ra, rb, delta, summ, c2, s2 = _row_sums(a, b, EPS)
+    zero = (tl.sqrt(sa) <= EPS) | (tl.sqrt(sb) <= EPS)
+    poison = (sa + sb) * 0.0
+    angular = tl.where(zero, 0.5, _atan_ratio(tl.sqrt(c2), tl.sqrt(s2)) * (2.0 / _PI)) + poison
+    cosine = tl.where(zero, 1.0, 2.0 * c2 / tl.maximum(c2 + s2, TINY)) + poison
+    tl.store(d_ptr + rows, angular, mask=live)
+    tl.store(d_ptr + rows_total + rows, cosine, mask=live)
+    tl.store(d_ptr + 2 * rows_total + rows, zero.to(tl.float32), mask=live)
+
+
+@triton.jit
+def _accumulate(grad, g_ptr, out_ptr, rows, cols, inside, stride_g, stride_gh, stride_out, HAS_G: tl.constexpr):
+    """out = g + grad (g's row r at g_ptr + r·stride_g + c·stride_gh), in out's dtype."""
     r64 = rows.to(tl.int64)[:, None]
-    g = tl.load(g_ptr + rows.to(tl.int64) * stride_g, mask=live_rows, other=0.0).to(tl.float32)
-    na = tl.sqrt(tl.load(sa_ptr + rows, mask=live_rows, other=1.0))
-    nb = tl.sqrt(tl.load(sb_ptr + rows, mask=live_rows, other=1.0))
-    c2 = tl.load(c2_ptr + rows, mask=live_rows, other=0.0)
-    s2 = tl.load(s2_ptr + rows, mask=live_rows, other=4.0)
-    off = (na <= EPS) | (nb <= EPS) | (g == 0)  # zero vectors, masked tokens: exactly 0
-    both = tl.maximum(s2 + c2, TINY)
-    cos = (s2 - c2) / both
+    if HAS_G:
+        grad += tl.load(g_ptr + r64 * stride_g + cols[None, :] * stride_gh, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], grad.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _grad_b_kernel(a_ptr, b_ptr, up_ptr, g_ptr, out_ptr, fig_ptr, rows_total, width, factor, stride_a, stride_b,
+                   stride_up, stride_g, stride_gh, stride_out, EPS: tl.constexpr, TINY: tl.constexpr,
+                   SIN_FLOOR: tl.constexpr, ANGULAR: tl.constexpr, HAS_G: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    a, b, live, inside = _load(a_ptr, b_ptr, rows, rows_total, width, stride_a, stride_b, BLOCK_H)
+    g = factor * tl.load(up_ptr + rows.to(tl.int64) * stride_up, mask=live, other=0).to(tl.float32)
+    sa, sb, ra, rb, delta, summ, c2, s2 = _row_sums(a, b, EPS)
+    zero = (tl.sqrt(sa) <= EPS) | (tl.sqrt(sb) <= EPS)
+    off = (g == 0) | (zero & ((sa + sb) * 0.0 == 0.0))  # masked tokens, zero vectors beside a finite row: exactly 0
+    both = tl.maximum(c2 + s2, TINY)
+    omc = 2.0 * c2 / both  # 1 − cos: exactly 0 when δ is
+    opc = 2.0 * s2 / both  # 1 + cos: exactly 0 when σ is
     k = g
     if ANGULAR:
-        k = k / (_PI * tl.maximum(2.0 * tl.sqrt(c2 * s2) / both, SIN_FLOOR))
-    ra = 1.0 / tl.maximum(na, EPS)
-    rb = 1.0 / tl.maximum(nb, EPS)
-    ka = -k * ra
-    kb = -k * rb
-    ua = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=inside, other=0.0).to(tl.float32) * ra[:, None]
-    ub = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=inside, other=0.0).to(tl.float32) * rb[:, None]
-    ga = tl.where(off[:, None], 0.0, ka[:, None] * (ub - ua * cos[:, None]))
-    gb = tl.where(off[:, None], 0.0, kb[:, None] * (ua - ub * cos[:, None]))
-    tl.store(ga_ptr + r64 * stride_ga + cols[None, :], ga.to(ga_ptr.dtype.element_ty), mask=inside)
-    tl.store(gb_ptr + r64 * stride_gb + cols[None, :], gb.to(gb_ptr.dtype.element_ty), mask=inside)
+        k = g / (_PI * tl.maximum(2.0 * tl.sqrt(c2 * s2) / both, SIN_FLOOR))
+    ka = tl.where(off, 0.0, -k * ra)
+    kb = tl.where(off, 0.0, -k * rb)
+    alpha, beta, m = _regime(omc, opc)
+    direction = beta[:, None] * summ - alpha[:, None] * delta + b * (rb * m)[:, None]  # â − b̂·cos
+    grad = tl.where((kb == 0)[:, None], 0.0, kb[:, None] * direction)
+    _accumulate(grad, g_ptr, out_ptr, rows, tl.arange(0, BLOCK_H), inside, stride_g, stride_gh, stride_out, HAS_G)
+    tl.store(fig_ptr + rows, ra, mask=live)
+    tl.store(fig_ptr + rows_total + rows, rb, mask=live)
+    tl.store(fig_ptr + 2 * rows_total + rows, ka, mask=live)
+    tl.store(fig_ptr + 3 * rows_total + rows, omc, mask=live)
+    tl.store(fig_ptr + 4 * rows_total + rows, opc, mask=live)
+
+
+@triton.jit
+def _grad_a_kernel(a_ptr, b_ptr, fig_ptr, g_ptr, out_ptr, rows_total, width, stride_a, stride_b, stride_g, stride_gh,
+                   stride_out, HAS_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    a, b, live, inside = _load(a_ptr, b_ptr, rows, rows_total, width, stride_a, stride_b, BLOCK_H)
+    ra = tl.load(fig_ptr + rows, mask=live, other=1.0)
+    rb = tl.load(fig_ptr + rows_total + rows, mask=live, other=1.0)
+    ka = tl.load(fig_ptr + 2 * rows_total + rows, mask=live, other=0.0)
+    omc = tl.load(fig_ptr + 3 * rows_total + rows, mask=live, other=0.0)
+    opc = tl.load(fig_ptr + 4 * rows_total + rows, mask=live, other=2.0)
+    delta, summ = _vectors(a, b, ra, rb)
+    alpha, beta, m = _regime(omc, opc)
+    direction = alpha[:, None] * delta + beta[:, None] * summ + a * (ra * m)[:, None]  # b̂ − â·cos
+    grad = tl.where((ka == 0)[:, None], 0.0, ka[:, None] * direction)
+    _accumulate(grad, g_ptr, out_ptr, rows, tl.arange(0, BLOCK_H), inside, stride_g, stride_gh, stride_out, HAS_G)
 
 
 def _launch(rows: int, width: int) -> tuple[tuple[int], dict]:
@@ -108,31 +155,58 @@ def _launch(rows: int, width: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(rows, block_t),), {"BLOCK_T": block_t, "BLOCK_H": block_h, "num_warps": warps}
 
 
-def _rows_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _rows(x: Tensor) -> tuple[Tensor, int, int]:
+    """x[..., h] as rows for a kernel: (a tensor whose rows are evenly strided, its row count, its row stride), with
+    no op where x already is (a contiguous [..., h] or rows of unit inner stride): a kernel takes a pointer."""
+    width = x.shape[-1]
+    if x.is_contiguous():
+        return x, x.numel() // max(width, 1), width
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x, x.shape[0], x.stride(0)
+    x = x.reshape(-1, width).contiguous()
+    return x, x.shape[0], width
 
 
-def forward(a: Tensor, b: Tensor, angular: bool, eps: float, tiny: float) -> tuple[Tensor, ...]:
-    """d, |a|², |b|², c², s² [T] (fp32) of rows a, b[T, h]; h ≤ MAX_WIDTH; rows with norm ≤ eps are zero vectors."""
-    a, b = _rows_contiguous(a), _rows_contiguous(b)
-    rows, width = a.shape
-    outs = [torch.empty(rows, dtype=torch.float32, device=a.device) for _ in range(5)]
+def _source(g: Tensor | None, out: Tensor) -> tuple[Tensor, int, int]:
+    """What the kernel reads as the incoming gradient (out itself, unread, where there is none) and its row and
+    column strides."""
+    if g is None:
+        return out, 0, 0
+    if g.dim() == 2:
+        return g, g.stride(0), g.stride(1)
+    g, _, stride = _rows(g)
+    return g, stride, 1
+
+
+def forward(a: Tensor, b: Tensor, eps: float, tiny: float) -> Tensor:
+    """[3, T] fp32: angular d, cosine d, zero-vector flag of rows a, b[..., h]; h ≤ MAX_WIDTH."""
+    (a, rows, stride_a), (b, _, stride_b) = _rows(a), _rows(b)
+    out = torch.empty(3, rows, dtype=torch.float32, device=a.device)
     if rows:
-        grid, meta = _launch(rows, width)
-        _forward_kernel[grid](a, b, *outs, rows, width, a.stride(0), b.stride(0), EPS=eps, TINY=tiny,
-                                 ANGULAR=angular, **meta)
-    return tuple(outs)
+        grid, meta = _launch(rows, a.shape[-1])
+        _forward_kernel[grid](a, b, out, rows, a.shape[-1], stride_a, stride_b, EPS=eps, TINY=tiny, **meta)
+    return out
 
 
-def backward(a: Tensor, b: Tensor, grad: Tensor, sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, angular: bool,
-             eps: float, tiny: float, sin_floor: float) -> tuple[Tensor, Tensor]:
-    """∂/∂a, ∂/∂b [T, h] (dtypes of a, b) of Σ_t grad[t]·d[t]; grad[T] may be an expanded view (stride 0)."""
-    a, b = _rows_contiguous(a), _rows_contiguous(b)
-    rows, width = a.shape
-    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+def grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool, g: Tensor | None, out: Tensor,
+           eps: float, tiny: float, sin_floor: float) -> Tensor:
+    """out ← g + factor·Σ_t up[t]·∂d_t/∂b (rows of [..., h]; out contiguous, may be g); returns the figures [5, T]."""
+    (a, rows, stride_a), (b, _, stride_b) = _rows(a), _rows(b)
+    source, stride_g, stride_gh = _source(g, out)
+    figures = torch.empty(5, rows, dtype=torch.float32, device=a.device)
     if rows:
-        grid, meta = _launch(rows, width)
-        _backward_kernel[grid](a, b, grad, sa, sb, c2, s2, grad_a, grad_b, rows, width, a.stride(0), b.stride(0),
-                               grad.stride(0), grad_a.stride(0), grad_b.stride(0), EPS=eps, TINY=tiny,
-                               SIN_FLOOR=sin_floor, ANGULAR=angular, **meta)
-    return grad_a, grad_b
+        grid, meta = _launch(rows, a.shape[-1])
+        _grad_b_kernel[grid](a, b, up, source, out, figures, rows, a.shape[-1], factor, stride_a, stride_b,
+                             up.stride(0), stride_g, stride_gh, a.shape[-1], EPS=eps, TINY=tiny,
+                             SIN_FLOOR=sin_floor, ANGULAR=angular, HAS_G=g is not None, **meta)
+    return figures
+
+
+def grad_a(a: Tensor, b: Tensor, figures: Tensor, g: Tensor | None, out: Tensor) -> None:
+    """out ← g + Σ_t up[t]·∂d_t/∂a from grad_b's figures (rows of [..., h]; out contiguous, may be g)."""
+    (a, rows, stride_a), (b, _, stride_b) = _rows(a), _rows(b)
+    source, stride_g, stride_gh = _source(g, out)
+    if rows:
+        grid, meta = _launch(rows, a.shape[-1])
+        _grad_a_kernel[grid](a, b, figures, source, out, rows, a.shape[-1], stride_a, stride_b, stride_g, stride_gh,
+                             a.shape[-1], HAS_G=g is not None, **meta)

@@ -1,10 +1,12 @@
 """JREG on megatron-core: collect (h_in, h_out) of every decoder layer and add λ·Σ w_ℓ Ψ_ℓ to backward.
 
 How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
-- A forward hook on each decoder `TransformerLayer` this rank owns sees the layer's input and output.
-  With grad enabled it computes the layer's term λ·w_ℓ·Ψ_ℓ and attaches it to the *layer output*
-  through a small autograd function, so its gradient enters backward on the stage that owns layer ℓ
-  and flows on into the activations received from the previous pipeline stage.
+- Forward hooks on each decoder `TransformerLayer` this rank owns see the layer's input and output.
+  With grad enabled the layer's term λ·w_ℓ·Ψ_ℓ enters backward through `jreg.LayerPenalty`: a pre-hook
+  passes the input through an identity and the post-hook the output, and their backwards add the term's
+  gradients into the gradients h_in and h_out receive anyway, on the stage that owns layer ℓ, flowing on
+  into the activations received from the previous pipeline stage. Nothing is computed in forward on a step
+  that does not log; Ψ's value is computed (without autograd) only on steps that record it.
 - Which layers: exactly the decoder's L layers, `decoder.layers` of each model chunk, numbered by their
   place in the decoder: ℓ = the chunk's layer offset (`get_transformer_layer_offset`, which knows pipeline
   and virtual stages, uneven first/last stages and `--pipeline-model-parallel-layout`) + position + 1.
@@ -34,8 +36,10 @@ How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
   S_local/N where N is the real-token count of the whole (unsplit) microbatch, so the gradient of each
   slice is exactly its share of ∂Ψ/∂h. Without sequence parallelism hidden states are replicated over TP
   and every TP rank computes the same full term (as megatron does for the cross-entropy).
-- Logging: detached per-layer shares are summed over the microbatches and reduced with ONE all-reduce of
-  an [L] vector over all ranks per step, so every rank reports the same Ψ, ζ and L_cos.
+- Logging: on steps that record Ψ, per-layer shares (angular Ψ, cosine Ψ and the share of real tokens whose
+  state is the zero vector) are summed over the microbatches and reduced with ONE all-reduce of an [L, 3]
+  array over all ranks per step, so every rank reports the same Ψ, ζ and L_cos. A zero vector reads as
+  orthogonal (Ψ 0.5): `JregStats.zero_fraction` says where, and ζ is not computed then (NaN, never a jump).
 - λ = 0: no hooks are installed except on steps that record Ψ for logging (detached, no graph).
 - Not seen: schedules that call a layer's parts instead of its forward (`--overlap-moe-expert-parallel-comm`)
   and CUDA-graph replays run no forward hooks; `megatron-jreg train` refuses them.
@@ -52,7 +56,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
 from megatron_jreg import jreg, jreg_kernels
@@ -80,6 +83,9 @@ class JregConfig:
         choices=jreg.DISTANCES))
     layers: tuple[int, ...] | None = field(default=None, metadata=_flag(
         "--jreg-layers", "penalize only these global layers (1-based); default all", type=int, nargs="+"))
+    min_weight: float = field(default=0.0, metadata=_flag(
+        "--jreg-min-weight", "skip the term of a layer whose weight w_ℓ is below this (its share of λ; at α = 1 "
+        "the lower layers' weights are tiny); default 0: every penalized layer", type=float))
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lam, int | float) and math.isfinite(self.lam) and self.lam >= 0):
@@ -96,12 +102,28 @@ class JregConfig:
             object.__setattr__(self, "layers", tuple(self.layers))
             if not self.layers or not all(isinstance(x, int) and x >= 1 for x in self.layers):
                 raise UsageError(f"--jreg-layers {list(self.layers)}: layers are numbered from 1")
+            if len(set(self.layers)) < len(self.layers):  # a layer named twice would read as weighted twice
+                twice = sorted({x for x in self.layers if self.layers.count(x) > 1})
+                raise UsageError(f"--jreg-layers {list(self.layers)}: layer {twice[0]} is named more than once; "
+                                 "name each layer once")
+        if not (isinstance(self.min_weight, int | float) and 0 <= self.min_weight < 1):
+            raise UsageError(f"--jreg-min-weight must be in [0, 1) (got {self.min_weight}): the layer weights sum to 1")
 
     def check_layers(self, num_layers: int) -> None:
-        """--jreg-layers within the model's 1..num_layers (known only once the model's flags are)."""
+        """--jreg-layers within the model's 1..num_layers, and a --jreg-min-weight that leaves a layer penalized
+        (known only once the model's flags are)."""
         bad = [x for x in self.layers or () if x > num_layers]
         if bad:
             raise UsageError(f"--jreg-layers {bad}: layers are numbered 1..{num_layers}")
+        top = float(jreg.layer_weights(num_layers, self.alpha, self.layers).max())
+        if self.lam > 0 and top < self.min_weight:
+            raise UsageError(f"--jreg-min-weight {self.min_weight} skips every layer (the largest weight is {top:.4g} "
+                             f"at --jreg-alpha {self.alpha}): give a smaller one")
+
+    def weights(self, num_layers: int) -> Tensor:
+        """w[L] = softmax(α·ℓ) over the penalized layers, 0 where below --jreg-min-weight (what training uses)."""
+        w = jreg.layer_weights(num_layers, self.alpha, self.layers)
+        return torch.where(w < self.min_weight, 0.0, w)
 
     @staticmethod
     def add_flags(group: argparse._ArgumentGroup) -> None:
@@ -113,7 +135,8 @@ class JregConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> JregConfig:
         """The run's settings from Megatron-LM's args namespace (where the flags' values live)."""
-        cfg = cls(**{f.name: getattr(args, f.metadata["flag"][2:].replace("-", "_")) for f in fields(cls)})
+        # a field's default where the args predate its flag (a checkpoint's saved args)
+        cfg = cls(**{f.name: getattr(args, f.metadata["flag"][2:].replace("-", "_"), f.default) for f in fields(cls)})
         if getattr(args, "num_layers", None) is not None:
             cfg.check_layers(args.num_layers)
         return cfg
@@ -131,6 +154,8 @@ class JregStats:
     `psi` and ζ always use the paper's angular Ψ; `psi_distance` and `jreg_loss` use the training
     distance (identical lists when that is angular). A layer whose hidden states held a non-finite value at
     a real token has Ψ = NaN; then ζ is NaN too and `first_nonfinite_layer` names the first such layer.
+    `zero_fraction[ℓ-1]`: the share of real tokens whose h_ℓ−1 or h_ℓ is the zero vector (Ψ reads 0.5 there, an
+    angle to nothing); where any layer has one, ζ is NaN too (never a jump) and `zero_layers` names them.
     """
 
     psi: list[float]
@@ -138,38 +163,26 @@ class JregStats:
     zeta: dict[str, float] = field(default_factory=dict)  # zeta_L, zeta_L-1, zeta_L-2
     psi_distance: list[float] = field(default_factory=list)
     first_nonfinite_layer: int | None = None  # 1-based ℓ of the first layer with a non-finite Ψ; None: all finite
+    zero_fraction: list[float] = field(default_factory=list)
+
+    @property
+    def zero_layers(self) -> list[int]:
+        """1-based ℓ of the layers where a real token's state is the zero vector."""
+        return [ell for ell, z in enumerate(self.zero_fraction, 1) if z > 0]
 
     @classmethod
-    def from_psi(cls, psi: Tensor, weights: Tensor, psi_distance: Tensor | None = None) -> JregStats:
+    def from_psi(cls, psi: Tensor, weights: Tensor, psi_distance: Tensor | None = None,
+                 zero: Tensor | None = None) -> JregStats:
         psi = psi.double().cpu()
         psi_distance = psi if psi_distance is None else psi_distance.double().cpu()
+        zero = torch.zeros_like(psi) if zero is None else zero.double().cpu()
         broken = ~(torch.isfinite(psi) & torch.isfinite(psi_distance))
         first = int(broken.nonzero()[0, 0]) + 1 if bool(broken.any()) else None
         zeta = jreg.final_jumps(psi) if psi.numel() >= 2 else {}
-        if first is not None:  # a step with a non-finite state has no jump rates
+        if first is not None or bool((zero > 0).any()):  # no jump rates over a non-finite state or a zero vector
             zeta = dict.fromkeys(zeta, math.nan)
         return cls(psi=psi.tolist(), jreg_loss=float(jreg.jreg_loss(psi_distance, weights)), zeta=zeta,
-                   psi_distance=psi_distance.tolist(), first_nonfinite_layer=first)
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `output` whose backward also seeds d(term)/d(term) = 1 (term is pre-scaled)."""
-
-    @staticmethod
-    def forward(ctx, output: Tensor, term: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.term_shape = term.shape
-        ctx.term_dtype = term.dtype
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return grad_output, torch.ones(ctx.term_shape, dtype=ctx.term_dtype, device=grad_output.device)
-
-
-def attach_loss(output: Tensor, term: Tensor) -> Tensor:
-    """Return `output` unchanged, with `term` added to the loss that backward differentiates."""
-    out = _AttachLoss.apply(output, term)
-    return make_viewless_tensor(out, requires_grad=True, keep_graph=True)
+                   psi_distance=psi_distance.tolist(), first_nonfinite_layer=first, zero_fraction=zero.tolist())
 
 
 def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, TransformerLayer]]:
@@ -212,6 +225,7 @@ class Microbatch:
     real: Tensor | float | None  # real tokens of the whole microbatch (all slices); None = every token
     loss: Tensor | float | None  # its loss tokens (weighting under per-token loss); None = `real`
     scale: Tensor | float  # the step's scale: loss scale (/num_microbatches ×CP without per-token loss)
+    up: Tensor | None = None  # per token [s_local·b]: what λ·w_ℓ multiplies in every layer's term (made once)
 
 
 class JregPlugin:
@@ -235,7 +249,7 @@ class JregPlugin:
         if bad:
             raise ValueError(f"decoder layers numbered {bad} outside 1..{self.num_layers}")
         self.cfg = cfg
-        self.weights = jreg.layer_weights(self.num_layers, cfg.alpha, cfg.layers)
+        self.weights = cfg.weights(self.num_layers)  # 0 where --jreg-layers or --jreg-min-weight leave a layer out
         self._weight = self.weights.tolist()  # w_ℓ as Python floats: read per layer call without a device read
         self.penalize = cfg.lam > 0
         self.recording = False
@@ -244,11 +258,11 @@ class JregPlugin:
         self._next = Microbatch(None, None, None, 1.0)  # set_token_mask's, for the next chunk forward
         self._active: Microbatch | None = None  # the microbatch whose chunk forward is running
         self._deferred: dict[int, deque[Microbatch]] = defaultdict(deque)  # ℓ → microbatches to recompute
+        self._calls: dict[int, tuple[Microbatch, jreg.LayerPenalty | None]] = {}  # ℓ → its call between the hooks
         self._microbatches = 0
-        # [2, L] fp64 on the activations' device, created on first use: row 0 Ψ under the training
-        # distance, row 1 the angular Ψ (only filled when the training distance is not angular).
+        # [L, 3] fp64 on the activations' device, created on first use: per layer the angular Ψ, the cosine Ψ and
+        # the share of real tokens with a zero-vector state, summed over the step's microbatches
         self._sums: Tensor | None = None
-        self._angular = cfg.distance == "angular"
         self._tp = self.mcfg.tensor_model_parallel_size
         self._cp = self.mcfg.context_parallel_size
         self._sp = bool(self.mcfg.sequence_parallel) and self._tp > 1
@@ -260,6 +274,7 @@ class JregPlugin:
         if self._sums is not None:
             self._sums.zero_()
         self._deferred.clear()
+        self._calls.clear()
         self._active = None
         self.recording = record
         loss_scale: Tensor | float = 1.0
@@ -272,8 +287,10 @@ class JregPlugin:
         self._next = Microbatch(None, None, None, self._scale)
         want_hooks = self.penalize or record
         if want_hooks and not self._handles:
-            self._handles = [layer.register_forward_hook(partial(self._hook, ell), with_kwargs=True)
-                             for ell, layer in self.layers]
+            for ell, layer in self.layers:
+                self._handles.append(layer.register_forward_pre_hook(partial(self._before_layer, ell),
+                                                                     with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(partial(self._after_layer, ell), with_kwargs=True))
             for chunk in self.chunks:
                 self._handles.append(chunk.register_forward_pre_hook(self._begin_microbatch))
                 self._handles.append(chunk.register_forward_hook(self._end_microbatch, always_call=True))
@@ -298,7 +315,7 @@ class JregPlugin:
 
     def finish_step(self) -> JregStats:
         """Reduce the recorded Ψ over all ranks (one all-reduce) and return the step's statistics."""
-        shares = torch.zeros(2, self.num_layers, dtype=torch.float64, device=_device())
+        shares = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=_device())
         if self._sums is not None:
             shares += self._sums.to(shares.device)
         if not self._sp and self._tp > 1:
@@ -309,14 +326,14 @@ class JregPlugin:
         from megatron.core import parallel_state
 
         dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-        psi = shares / max(self._microbatches, 1) / dp
+        angular, cosine, zero = (shares / max(self._microbatches, 1) / dp).unbind(1)
         if not self.penalize:
             self.remove_hooks()
         self.recording = False
         self._deferred.clear()
-        if self._angular:
-            return JregStats.from_psi(psi[0], self.weights)
-        return JregStats.from_psi(psi[1], self.weights, psi_distance=psi[0])
+        self._calls.clear()
+        distance = None if self.cfg.distance == "angular" else cosine  # ζ is angular whatever the training distance
+        return JregStats.from_psi(angular, self.weights, psi_distance=distance, zero=zero)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -330,10 +347,24 @@ class JregPlugin:
     def _end_microbatch(self, chunk: torch.nn.Module, args: tuple, output: object) -> None:
         self._active = None
 
-    def _hook(self, ell: int, layer: TransformerLayer, args: tuple, kwargs: dict, output: tuple) -> tuple | None:
+    def _before_layer(self, ell: int, layer: TransformerLayer, args: tuple, kwargs: dict) -> tuple | None:
+        """Open layer ℓ's call; a penalized layer's input goes through its LayerPenalty's identity."""
+        call = self._open_call(ell, layer.training)
+        if call is None or call[1] is None:
+            return None
+        penalty = call[1]
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": penalty.watch(kwargs["hidden_states"])}
+        return (penalty.watch(args[0]), *args[1:]), kwargs
+
+    def _after_layer(self, ell: int, layer: TransformerLayer, args: tuple, kwargs: dict,
+                     output: tuple) -> tuple | None:
+        call = self._calls.pop(ell, None)
+        if call is None:
+            return None
         h_in = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         h_out = output[0] if isinstance(output, tuple) else output
-        new = self.process_layer(ell, layer.training, h_in, h_out)
+        new = self._close_call(ell, *call, h_in, h_out)
         if new is None:
             return None
         return (new, *output[1:]) if isinstance(output, tuple) else new
@@ -349,40 +380,63 @@ class JregPlugin:
             return self._deferred[ell].popleft()  # a recompute in backward: the oldest queued microbatch
         return current
 
-    def process_layer(self, ell: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
-        """Record Ψ of global layer ℓ (1-based) from h_in/h_out[s, b, h] (this rank's tokens) and,
-        when penalizing, return h_out carrying λ·w_ℓ·Ψ_ℓ for backward; None = output unchanged."""
-        weight = self._weight[ell - 1]
-        attach = self.penalize and training and weight > 0
+    def _open_call(self, ell: int, training: bool) -> tuple[Microbatch, jreg.LayerPenalty | None] | None:
+        """(its microbatch, its LayerPenalty or None when it only records) for a call of layer ℓ; None when the
+        call neither records nor is penalized."""
+        attach = self.penalize and training and self._weight[ell - 1] > 0
         if not attach and not self.recording:
             return None
         mb = self._microbatch_for(ell, training)
         if mb is None:
             return None
+        call = (mb, jreg.LayerPenalty(self.cfg.distance) if attach else None)
+        self._calls[ell] = call
+        return call
+
+    def process_layer(self, ell: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
+        """Both hooks' work for a layer ℓ (1-based) that has already run on h_in (h_in/h_out[s, b, h], this rank's
+        tokens): record Ψ and, when penalizing, return h_out carrying λ·w_ℓ·Ψ_ℓ for backward (its ∂/∂h_in then
+        a tensor of its own that autograd adds); None = output unchanged."""
+        call = self._open_call(ell, training)
+        if call is None:
+            return None
+        del self._calls[ell]
+        return self._close_call(ell, *call, h_in, h_out)
+
+    def _close_call(self, ell: int, mb: Microbatch, penalty: jreg.LayerPenalty | None, h_in: Tensor,
+                    h_out: Tensor) -> Tensor | None:
+        """Record Ψ of layer ℓ when the step records; return h_out carrying the layer's term when penalized."""
         mask = mb.mask
         if mask is not None and mask.shape != h_out.shape[:2]:
             raise ValueError(f"token mask {tuple(mask.shape)} does not match hidden rows {tuple(h_out.shape[:2])}")
-        if attach:
-            total = jreg.displacement_total(h_in, h_out, mask, self.cfg.distance)
-        else:
-            with torch.no_grad():
-                total = jreg.displacement_total(h_in.detach(), h_out.detach(), mask, self.cfg.distance)
         real = mb.real if mb.real is not None else self._all_tokens(h_out)
-        share = total / real  # this rank's part of the microbatch's Ψ_ℓ
         if self.recording:
+            figures = jreg.token_figures(h_in, h_out).flatten(1)  # [3, tokens]: angular d, cosine d, zero vector
+            if mask is not None:  # where, not multiply: a padded position may hold anything (even inf/NaN)
+                figures = torch.where(mask.reshape(-1), figures, 0.0)
             if self._sums is None:
-                self._sums = torch.zeros(2, self.num_layers, dtype=torch.float64, device=h_out.device)
-            self._sums[0, ell - 1] += share.detach().double()
-            if not self._angular:  # ζ is defined on the angular Ψ whatever the training distance
-                with torch.no_grad():
-                    angular = jreg.displacement_total(h_in.detach(), h_out.detach(), mask, "angular")
-                self._sums[1, ell - 1] += (angular / real).double()
-        if not attach:
+                self._sums = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=h_out.device)
+            self._sums[ell - 1] += figures.sum(1).double() / real  # this rank's part of the microbatch's Ψ_ℓ
+        if penalty is None:
             return None
-        term = share * (self.cfg.lam * weight * mb.scale)
-        if self.mcfg.calculate_per_token_loss:  # weighted by loss tokens, as megatron weights the CE
-            term = term * (mb.loss if mb.loss is not None else real)
-        return attach_loss(h_out, term)
+        return penalty.attach(h_out, h_in, self._upstream(mb, h_out, real), self.cfg.lam * self._weight[ell - 1])
+
+    def _upstream(self, mb: Microbatch, h_out: Tensor, real: Tensor | float) -> Tensor:
+        """The microbatch's per-token factor of every layer's term [s_local·b], made at its first layer: the step's
+        scale over its real tokens (× its loss tokens under per-token loss, weighted as megatron weights the CE),
+        0 at padding; one value expanded when every token is real."""
+        if mb.up is None:
+            coef = mb.scale / real
+            if self.mcfg.calculate_per_token_loss:
+                coef = coef * (mb.loss if mb.loss is not None else real)
+            tokens = h_out.shape[0] * h_out.shape[1]
+            if mb.mask is not None:
+                mb.up = mb.mask.reshape(-1) * coef
+            elif isinstance(coef, Tensor):
+                mb.up = coef.reshape(1).float().expand(tokens)
+            else:
+                mb.up = torch.full((1,), coef, dtype=torch.float32, device=h_out.device).expand(tokens)
+        return mb.up
 
     def _all_tokens(self, h: Tensor) -> float:
         """Tokens of the whole microbatch from this rank's hidden rows h[s_local, b, h]."""

@@ -1,6 +1,7 @@
 """JREG's per-microbatch path on megatron-core (real gloo ranks): no host-device synchronisation on a step
-that does not log, non-finite hidden states named where they start, and no activation kept for backward
-beyond the two hidden states JREG's backward reads.
+that does not log, no forward computation on such a step and its gradients added into the incoming ones in place,
+non-finite hidden states named where they start, and no activation kept for backward beyond the two hidden states
+JREG's backward reads.
 
 The sync check patches every torch entry point that makes the host wait for the device (`.item()`,
 `float(t)`, `bool(t)`, `.tolist()`, `.cpu()`, `torch.tensor(data)` (a host-to-device copy), `nonzero`, ...)
@@ -155,6 +156,16 @@ def sync_and_fault_suite(rank: int, world: int) -> dict:
             except HostSyncError as e:
                 out[(distance, record)] = str(e)
             plugin.finish_step()
+    for recompute in (None, "full"):  # where the kernels write, with and without megatron's checkpointing
+        config, ddp, plugin = setup(Layout(f"in-place-{recompute}", recompute=recompute))
+        _step(config, ddp, plugin, True, batches)
+        plugin.finish_step()
+        for record in (False, True):
+            with _kernel_calls() as calls:
+                _step(config, ddp, plugin, record, batches)
+            plugin.finish_step()
+            out[("calls", recompute, record)] = calls
+    out["layers"], out["microbatches"] = len(plugin.layers), len(batches)
     out["sanity"] = _sanity_check_the_guard()
 
     # A non-finite hidden state from layer 3 on: Ψ is NaN from layer 3 (never 0.5), ζ NaN, layer 3 named.
@@ -189,6 +200,34 @@ def sync_and_fault_suite(rank: int, world: int) -> dict:
     out["padding"] = {"psi": stats.psi, "first": stats.first_nonfinite_layer}
     handle.remove()
     return out
+
+
+def _kernel_calls():
+    """Context manager: the calls of jreg_kernels' entry points, {name: [whether each wrote into its incoming gradient]}
+    (forward: [None])."""
+    import contextlib
+    from unittest import mock
+
+    from megatron_jreg import jreg_kernels
+
+    calls: dict[str, list] = {"forward": [], "grad_b": [], "grad_a": []}
+
+    def spy(name):
+        original = getattr(jreg_kernels, name)
+
+        def wrapped(*args, **kwargs):
+            g = {"grad_b": 5, "grad_a": 3}.get(name)
+            calls[name].append(None if g is None else kwargs["out"].data_ptr() == args[g].data_ptr())
+            return original(*args, **kwargs)
+
+        return mock.patch.object(jreg_kernels, name, wrapped)
+
+    @contextlib.contextmanager
+    def active():
+        with spy("forward"), spy("grad_b"), spy("grad_a"):
+            yield calls
+
+    return active()
 
 
 def _sanity_check_the_guard() -> list[str]:
@@ -274,16 +313,16 @@ def pp2():
 
 
 def test_pp2_jreg_keeps_only_what_its_backward_reads(pp2):
-    """Per microbatch in flight, JREG adds its four [T] fp32 figures per layer and, on a stage that sends its output
-    on (Megatron-LM frees it once sent), that output: its backward reads it. Nothing else (fp32 model: the norms
-    keep every other layer's input anyway)."""
+    """Per microbatch in flight, JREG adds the microbatch's scale (one fp32 value expanded over its tokens: every
+    token is real here) and, on a stage that sends its output on (Megatron-LM frees it once sent), that output: its
+    backward reads it. Nothing per layer (no forward figures: the backward computes its own), nothing else (fp32
+    model: the norms keep every other layer's input anyway)."""
     for r in pp2:
         extra = r[1.0] - r[0.0]
-        rows = r["layers"] * 16 * r["tokens"]
-        expected = rows + (r["stage_output"] if r["stage"] == 0 else 0)
+        expected = 4 + (r["stage_output"] if r["stage"] == 0 else 0)
         print(f"PP stage {r['stage'] + 1}: saved per microbatch λ=0 {r[0.0]:.0f} B, λ=1 {r[1.0]:.0f} B, "
-              f"JREG +{extra:.0f} B = {r['layers']} layers × 16 B × {r['tokens']} tokens"
-              + (f" + the stage output {r['stage_output']} B" if r["stage"] == 0 else ""))
+              f"JREG +{extra:.0f} B = the scale's 4 B" + (f" + the stage output {r['stage_output']} B"
+                                                          if r["stage"] == 0 else "") + f" ({r['layers']} layers)")
         assert extra == expected
 
 
@@ -300,6 +339,20 @@ def test_the_sync_guard_catches_each_entry_point(suite):
 @pytest.mark.parametrize("record", [False, True], ids=["non-logging", "logging"])
 def test_no_host_sync_per_microbatch(suite, distance, record):
     assert suite[(distance, record)] == "ok"
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_a_step_that_does_not_log_computes_no_value_and_adds_into_the_incoming_gradients(suite, recompute):
+    """Through megatron-core's schedule (an SFT mask): a non-logging step runs no forward kernel, one grad_b and one
+    grad_a per layer and microbatch, each written into the gradient autograd handed it (in place: no [T, h] tensor
+    of JREG's own); a logging step adds one forward (Ψ's value) per layer and microbatch. Under full recompute
+    megatron's checkpoint keeps the gradient it hands each recomputed layer's output, so grad_b writes a fresh one
+    there (one pass all the same)."""
+    calls = {record: suite[("calls", recompute, record)] for record in (False, True)}
+    n = suite["layers"] * suite["microbatches"]
+    assert calls[False]["forward"] == [] and calls[True]["forward"] == [None] * n
+    for record in (False, True):
+        assert calls[record]["grad_b"] == [recompute is None] * n and calls[record]["grad_a"] == [True] * n, calls
 
 
 def test_non_finite_states_give_nan_and_name_the_first_layer(suite):

@@ -56,13 +56,14 @@ def test_a_failing_compile_warns_once_and_runs_the_eager_path(monkeypatch):
     a, b, grad = torch.randn(9, 16), torch.randn(9, 16), torch.rand(9)
     with pytest.warns(UserWarning, match=r"torch.compile of the JREG displacement kernel failed \(RuntimeError: "
                                          r"InvalidCxxCompiler.*MEGATRON_JREG_KERNEL=torch"):
-        out = jreg_kernels.forward(a, b, True, backend="compiled")
-    eager = jreg_kernels.forward(a, b, True, backend="torch")
-    for x, y in zip(out, eager):
-        torch.testing.assert_close(x, y)
-    grads = jreg_kernels.backward(a, b, grad, out[1:], True, backend="compiled")
-    for x, y in zip(grads, jreg_kernels.backward(a, b, grad, eager[1:], True, backend="torch")):
-        torch.testing.assert_close(x, y)
+        out = jreg_kernels.forward(a, b, backend="compiled")
+    torch.testing.assert_close(out, jreg_kernels.forward(a, b, backend="torch"))
+    grad_b, figures = jreg_kernels.grad_b(a, b, grad, 1.0, True, backend="compiled")
+    eager_b, eager_figures = jreg_kernels.grad_b(a, b, grad, 1.0, True, backend="torch")
+    torch.testing.assert_close(grad_b, eager_b)
+    torch.testing.assert_close(figures, eager_figures)
+    torch.testing.assert_close(jreg_kernels.grad_a(a, b, figures, backend="compiled"),
+                               jreg_kernels.grad_a(a, b, eager_figures, backend="torch"))
     assert attempts == ["_row_sums"]
     assert jreg_kernels.backend_for(torch.empty(jreg_kernels.COMPILE_MIN_ELEMENTS, 1)) == "torch"
 
@@ -93,13 +94,44 @@ def _jreg_op():
 
 
 def test_jreg_op_prints_the_op_against_the_floor(capsys):
+    """The benchmark's documented calls at a tiny shape: the op as training runs it, and at a git revision."""
     jreg_op = _jreg_op()
-    assert jreg_op.main(["--shapes", "64x32", "--rounds", "2", "--dtypes", "fp32,bf16", "--backend", "torch"]) == 0
+    assert jreg_op.main(["--shapes", "64x32", "--rounds", "2", "--dtypes", "fp32,bf16", "--backend", "torch",
+                         "--baseline", "HEAD"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("op_vs_floor=") and " launches=" in lines[-1] and "shape=64x32 device=cpu" in lines[-1]
     figures = dict(item.split("=") for item in lines[-1].split())
-    assert float(figures["op_vs_floor"]) > 0 and int(figures["launches"]) > 0
-    assert any("x floor" in line and "aten ops" in line for line in lines)
+    assert float(figures["op_vs_floor"]) > 0 and int(figures["launches"]) > 0 and float(figures["op_vs_baseline"]) > 0
+    for call in ("op/step", "op/logging", "@HEAD/step", "@HEAD/logging"):
+        assert any(line.strip().startswith(f"{call}:") and "x floor" in line and "aten ops" in line for line in lines)
+
+
+@pytest.mark.slow  # compiles the two gradient kernels (about a minute on two shared cores)
+def test_compiled_op_as_training_runs_it_adds_two_aliases_and_no_tensor():
+    """The CPU's fused path (torch.compile), counted by torch's profiler in a graph where h_in and h_out are not
+    leaves: a layer call that does not log adds at most 12 aten ops to the same graph without JREG (two aliases in
+    forward; each backward kernel is one compiled call) and allocates less than one [T, h] tensor (the [5, T]
+    figures). The CPU's aten ops stand in for a GPU's launches (jreg_triton: two kernels)."""
+    import os
+    from unittest import mock
+
+    import torch
+
+    from megatron_jreg import jreg, jreg_kernels
+
+    jreg_op = _jreg_op()
+    rows, width = 256, 128
+    with mock.patch.dict(os.environ, {jreg_kernels.ENV: "compiled"}):
+        for dtype in (torch.float32, torch.bfloat16):
+            graph = jreg_op.Graph(rows, width, dtype, torch.device("cpu"))
+            for _ in range(2):  # compiles
+                graph.run("op", jreg, False)
+            assert jreg_kernels._COMPILED.failed is None
+            without = jreg_op.profile_call(lambda g=graph: g.run("none", None, False), torch.device("cpu"))
+            with_jreg = jreg_op.profile_call(lambda g=graph: g.run("op", jreg, False), torch.device("cpu"))
+            extra_ops = with_jreg["aten_ops"] - without["aten_ops"]
+            extra_bytes = with_jreg["allocated"] - without["allocated"]
+            assert 0 < extra_ops <= 12 and extra_bytes < rows * width * dtype.itemsize, (extra_ops, extra_bytes)
 
 
 @pytest.mark.parametrize("argv, message", [
