@@ -1,27 +1,31 @@
-"""Throughput of `megatron-jreg preprocess` against Megatron-LM's tools/preprocess_data.py, in one run.
+"""`megatron-jreg preprocess` against Megatron-LM's tools/preprocess_data.py, per kind of tokenizer, in one run.
 
-Same JSONL input, same Hugging Face BPE tokenizer, same --workers, --append-eod for both. Throughput is
-input MB / processing time, where processing time is each tool's own first-to-last-document time from its
-log (start-up excluded: both import torch and megatron-core, ~10 s; each tool's start-up is then timed alone
-on a one-document input), best of --repeats interleaved rounds (the machine may be shared). Both outputs are
-compared byte for byte. Ends with:
+For each tokenizer kind, both tools run on the same JSONL with the same tokenizer, `--workers` and
+`--append-eod`, in interleaved rounds, and once more on the input's first document alone (start-up: imports,
+tokenizer, workers). Per tool: the wall time of the whole input, the start-up's, and the work = the first less
+the second (the best of --repeats rounds each); per kind: the ratio of the work (Megatron-LM's / ours), of the
+start-up, whether the outputs are byte-identical, and which engine ours ran (`tiktoken`, or why not). Then each
+kind's tokenizer alone, one process: our engine's MB/s against megatron-core's tokenize (the same ids checked),
+and the wall time of `--help` of both entry points. Ends with:
 
-    throughput_ratio=<ours / megatron> ours_mb_s=<..> megatron_mb_s=<..> fast_path_ratio=<..>
+    min_work_ratio=<..> <kind>_work_ratio=<..> ... max_startup_ratio=<..> identical=<all|no> help_s=<..>
 
-`fast_path_ratio` is what the tiktoken fast path for byte-level BPE earns: its tokenize rate over megatron-core's
-own HuggingFaceTokenizer.tokenize (what a worker would run without it), one process, same ids checked.
+The tokenizers are stand-ins trained here (nothing is downloaded; the real ones are not on this machine), on
+WikiText-2 (valid + test) and the Python standard library's sources (tests/_tokenizers.py builds them):
+- `gpt2`: a GPT-2-style byte-level BPE (`train-tokenizer --kind hf-bpe`, all 256 bytes, --vocab-size);
+- `smollm2`: like SmolLM2-135M's: 49,152 pieces, its 17 special tokens first, trained without an initial
+  alphabet so that bytes are missing from the vocabulary, and `\\n\\n` both a piece and an added token;
+- `llama3`: like Llama-3's: 128,256 pieces, its regex as a Split pre-tokenizer, ignore_merges, a BOS
+  post-processor, 256 special tokens;
+- `sentencepiece`: a SentencePiece BPE of 32,000 pieces with byte fallback (Llama-2's kind);
+- `nfkc`: the gpt2 stand-in with an NFKC normalizer, which has no exact tiktoken conversion (the `tokenizers`
+  engine runs: that such a tokenizer runs, and how fast).
+The input is FineWeb-Edu-sized documents (WikiText-2 sections, ~3 KB) repeated to --mb MB (not committed).
 
-With `--compare-with DIR` (a folder holding another version's `megatron_jreg` package, e.g. `git archive REV
-megatron_jreg | tar -x -C DIR`) that version runs in the same rounds too, and the last line adds
-`vs_compared=<ours / it>` (processing rates) and `vs_compared_cpu=<its CPU-s / ours>` (CPU-s of the work
-beyond start-up; meaningful when the work's CPU-s dwarf the spread of start-up's, e.g. with --mb 64 or more):
-a change's speed measured side by side with the code before it.
-
-Megatron-LM is not a dependency: pass its checkout with --megatron-lm; without one the benchmark says so
-and exits 0. `--flags` adds Megatron-LM flags to both command lines (e.g. `--flags "--tokenizer-special-tokens
-<x>"`), which checks byte identity for them on a large input. By default the
-input is FineWeb-Edu-sized documents (WikiText-2 sections, ~3 KB) repeated to --mb MB and the tokenizer a
-byte-level BPE trained on WikiText-2 (--vocab-size).
+Megatron-LM is not a dependency: pass its checkout with --megatron-lm; without one the benchmark says so and
+exits 0. `--flags` adds Megatron-LM flags to both command lines; `--compare-with DIR` (a folder holding another
+version's `megatron_jreg`, e.g. `git archive REV megatron_jreg | tar -x -C DIR`) runs that version in the same
+rounds too, its work ratio printed per kind.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import os
 import re
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,12 +47,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_jreg.data.indexed import verify_dataset  # noqa: E402
 from megatron_jreg.data.text import wikitext_articles  # noqa: E402
-from megatron_jreg.data.train_tokenizer import train_tokenizer  # noqa: E402
 
 WIKI = ROOT / "examples" / "data" / "wikitext-2"
 _SECTION = re.compile(r"\n(?= = = [^=])")
+KINDS = ("gpt2", "smollm2", "llama3", "sentencepiece", "nfkc")
 
 
 def make_input(path: Path, megabytes: float) -> int:
@@ -69,6 +74,48 @@ def make_input(path: Path, megabytes: float) -> int:
     return n
 
 
+def training_texts() -> list[str]:
+    """WikiText-2 articles and the standard library's sources: enough text for 128,000 merges."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(stdlib.rglob("*.py"))]
+    return [*wikitext_articles(WIKI / "valid.txt"), *wikitext_articles(WIKI / "test.txt"), *code]
+
+
+def build_tokenizer(kind: str, folder: Path, vocab_size: int) -> tuple[str, str]:
+    """(`--tokenizer-type`, `--tokenizer-model`) of a stand-in, trained once into `folder` (kept for reruns)."""
+    from tests import _tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    done = folder / f"{kind}.done"
+    path = folder / kind
+    if kind == "sentencepiece":
+        model = f"{path}.model"
+        if not done.exists():
+            corpus = folder / "corpus.txt"
+            corpus.write_text("\n".join(training_texts()), encoding="utf-8")
+            _tokenizers.sentencepiece_bpe(path, [str(corpus)], 32_000)
+        done.touch()
+        return "SentencePieceTokenizer", model
+    if not done.exists():
+        if kind == "smollm2":
+            _tokenizers.smollm2_style(path, training_texts())
+        elif kind == "llama3":
+            _tokenizers.llama3_style(path, training_texts())
+        elif kind == "gpt2":
+            from megatron_jreg.data.train_tokenizer import train_tokenizer
+
+            train_tokenizer([str(WIKI / "valid.txt"), str(WIKI / "test.txt")], str(path), vocab_size, "hf-bpe")
+        else:  # nfkc: the gpt2 stand-in with a normalizer
+            from tokenizers import Tokenizer, normalizers
+
+            shutil.copytree(build_tokenizer("gpt2", folder, vocab_size)[1], path, dirs_exist_ok=True)
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tokenizer.normalizer = normalizers.NFKC()
+            tokenizer.save(str(path / "tokenizer.json"))
+        done.touch()
+    return "HuggingFaceTokenizer", str(path)
+
+
 def run_tool(cmd: list[str], env: dict, prefix: Path) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds of the tool and its workers, stdout+stderr) of one run from scratch, in the
     tool's own tree (its PYTHONPATH: `python -m` puts the working directory first on the path)."""
@@ -85,24 +132,14 @@ def run_tool(cmd: list[str], env: dict, prefix: Path) -> tuple[float, float, str
     return elapsed, cpu, proc.stdout + proc.stderr
 
 
-def processing_seconds(name: str, log: str, docs: int) -> float | None:
-    """The tool's own time from its first document to its last (start-up excluded), read from its log.
-
-    Megatron-LM prints `Processed N documents (D docs/s, ...)` every --log-interval documents, timed from
-    the start of processing; with the interval set to the document count it prints once, at the end.
-    Ours prints `done: ... in Ts` timed from the first unit submitted (worker start-up included). None when
-    Megatron-LM printed no such line.
-    """
-    if name == "megatron":  # ours and the compared version print the same done line
-        match = re.findall(rf"Processed {docs} documents \(([0-9.e+]+) docs/s", log)
-        return docs / float(match[-1]) if match else None
-    return float(re.findall(r"\bin ([0-9.]+)s \(", log)[-1])
+def _each(tokenize):  # noqa: ANN001, ANN202 - megatron-core's tokenize over a list
+    return lambda texts: [tokenize(t) for t in texts]
 
 
-def fast_path(tokenizer: str, source: Path, megabytes: float, repeats: int) -> tuple[float, float]:
-    """(MB/s of the tiktoken fast path, MB/s of megatron-core's own HuggingFaceTokenizer.tokenize) on the first
-    `megabytes` of the input's texts, one process, best of `repeats`; the ids must be equal."""
-    from megatron_jreg.data.tokenizers import build_tokenizer
+def engine_rates(kind: str, model: str, source: Path, megabytes: float, repeats: int) -> tuple[float, float]:
+    """(MB/s of our engine, MB/s of megatron-core's own tokenize) on the first `megabytes` of the input's texts,
+    one process, best of `repeats` in CPU time; the ids must be equal."""
+    from megatron_jreg.data.tokenizers import build_tokenizer as load
 
     texts, size = [], 0
     with open(source, encoding="utf-8") as f:
@@ -111,19 +148,37 @@ def fast_path(tokenizer: str, source: Path, megabytes: float, repeats: int) -> t
             size += len(texts[-1].encode())
             if size >= megabytes * 1e6:
                 break
-    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer)
-    if tok.backend != "tiktoken":
-        raise RuntimeError(f"{tokenizer}: no fast path ({tok.backend})")
-    best = {}
+    tok = load(kind, model)
+    best: dict[str, float] = {}
+    ids: dict[str, list] = {}
     for _ in range(repeats):
-        for name, encode in (("fast", tok.tokenize), ("megatron-core", tok.megatron.tokenize)):
+        for name, encode in (("ours", tok.tokenize_batch), ("megatron-core", _each(tok.megatron.tokenize))):
+            start = time.process_time()
+            ids[name] = encode(texts)
+            best[name] = min(best.get(name, float("inf")), time.process_time() - start)
+    if ids["ours"] != [list(i) for i in ids["megatron-core"]]:
+        raise RuntimeError(f"{kind} {model}: our engine gave other ids than megatron-core's tokenizer")
+    return size / 1e6 / best["ours"], size / 1e6 / best["megatron-core"]
+
+
+def help_seconds(megatron_lm: Path, megatron_python: str) -> dict[str, float]:
+    """Wall seconds of `--help`: ours (both entry points) and Megatron-LM's tool, best of three."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    theirs = megatron_lm / "tools" / "preprocess_data.py"
+    commands = {
+        "megatron-jreg preprocess --help": [sys.executable, "-m", "megatron_jreg.cli", "preprocess", "--help"],
+        "tools/preprocess_data.py --help": [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--help"],
+        "Megatron-LM tools/preprocess_data.py --help": [megatron_python, str(theirs), "--help"],
+    }
+    times = {}
+    for name, cmd in commands.items():
+        best = float("inf")
+        for _ in range(3):
             start = time.perf_counter()
-            ids = [encode(t) for t in texts]
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
-            best[f"{name} ids"] = ids
-    if best["fast ids"] != [list(i) for i in best["megatron-core ids"]]:
-        raise RuntimeError("the fast path gave other ids than megatron-core's tokenizer")
-    return size / 1e6 / best["fast"], size / 1e6 / best["megatron-core"]
+            subprocess.run(cmd, env={**env, "PYTHONWARNINGS": "ignore"}, capture_output=True, check=True)
+            best = min(best, time.perf_counter() - start)
+        times[name] = best
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,111 +186,104 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"), help="Megatron-LM checkout")
     p.add_argument("--megatron-python", default=sys.executable, help="python that can import torch")
     p.add_argument("--input", default=None, help="JSONL with a 'text' key (default: generated)")
-    p.add_argument("--mb", type=float, default=16.0, help="size of the generated input")
-    p.add_argument("--tokenizer-model", default=None, help="HF tokenizer folder (default: trained BPE)")
-    p.add_argument("--vocab-size", type=int, default=16384)
+    p.add_argument("--mb", type=float, default=64.0, help="size of the generated input (default: %(default)s)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="tokenizer kinds, of " + ", ".join(KINDS))
+    p.add_argument("--vocab-size", type=int, default=16384, help="the gpt2 stand-in's (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--workdir", default=None, help="where inputs/outputs go (default: a temp dir)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workdir", default=None, help="inputs, outputs, the trained stand-ins (default: a temp dir)")
     p.add_argument("--compare-with", default=None, help="folder with another version's megatron_jreg package")
     p.add_argument("--flags", default="", help="more Megatron-LM flags for both tools, e.g. '--split-sentences'")
     args = p.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(KINDS):
+        p.error(f"--kinds: choose from {', '.join(KINDS)}")
 
     tool = Path(args.megatron_lm or "") / "tools" / "preprocess_data.py"
     if not args.megatron_lm or not tool.is_file():
-        print(
-            f"skipped: no Megatron-LM checkout (pass --megatron-lm PATH with tools/preprocess_data.py); "
-            f"got {args.megatron_lm!r}"
-        )
+        print(f"skipped: no Megatron-LM checkout (pass --megatron-lm PATH with tools/preprocess_data.py); got "
+              f"{args.megatron_lm!r}")
         return 0
     work = Path(args.workdir or tempfile.mkdtemp(prefix="preprocess_bench_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     source = Path(args.input).resolve() if args.input else work / "input.jsonl"
     if not args.input:
-        docs = make_input(source, args.mb)
-        print(f"input: {source} ({source.stat().st_size / 1e6:.1f} MB, {docs:,} documents)")
-    tokenizer = Path(args.tokenizer_model).resolve() if args.tokenizer_model else train_tokenizer(
-        [str(WIKI / "valid.txt"), str(WIKI / "test.txt")], str(work / "bpe"), args.vocab_size, "hf-bpe"
-    )
-    common = [
-        "--tokenizer-type",
-        "HuggingFaceTokenizer",
-        "--tokenizer-model",
-        str(tokenizer),
-        "--append-eod",
-        "--workers",
-        str(args.workers),
-        *shlex.split(args.flags),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    menv = {**os.environ, "PYTHONPATH": str(Path(args.megatron_lm).resolve()), "PYTHONWARNINGS": "ignore"}
-    tools = {
-        "ours": lambda i, o: (
-            [
-                sys.executable,
-                "-m",
-                "megatron_jreg.data.preprocess",
-                "--input",
-                str(i),
-                "--output-prefix",
-                str(o),
-                *common,
-            ],
-            env,
-        ),
-        "megatron": lambda i, o: (
-            [args.megatron_python, str(tool.resolve()), "--input", str(i), "--output-prefix", str(o), *common],
-            menv,
-        ),
-    }
-    if args.compare_with:
-        compared = {**env, "PYTHONPATH": str(Path(args.compare_with).resolve())}
-        tools["compared"] = lambda i, o: (tools["ours"](i, o)[0], compared)
+        make_input(source, args.mb)
     size = source.stat().st_size
     with open(source, "rb") as f:
         docs = sum(1 for _ in f)
-    common += ["--log-interval", str(docs)]
-    best: dict[str, float] = {}
-    least_cpu: dict[str, float] = {}
-    for r in range(args.repeats):
-        for name, make in tools.items():
-            wall, cpu, log = run_tool(*make(source, work / name), work / name)
-            seconds = processing_seconds(name, log, docs) or wall  # wall: start-up included
-            best[name] = min(best.get(name, float("inf")), seconds)
-            least_cpu[name] = min(least_cpu.get(name, float("inf")), cpu)
-            print(
-                f"round {r + 1} {name:8s}: {size / 1e6 / seconds:6.2f} MB/s ({seconds:5.1f}s processing, "
-                f"{wall:5.1f}s wall with start-up, {cpu:5.1f} CPU-s)"
-            )
     one = work / "one_document.jsonl"  # start-up alone: imports, tokenizer, workers, for one document
     with open(source, encoding="utf-8") as f:
         one.write_text(f.readline(), encoding="utf-8")
-    work_cpu = {}  # CPU-s of the work itself: the least of the rounds less start-up (steadier than wall on a busy box)
-    for name, make in tools.items():
-        wall, cpu, _ = run_tool(*make(one, work / f"{name}_one"), work / f"{name}_one")
-        work_cpu[name] = least_cpu[name] - cpu
-        print(f"start-up {name:8s}: {wall:5.1f}s wall, {cpu:5.1f} CPU-s (one document); the work itself "
-              f"{work_cpu[name]:.1f} CPU-s")
-    tokens = verify_dataset(work / "ours_text_document").tokens
-    identical = all(
-        (work / f"ours_text_document{s}").read_bytes() == (work / f"{name}_text_document{s}").read_bytes()
-        for s in (".bin", ".idx") for name in tools
-    )
-    rates = {name: (size / 1e6 / t, tokens / t) for name, t in best.items()}
-    for name, (mb_s, tok_s) in rates.items():
-        print(f"{name:8s}: {mb_s:7.2f} MB/s  {tok_s / 1e6:6.2f}M tokens/s  ({args.workers} workers)")
-    print(f"outputs byte-identical: {identical}")
-    ratio = rates["ours"][0] / rates["megatron"][0]
-    ours, megatron = rates["ours"][0], rates["megatron"][0]
-    vs = ""
-    if "compared" in rates:
-        cpu_ratio = work_cpu["compared"] / work_cpu["ours"]
-        vs = f" vs_compared={ours / rates['compared'][0]:.2f} vs_compared_cpu={cpu_ratio:.2f}"
-    fast, core = fast_path(str(tokenizer), source, 4.0, args.repeats)
-    print(f"tokenize, one process: tiktoken fast path {fast:.2f} MB/s, megatron-core's tokenizer {core:.2f} MB/s "
-          "(same ids)")
-    print(f"throughput_ratio={ratio:.2f} ours_mb_s={ours:.2f} megatron_mb_s={megatron:.2f}{vs} "
-          f"fast_path_ratio={fast / core:.2f}")
+    print(f"input: {source.name} ({size / 1e6:.1f} MB, {docs:,} documents); {args.workers} workers; "
+          f"--append-eod {args.flags}".rstrip())
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    menv = {**os.environ, "PYTHONPATH": str(Path(args.megatron_lm).resolve()), "PYTHONWARNINGS": "ignore"}
+    tools = {
+        "ours": ([sys.executable, "-m", "megatron_jreg.data.preprocess"], env),
+        "megatron": ([args.megatron_python, str(tool.resolve())], menv),
+    }
+    if args.compare_with:
+        tools["compared"] = (tools["ours"][0], {**env, "PYTHONPATH": str(Path(args.compare_with).resolve())})
+    results: dict[str, dict] = {}
+    for kind in kinds:
+        start = time.perf_counter()
+        tokenizer_type, model = build_tokenizer(kind, work / "tokenizers", args.vocab_size)
+        print(f"\n{kind}: {tokenizer_type} {Path(model).name} (trained or reused: {time.perf_counter() - start:.0f}s)")
+        common = ["--tokenizer-type", tokenizer_type, "--tokenizer-model", model, "--append-eod",
+                  "--workers", str(args.workers), "--log-interval", str(docs), *shlex.split(args.flags)]
+        wall: dict[str, float] = {}
+        startup: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        backend = ""
+        for r in range(args.repeats):
+            for name, (cmd, tool_env) in tools.items():
+                for inp, kept in ((source, wall), (one, startup)):
+                    prefix = work / f"{name}_{kind}{'_one' if inp == one else ''}"
+                    seconds, cpu_s, log = run_tool([*cmd, "--input", str(inp), "--output-prefix", str(prefix),
+                                                    *common], tool_env, prefix)
+                    kept[name] = min(kept.get(name, float("inf")), seconds)
+                    if inp == source:
+                        cpu[name] = min(cpu.get(name, float("inf")), cpu_s)
+                        found = re.search(r"tokenizer backend (.*?)\) in ", log)
+                        backend = found.group(1) if found and name == "ours" else backend
+                print(f"  round {r + 1} {name:8s}: {wall[name]:6.1f}s wall, {startup[name]:5.1f}s start-up "
+                      f"(one document), {cpu[name]:6.1f} CPU-s", flush=True)
+        identical = all(
+            (work / f"ours_{kind}_text_document{s}").read_bytes()
+            == (work / f"{name}_{kind}_text_document{s}").read_bytes()
+            for s in (".bin", ".idx") for name in tools
+        )
+        work_s = {name: wall[name] - startup[name] for name in tools}
+        for name in tools:
+            print(f"  {name:8s}: work {work_s[name]:5.1f}s ({size / 1e6 / work_s[name]:6.2f} MB/s), start-up "
+                  f"{startup[name]:4.1f}s")
+        ours_mb, core_mb = engine_rates(tokenizer_type, model, source, 4.0, 2)
+        results[kind] = {"work": work_s["megatron"] / work_s["ours"], "identical": identical, "engine": backend,
+                         "startup": startup["ours"] / startup["megatron"], "rates": (ours_mb, core_mb),
+                         "mb_s": {name: size / 1e6 / work_s[name] for name in tools}, "startup_s": startup}
+        vs = ""
+        if "compared" in tools:
+            vs = f"; the compared version's work / ours {work_s['compared'] / work_s['ours']:.2f}"
+        print(f"  tokenize alone, one process: ours {ours_mb:.2f} MB/s, megatron-core's {core_mb:.2f} MB/s "
+              f"(same ids){vs}")
+    print("\nper tokenizer kind (work = wall less the one-document run's start-up; MB/s of the input):")
+    for kind, r in results.items():
+        ours, theirs = r["mb_s"]["ours"], r["mb_s"]["megatron"]
+        print(f"{kind:13s} work {r['work']:5.2f}x Megatron-LM's ({ours:5.2f} vs {theirs:5.2f} MB/s), start-up "
+              f"{r['startup_s']['ours']:4.1f}s vs {r['startup_s']['megatron']:4.1f}s, byte-identical "
+              f"{r['identical']}, tokenize alone {r['rates'][0] / r['rates'][1]:4.2f}x megatron-core's, engine "
+              f"{r['engine']}")
+    print()
+    helps = help_seconds(Path(args.megatron_lm).resolve(), args.megatron_python)
+    for name, seconds in helps.items():
+        print(f"{name}: {seconds:.2f}s wall")
+    ours_help = max(helps[n] for n in helps if not n.startswith("Megatron-LM"))
+    ratios = " ".join(f"{kind}_work_ratio={r['work']:.2f}" for kind, r in results.items())
+    print(f"min_work_ratio={min(r['work'] for r in results.values()):.2f} {ratios} "
+          f"max_startup_ratio={max(r['startup'] for r in results.values()):.2f} "
+          f"identical={'all' if all(r['identical'] for r in results.values()) else 'no'} help_s={ours_help:.2f}")
     return 0
 
 

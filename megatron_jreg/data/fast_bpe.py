@@ -4,7 +4,7 @@ Megatron-LM's tools/preprocess_data.py tokenizes each document with megatron-cor
 `tokenizer(text).input_ids` for HuggingFaceTokenizer and GPT2BPETokenizer, sentencepiece's `encode_as_ids` for
 the SentencePiece types. `engine_for` gives the same ids from one of two engines, or says why neither applies:
 
-- `TiktokenBPE`: tiktoken's BPE (~5-10x transformers' per CPU-second, docs/results/preprocess_tokenizers.txt) over
+- `TiktokenBPE`: tiktoken's BPE (~5-10x transformers' per CPU-second, docs/results/preprocess_throughput.txt) over
   ranks converted from the tokenizer. Two conversions:
   * a byte-level BPE tokenizer.json (GPT-2/SmolLM2's `ByteLevel`, Llama-3's `Split`+`ByteLevel`), by
     `byte_level_plan`: ranks in merge order (`tokenizers` merges the pair of lowest merge index; tiktoken the
@@ -43,7 +43,7 @@ PROBE_TEXT = (
 )
 # GPT-2's pre-tokenizer regex, as the `tokenizers` ByteLevel pre-tokenizer applies it with use_regex=True.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-SPACE = "▁"  # SentencePiece's whitespace
+SPACE = "▁"  # SentencePiece's whitespace; a SentencePiece plan's ranks write it as a space (sentencepiece_plan)
 
 
 class NoConversion(Exception):
@@ -248,16 +248,15 @@ def _added_tokens(added: list[dict], split_special: bool) -> dict[str, int]:
 
 
 def _merge_pairs(merges: list) -> list[tuple[str, str]]:
-    pairs = []
-    for m in merges:
-        parts = m.split(" ") if isinstance(m, str) else m
-        if len(parts) != 2:
-            raise NoConversion(f"a merge that is not a pair ({m!r})")
-        pairs.append((parts[0], parts[1]))
+    """tokenizer.json's merges ("a b" strings, or [a, b] lists since tokenizers 0.20) as pairs."""
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    bad = next((m for m in pairs if len(m) != 2), None)
+    if bad is not None:
+        raise NoConversion(f"a merge that is not a pair ({bad!r})")
     return pairs
 
 
-def _check_merges_make_their_pieces(model: dict, pieces: list[str]) -> None:
+def _check_merges_make_their_pieces(model: dict, merges: list[tuple[str, str]], pieces: list[str]) -> None:
     """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece.
 
     tiktoken takes a pre-token found in its ranks as one token, where `tokenizers` (without ignore_merges)
@@ -270,7 +269,7 @@ def _check_merges_make_their_pieces(model: dict, pieces: list[str]) -> None:
     from tokenizers.models import BPE
 
     vocab = model["vocab"]
-    alone = Backend(BPE(vocab, _merge_pairs(model.get("merges") or []), unk_token=model.get("unk_token"),
+    alone = Backend(BPE(vocab, merges, unk_token=model.get("unk_token"),
                         fuse_unk=bool(model.get("fuse_unk")), byte_fallback=bool(model.get("byte_fallback"))))
     made = alone.encode_batch_fast(pieces, add_special_tokens=False)
     wrong = next((p for p, e in zip(pieces, made) if e.ids != [vocab[p]]), None)
@@ -301,9 +300,9 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
             return None
 
     vocab: dict[str, int] = model.get("vocab") or {}
-    order: dict[tuple[str, str], int] = {}
-    for i, pair in enumerate(_merge_pairs(model.get("merges") or [])):
-        order[pair] = i  # as `tokenizers` builds its merge map: a repeated pair keeps its last index
+    merges = _merge_pairs(model.get("merges") or [])
+    order = {pair: i for i, pair in enumerate(merges)}  # as `tokenizers` builds its merge map: a repeated pair
+    # keeps its last index
     made: dict[str, int] = {}  # merged piece (byte-level characters) -> its id, in merge order
     for a, b in sorted(order, key=order.__getitem__):
         piece = a + b
@@ -315,7 +314,7 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
     singles = {b: vocab[c] for b, c in byte_to_unicode().items() if c in vocab}
     present = {c for c in byte_to_unicode().values() if c in vocab}
     made = {p: i for p, i in made.items() if set(p) <= present}  # a piece holding a lacking byte: unreachable
-    _check_merges_make_their_pieces(model, list(made))
+    _check_merges_make_their_pieces(model, merges, list(made))
     if model.get("ignore_merges"):  # a whole pre-token found in the vocabulary is one token, merges or not
         matched = {s.encode("utf-8") for s in specials}
         unmade = [p for p in vocab if len(p) > 1 and p not in made and set(p) <= present
@@ -410,7 +409,13 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
     user = {p.piece: i for i, p in enumerate(pieces) if p.type == _USER_DEFINED}
     if any(not s or SPACE in s or any(c.isspace() for c in s) for s in user):
         raise NoConversion("user-defined symbols with whitespace")
+    if not model.normalizer_spec.escape_whitespaces or " " in chars:
+        raise NoConversion("whitespace that is not escaped as ▁")
     _check_merges_make_their_pieces_sp({piece: r for r, (_, _, piece) in enumerate(merged)})
+    # The normalized text has no space (every one is ▁, three bytes in UTF-8): ▁ is written as a space, one byte,
+    # so that tiktoken need not assemble it in every word.
+    chars = {c.replace(SPACE, " "): i for c, i in chars.items()}
+    merged = [(score, i, piece.replace(SPACE, " ")) for score, i, piece in merged]
     # A multi-byte character is assembled from its bytes before any merge: its byte prefixes and the character
     # itself take the lowest ranks (output id -1 for a prefix, never emitted: every character is complete).
     assembly: dict[bytes, int] = {}
@@ -446,7 +451,7 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
         either = "|".join(map(re.escape, specials))
         lacking_run = f"(?:{either})|(?:(?!(?:{either}))[^{_char_class(list(chars))}])+"
     cut = re.compile(lacking_run)
-    return Plan(rf"{SPACE}[^{SPACE}]*|[^{SPACE}]+", ranks, specials, table, cut=cut, cut_ids=cut_ids)
+    return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=cut, cut_ids=cut_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -533,7 +538,8 @@ def _sp_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | 
         plan = sentencepiece_plan(processor.serialized_model_proto())
     except NoConversion as e:
         return None, f"megatron-core (no fast path: no exact tiktoken conversion: {e})"
-    engine = TiktokenBPE(plan, processor.encode_as_ids, prepare=processor.normalize)
+    normalize = processor.normalize
+    engine = TiktokenBPE(plan, processor.encode_as_ids, prepare=lambda text: normalize(text).replace(SPACE, " "))
     bad = _checked(engine, reference, [])
     if bad is not None:
         return None, f"megatron-core (no fast path: the tiktoken conversion disagreed on the probe text {bad[:40]!r})"

@@ -7,7 +7,7 @@ Megatron-LM's tools/preprocess_data.py builds them, so the ids are Megatron-LM's
   differ from Megatron-LM's defaults), which a resumed run, training and convert compare;
 - an exact fast engine for its ids (`fast_bpe.engine_for`: tiktoken over a byte-level BPE tokenizer.json or a
   SentencePiece BPE model, else the `tokenizers` library's batch encoding), checked against megatron-core's own
-  ids on a probe text when it is built (docs/results/preprocess_tokenizers.txt);
+  ids on a probe text when it is built (docs/results/preprocess_throughput.txt);
 - GPT2BPETokenizer from the local `--vocab-file/--merge-file` alone: megatron-core loads gpt2's config from the
   Hub for it (offline: "couldn't connect to 'https://huggingface.co'"); here transformers' GPT2TokenizerFast
   over the two files (what that config adds: `<|endoftext|>` as eos, no prefix space);
