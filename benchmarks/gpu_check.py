@@ -1,36 +1,41 @@
 """The GPU check: what a first cluster run needs to know, in one call of at most 5 minutes (docs/gpu.md).
 
 Run through `benchmarks/gpu_check.sh` on a bare GPU machine (torch, triton, transformers; no megatron-core, no
-Transformer Engine, no registry): what it lacks travels in `.whl/` (`make gpu-wheels`): megatron-core's and
-einops' wheels in .whl/gpu, Megatron-LM core_v0.19.0's pretrain_gpt.py, gpt_builders.py and model_provider.py
-in .whl/megatron-lm. Steps, each reported even when another fails:
+Transformer Engine, no registry): what it lacks travels in `.whl/` (`make gpu-wheels`, required: the call carries
+it): megatron-core's and einops' wheels in .whl/gpu, Megatron-LM core_v0.19.0's pretrain_gpt.py, gpt_builders.py and
+model_provider.py in .whl/megatron-lm. Steps, in the order of what their figures are worth (a run cut short by the
+budget loses the last ones), each reported even when another fails:
 
 1. wheels: each wheel of .whl/gpu whose distribution is absent or at another version is unpacked into
    `--site` (first on PYTHONPATH); megatron-core 0.19.2 must import afterwards. A torch other than
    constraints.txt's pin (the lent machine's 2.11 against 2.13) is named: an untested pairing this check tests.
-2. numerics: bf16 hidden states → JREG's Ψ and its gradient on the device, against fp64 on the same values
+2. JREG op: `benchmarks/jreg_op.py --device cuda --rounds 5 --reps 20 --shapes 16384x2048`: the op as training
+   runs it (h_in, h_out not leaves, its gradients added into theirs) less the same graph without it, timed with
+   CUDA events over 20 back-to-back calls, its kernels counted by torch's profiler, against its memory floor
+   (noted as absent when that benchmark is not in the checkout).
+3. numerics: bf16 hidden states → JREG's Ψ and its gradient on the device, against fp64 on the same values
    (near-parallel and generic states): relative error of Ψ, of the gradient, and bf16's own rounding of that
    gradient for scale.
-3. JREG op: `benchmarks/jreg_op.py --device cuda --rounds 20 --shapes 16384x2048` (the op against its memory
-   floor and its kernel launches, at the shape its summary line reports; noted as absent when that benchmark is
-   not in the checkout).
-4. training, in one worker process (one import of megatron-core for every run):
+4. training, in one worker process (one import of megatron-core for every run), garbage collected between runs
+   (Megatron-LM's --manual-gc leaves Python's collector off after a run: the previous run's model and optimizer
+   would stay allocated and bias the memory ratios; each run's record says how many models were still alive):
    - a torch.cuda.set_sync_debug_mode("error") run of JREG steps (forward+backward with JREG's hooks, λ = 1), and
      the syncs that λ = 1 adds to λ = 0 counted in "warn" mode;
-   - tokens/s and MFU for the 170M and 1B presets: `megatron-jreg train` at λ = 0 and λ = 1 and Megatron-LM's own
-     pretrain_gpt.py (λ = 0 by definition) on the same Megatron-LM arguments, in rounds whose order alternates
-     (ours λ=0, ours λ=1, Megatron-LM; then the reverse), each timed over its logged intervals after the first;
-     MFU is Megatron-LM's model FLOPs per iteration (num_floating_point_operations, its --log-throughput
-     formula) per second over the device's dense bf16 peak, named (`PEAKS`); and the lm losses of our λ = 0
-     against Megatron-LM's (the same arguments, seed and mock data);
+   - tokens/s, MFU and the JREG time ratio for the 1B and 170M presets: `megatron-jreg train` at λ = 0 and λ = 1
+     in two rounds whose order alternates (λ = 0, λ = 1; then the reverse), each timed over its logged intervals
+     after the first; MFU is Megatron-LM's model FLOPs per iteration (num_floating_point_operations, its
+     --log-throughput formula) per second over the device's dense bf16 peak, named (`PEAKS`);
+   - Megatron-LM's own pretrain_gpt.py (λ = 0 by definition) on the same Megatron-LM arguments, twice per preset:
+     its tokens/s and its lm losses against our λ = 0's (the same arguments, seed and mock data);
    - peak memory λ = 1 / λ = 0 at PP = 1 (the throughput runs) and at PP = 2: each pipeline stage alone on the
      one GPU through Megatron-LM's --fake-process-group (its own memory-profiling mode: communication skipped,
      WORLD_SIZE and RANK name the stage), the larger of the two stages' ratios.
-5. one `key=value` line (`KEYS` first, `nan` where a step failed or is absent).
+5. one `key=value` line (`KEYS` first, in the same order of worth, `nan` where a step failed or is absent).
 
 `--dry-run` does all of it on the CPU at tiny sizes, within 7 minutes (CPU values: MFU against a measured fp32
-matmul rate, peak memory the worker's peak RSS reset per run); `--out DIR` (default $OUT) keeps the console, a
-JSON of every figure and each run's log. Exit status: 0 all steps ran (absent jreg_op.py included), 1 a step
+matmul rate, peak memory the worker's peak RSS reset per run); `--out DIR` (default $OUT) gets three files, fewer
+than the 8 a lent machine returns: the console (gpu_check.txt), a JSON of every figure (gpu_check.json) and every
+log in one archive (gpu_check_logs.tar.gz). Exit status: 0 all steps ran (absent jreg_op.py included), 1 a step
 failed, 2 no GPU.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import importlib.metadata
 import json
@@ -49,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -69,11 +76,13 @@ CONSTRAINTS = REPO / "constraints.txt"
 PEAKS = (("H200 NVL", "H200 NVL", 835.0), ("H200", "H200 SXM", 989.0), ("GH200", "GH200", 989.0),
          ("H100 NVL", "H100 NVL", 835.0), ("H100 PCIe", "H100 PCIe", 756.0), ("H100", "H100 SXM", 989.0),
          ("A100", "A100", 312.0))
-PRESET_LABELS = ("170m", "1b")
-KEYS = ("psi_rel_err", "grad_rel_err", "op_vs_floor", "sync_debug_ok",
-        *(f"{k}_{p}" for p in PRESET_LABELS for k in ("tokens_per_sec", "mfu", "time_ratio", "vs_megatron_lm",
-                                                        "loss_vs_megatron_lm", "memory_ratio_pp1",
-                                                        "memory_ratio_pp2")))
+PRESET_LABELS = ("1b", "170m")  # the paper's 1B first: its figures are worth more
+# The summary line's keys, in the order of worth: the op, the JREG time ratio, MFU, Megatron-LM comparisons, memory.
+KEYS = ("op_vs_floor", "op_launches",
+        *(f"{k}_{p}" for k in ("time_ratio", "mfu", "loss_vs_megatron_lm", "vs_megatron_lm", "tokens_per_sec",
+                               "memory_ratio_pp1", "memory_ratio_pp2") for p in PRESET_LABELS),
+        "psi_rel_err", "grad_rel_err", "sync_debug_ok")
+OUT_FILES = 8  # what a lent GPU machine returns from $OUT at most
 # Without Transformer Engine or apex (docs/gpu.md): the fused kernels only they provide, off.
 GPU_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
              "--no-masked-softmax-fusion"]
@@ -90,8 +99,8 @@ class Sizes:
     def __init__(self, dry_run: bool) -> None:
         self.dry_run = dry_run
         # label -> (megatron-jreg preset, micro-batch, extra architecture flags)
-        self.presets = ({"170m": ("tiny", 2, []), "1b": ("tiny", 2, ["--num-layers", "6"])} if dry_run else
-                        {"170m": ("llama-170m", 8, []), "1b": ("llama-1b", 4, [])})
+        self.presets = ({"1b": ("tiny", 2, ["--num-layers", "6"]), "170m": ("tiny", 2, [])} if dry_run else
+                        {"1b": ("llama-1b", 4, []), "170m": ("llama-170m", 8, [])})
         self.seq_length = 128 if dry_run else 2048
         self.vocab_size = 512 if dry_run else 128256  # the Llama-3 tokenizer's: the paper's 174M / 1.24B
         # timed over the intervals after the first (compilation, allocator warm-up): 10 iterations a run on the GPU
@@ -425,8 +434,20 @@ def _run(spec: dict, memory: Memory, folder: Path | None) -> dict:
     finally:
         if fake and torch.distributed.is_initialized():  # the next stage is another rank of another world
             torch.distributed.destroy_process_group()
-    return {"name": spec["name"], "rc": rc, "seconds": time.perf_counter() - start, "peak_bytes": memory.peak(),
-            "peak_kind": memory.kind}
+    peak = memory.peak()
+    return {"name": spec["name"], "rc": rc, "seconds": time.perf_counter() - start, "peak_bytes": peak,
+            "peak_kind": memory.kind, "models_alive_after": collect_garbage()}
+
+
+def collect_garbage() -> int:
+    """Python's collector on again and run (Megatron-LM's --manual-gc turns it off in train() and never back on, so
+    a finished run's model and optimizer, held in reference cycles, would stay allocated into the next run); how
+    many megatron-core GPT models are still alive after it."""
+    gc.enable()
+    gc.collect()
+    from megatron.core.models.gpt import GPTModel
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, GPTModel))
 
 
 def sync_debug(flags: list[str], vocab_size: int, micro_batch: int) -> dict:
@@ -529,8 +550,10 @@ class Check:
         self.start = time.monotonic()
         self.out = Path(args.out) if args.out else None
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.work))
-        self.logs = (self.out / "gpu_check") if self.out else (self.work / "logs")
+        self.logs = self.work / "logs"  # archived into OUT at the end (a lent machine returns at most 8 files)
         self.logs.mkdir(parents=True, exist_ok=True)
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.say = Console(self.out / "gpu_check.txt" if self.out else None)
         self.sizes = Sizes(args.dry_run)
         self.figures: dict = {}
@@ -627,9 +650,10 @@ class Check:
         log = self.logs / "jreg_op.log"
         # its documented GPU call at the shape its summary reports (one Triton compile per shape and dtype); the
         # dry run at one small shape (the op's code path, not its figure)
-        cmd = [sys.executable, str(script), "--device", self.device, "--rounds", "20", "--shapes", "16384x2048"]
+        cmd = [sys.executable, str(script), "--device", self.device, "--rounds", "5", "--reps", "20", "--shapes",
+               "16384x2048"]
         if self.args.dry_run:
-            cmd = [*cmd[:-3], "3", "--shapes", "4096x256"]
+            cmd = [sys.executable, str(script), "--device", "cpu", "--rounds", "2", "--shapes", "4096x256"]
         timeout = max(10.0, min(self.sizes.op_cap_s, self.left() - self.sizes.training_s))
         with open(log, "w") as f:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_environment(),
@@ -638,7 +662,7 @@ class Check:
         last = text.splitlines()[-1] if text else ""
         values = dict(re.findall(r"(\w+)=([^\s,]+)", last))
         if rc != 0 or "op_vs_floor" not in values:
-            raise RuntimeError(f"{' '.join(cmd[1:])} exit {rc}; last line {last!r} (log {log})")
+            raise RuntimeError(f"{' '.join(cmd[1:])} exit {rc}; last line {last!r} (log {archived(log)})")
         self.details["jreg_op"] = values
         for key, value in values.items():
             with contextlib.suppress(ValueError):
@@ -662,17 +686,21 @@ class Check:
     def plan(self) -> dict:
         s = self.sizes
         runs = []
+        kinds = {}
         for label, (_, mbs, _) in s.presets.items():
             common = self.common_flags(label, mbs, mbs, s.iters, s.log_interval)
-            kinds = {"l0": ("ours", [*common, "--jreg-lambda", "0", "--no-progress"]),
-                     "l1": ("ours", [*common, "--jreg-lambda", "1", "--jreg-alpha", "1", "--no-progress"]),
-                     "megatron-lm": ("megatron-lm", common)}
-            for r in range(s.rounds):
-                for key in (("l0", "l1", "megatron-lm") if r % 2 == 0 else ("megatron-lm", "l1", "l0")):
-                    kind, argv = kinds[key]
-                    name = f"{label}-{key}-r{r}"
-                    runs.append({"name": name, "kind": kind, "argv": argv, "log": str(self.logs / f"{name}.log"),
-                                 "label": label, "key": key})
+            kinds[label] = {"l0": ("ours", [*common, "--jreg-lambda", "0", "--no-progress"]),
+                            "l1": ("ours", [*common, "--jreg-lambda", "1", "--jreg-alpha", "1", "--no-progress"]),
+                            "megatron-lm": ("megatron-lm", common)}
+        # in the order of worth: λ = 0 / λ = 1 pairs (time ratio, MFU) in alternated rounds, then Megatron-LM's
+        order = [(r, key) for r in range(s.rounds) for key in (("l0", "l1") if r % 2 == 0 else ("l1", "l0"))]
+        order += [(r, "megatron-lm") for r in range(s.rounds)]
+        for r, key in order:
+            for label in s.presets:
+                kind, argv = kinds[label][key]
+                name = f"{label}-{key}-r{r}"
+                runs.append({"name": name, "kind": kind, "argv": argv, "log": str(self.logs / f"{name}.log"),
+                             "label": label, "key": key})
         for label, (_, mbs, _) in s.presets.items():  # PP=2: each stage alone on the GPU (Megatron-LM's fake PG)
             common = self.common_flags(label, mbs, mbs * s.pp2_microbatches, s.pp2_iters, 1)
             for lam in ("0", "1"):
@@ -717,7 +745,7 @@ class Check:
         env = child_environment({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                                  "MASTER_PORT": str(free_port())})
         timeout = self.left() - 15
-        self.say(f"   {len(plan['runs'])} runs in one worker process (logs in {self.logs}), at most {timeout:.0f} s")
+        self.say(f"   {len(plan['runs'])} runs in one worker process, at most {timeout:.0f} s")
         try:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(plan_path)],
                                   cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
@@ -733,7 +761,12 @@ class Check:
                 self.report_sync(r["sync_debug"])
         flops = next((r["flops"] for r in records if "flops" in r), {})
         self.details["flops_per_iteration"] = flops
-        self.report_training(plan, {r["name"]: r for r in records if "name" in r}, flops)
+        done = {r["name"]: r for r in records if "name" in r}
+        alive = {name: r["models_alive_after"] for name, r in done.items() if r.get("models_alive_after")}
+        self.figures["models_alive_after_runs"] = max(alive.values(), default=0) if done else None
+        self.say(f"   garbage collected after each run: {len(done)} runs, GPT models still alive after "
+                 + (", ".join(f"{k}: {v}" for k, v in alive.items()) if alive else "none of them"))
+        self.report_training(plan, done, flops)
 
     def report_sync(self, s: dict) -> None:
         self.details["sync_debug"] = s
@@ -761,7 +794,7 @@ class Check:
                     r.update(steady(r["intervals"], self.sizes.log_interval))
                 except ValueError as e:
                     r["rc"] = "no timings"
-                    self.error(spec["name"], f"{e} (log {spec['log']})")
+                    self.error(spec["name"], f"{e} (log {archived(spec['log'])})")
             elif r["rc"] != 0:
                 self.error(spec["name"], f"exit {r['rc']}: {' | '.join(text.strip().splitlines()[-3:])[-500:]}")
         for label, (preset, mbs, _) in s.presets.items():
@@ -828,11 +861,23 @@ class Check:
         if self.details["errors"]:
             self.say(f"   {len(self.details['errors'])} error(s): " + " | ".join(self.details["errors"]))
         if self.out:
+            archive = self.out / "gpu_check_logs.tar.gz"
+            with tarfile.open(archive, "w:gz") as tar:
+                tar.add(self.logs, arcname="gpu_check_logs")
             (self.out / "gpu_check.json").write_text(json.dumps(self.details, indent=1, default=str))
-            self.say(f"   written: {self.out / 'gpu_check.txt'}, {self.out / 'gpu_check.json'}, logs in {self.logs}")
+            files = [p for p in self.out.rglob("*") if p.is_file()]
+            if len(files) + 1 > OUT_FILES:  # + this console's own file
+                self.error("out", f"{len(files) + 1} files in {self.out}: a lent machine returns {OUT_FILES}")
+            self.say(f"   written: {self.out / 'gpu_check.txt'}, {self.out / 'gpu_check.json'}, {archive} "
+                     "(every log)")
         self.say(summary_line(self.figures))
         self.say.close()
         return 1 if self.details["errors"] else 0
+
+
+def archived(log: str | Path) -> str:
+    """Where a log is in OUT's archive."""
+    return f"gpu_check_logs.tar.gz: gpu_check_logs/{Path(log).name}"
 
 
 def _paired_ratio(a: list[dict], b: list[dict], key: str) -> float:
@@ -918,11 +963,12 @@ def main(argv: list[str] | None = None) -> int:
         check.finish()
         return 2
     check.step("   device peak", check.peak)
-    check.step(f"2/5 numerics: bf16 Ψ and its gradient on {check.device} vs fp64", check.numerics)
-    check.step(f"3/5 JREG op vs its memory floor: benchmarks/jreg_op.py --device {check.device}", check.jreg_op)
+    check.step(f"2/5 JREG op as training runs it vs its memory floor: benchmarks/jreg_op.py --device {check.device}",
+               check.jreg_op)
+    check.step(f"3/5 numerics: bf16 Ψ and its gradient on {check.device} vs fp64", check.numerics)
     labels = ", ".join(f"{k} = {v[0]}" for k, v in check.sizes.presets.items())
-    check.step(f"4/5 training ({labels}): sync debug; λ = 0, λ = 1 and Megatron-LM's pretrain_gpt.py in alternated "
-               "rounds; PP = 2 memory", check.training)
+    check.step(f"4/5 training ({labels}): sync debug; λ = 0 and λ = 1 in alternated rounds; Megatron-LM's "
+               "pretrain_gpt.py; PP = 2 memory", check.training)
     check.say("== 5/5 summary")
     return check.finish()
 

@@ -101,16 +101,16 @@ def _displacements(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor) -> Tensor:
     return torch.stack([angular, cosine, zero.float()])
 
 
-def _row_factors(sa: Tensor, sb: Tensor, c2: Tensor, s2: Tensor, g: Tensor, angular: bool) -> tuple[Tensor, ...]:
-    """Per row [T]: ra, rb, ka = −k·ra, kb = −k·rb (both 0 where the row gets no gradient: zero vectors beside a
-    finite row, and rows whose upstream gradient g is 0), 1 − cos and 1 + cos."""
-    ra, rb = _inverse_norm(sa), _inverse_norm(sb)
+def _row_factors(sa: Tensor, sb: Tensor, ra: Tensor, rb: Tensor, c2: Tensor, s2: Tensor, g: Tensor,
+                 angular: bool) -> tuple[Tensor, ...]:
+    """Per row [T] (ra, rb: _inverse_norm of sa, sb): ka = −k·ra, kb = −k·rb (both 0 where the row gets no gradient:
+    zero vectors beside a finite row, and rows whose upstream gradient g is 0), 1 − cos and 1 + cos."""
     zero = (sa.sqrt() <= NORM_EPS) | (sb.sqrt() <= NORM_EPS)
     off = (g == 0) | (zero & ((sa + sb) * 0.0 == 0.0))
     both = (c2 + s2).clamp_min(_TINY)
     omc, opc = 2.0 * c2 / both, 2.0 * s2 / both
     k = g / (math.pi * (2.0 * (c2 * s2).sqrt() / both).clamp_min(_SIN_FLOOR)) if angular else g
-    return ra, rb, torch.where(off, 0.0, -k * ra), torch.where(off, 0.0, -k * rb), omc, opc
+    return torch.where(off, 0.0, -k * ra), torch.where(off, 0.0, -k * rb), omc, opc
 
 
 def _regime(omc: Tensor, opc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -136,10 +136,11 @@ def _grad_b_body(a: Tensor, b: Tensor, up: Tensor, factor: float, g: Tensor | No
     """out ← g + factor·Σ_t up[t]·∂d_t/∂b (out may be g); returns the figures."""
     a, b = _flat(a).float(), _flat(b).float()
     sa, sb = (a * a).sum(-1), (b * b).sum(-1)
-    ra, rb = _inverse_norm(sa).unsqueeze(-1), _inverse_norm(sb).unsqueeze(-1)
-    delta, summ = (b - a) * rb + a * (rb - ra), (a + b) * ra + b * (rb - ra)
-    ra, rb, ka, kb, omc, opc = _row_factors(sa, sb, delta.square().sum(-1), summ.square().sum(-1),
-                                            factor * up.float(), angular)
+    ra, rb = _inverse_norm(sa), _inverse_norm(sb)
+    delta = (b - a) * rb.unsqueeze(-1) + a * (rb - ra).unsqueeze(-1)
+    summ = (a + b) * ra.unsqueeze(-1) + b * (rb - ra).unsqueeze(-1)
+    ka, kb, omc, opc = _row_factors(sa, sb, ra, rb, delta.square().sum(-1), summ.square().sum(-1),
+                                    factor * up.float(), angular)
     alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
     kb = kb.unsqueeze(-1)
     grad = torch.where(kb == 0, 0.0, kb * (beta * summ - alpha * delta + b * (rb.unsqueeze(-1) * m)))
@@ -170,18 +171,19 @@ def _eager_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
     sa, sb = torch.linalg.vecdot(a, a), torch.linalg.vecdot(b, b)
     ra, rb = _inverse_norm(sa).unsqueeze_(-1), _inverse_norm(sb).unsqueeze_(-1)
     delta, summ = _chord(a, b, ra, rb), _sum_vector(a, b, ra, rb)
-    return a, b, sa, sb, delta, summ, torch.linalg.vecdot(delta, delta), torch.linalg.vecdot(summ, summ)
+    return a, b, sa, sb, ra, rb, delta, summ, torch.linalg.vecdot(delta, delta), torch.linalg.vecdot(summ, summ)
 
 
 def _eager_row_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
-    _, _, sa, sb, _, _, c2, s2 = _eager_sums(a, b)
+    _, _, sa, sb, _, _, _, _, c2, s2 = _eager_sums(a, b)
     return sa, sb, c2, s2
 
 
 def _eager_grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool) -> tuple[Tensor, Tensor]:
     """(factor·Σ_t up[t]·∂d_t/∂b [T, h] fp32, the [5, T] figures)."""
-    _, b, sa, sb, delta, summ, c2, s2 = _eager_sums(a, b)
-    ra, rb, ka, kb, omc, opc = _row_factors(sa, sb, c2, s2, factor * up.float(), angular)
+    _, b, sa, sb, ra, rb, delta, summ, c2, s2 = _eager_sums(a, b)
+    ra, rb = ra.squeeze(-1), rb.squeeze(-1)
+    ka, kb, omc, opc = _row_factors(sa, sb, ra, rb, c2, s2, factor * up.float(), angular)
     alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
     kb = kb.unsqueeze(-1)
     grad = delta.mul_(-alpha).addcmul_(summ, beta).addcmul_(b, rb.unsqueeze(-1) * m).mul_(kb)

@@ -1,9 +1,9 @@
 """benchmarks/gpu_check.sh: its dry run end to end on CPU, and the pieces the GPU run relies on.
 
-The dry run does every step of the GPU check at tiny sizes (wheels, bf16 Ψ and gradient against fp64, the JREG op
-benchmark when present, the sync-debug run, λ = 0 / λ = 1 / Megatron-LM's pretrain_gpt.py in alternated rounds,
-PP = 2 stage memory through --fake-process-group, the key=value line and the files under $OUT), so the script
-waits ready for the first GPU.
+The dry run does every step of the GPU check at tiny sizes (wheels, the JREG op benchmark when present, bf16 Ψ and
+gradient against fp64, the sync-debug run, λ = 0 / λ = 1 in alternated rounds, Megatron-LM's pretrain_gpt.py, PP = 2
+stage memory through --fake-process-group, the key=value line and the three files under $OUT), so the script waits
+ready for the first GPU.
 """
 
 import importlib.util
@@ -96,6 +96,9 @@ def test_dry_run_prints_every_figure(dry_run):
     # the numerics: Ψ from bf16 states as fp64 computes it; the bf16 gradient as close as bf16 can be
     assert values["psi_rel_err"] < 1e-5 and values["grad_rel_err"] <= 2 * values["grad_bf16_rounding"], figures
     assert values["sync_debug_ok"] == 1 and values["jreg_extra_syncs"] == 0
+    assert values["models_alive_after_runs"] == 0  # each run's model collected before the next (--manual-gc)
+    if "op_vs_floor" not in absent:  # the op as training runs it, counted
+        assert values["op_launches"] > 0 and values["op_allocated_mib"] >= 0
     for label in gpu_check.PRESET_LABELS:
         assert values[f"tokens_per_sec_{label}"] > 0 and 0 < values[f"mfu_{label}"] < 10, figures
         assert 0 < values[f"time_ratio_{label}"] < 10, figures  # timings on a shared CPU: just sane
@@ -123,13 +126,21 @@ def test_dry_run_installs_only_what_is_missing(dry_run):
 
 
 @pytest.mark.slow
-def test_dry_run_writes_console_json_and_logs_under_out(dry_run):
+def test_dry_run_writes_three_files_under_out_in_the_order_of_worth(dry_run):
+    """OUT holds the console, the JSON and one archive of every log (a lent machine returns at most 8 files); the
+    steps and runs go in the order of what their figures are worth: the op, λ = 0 / λ = 1 pairs (time ratio, MFU;
+    1B first), Megatron-LM's runs, PP = 2 memory last."""
+    import json
+    import tarfile
+
     tmp, result = dry_run
     out = tmp / "out"
+    assert sorted(p.name for p in out.rglob("*")) == ["gpu_check.json", "gpu_check.txt", "gpu_check_logs.tar.gz"]
     text = (out / "gpu_check.txt").read_text()
     assert text.strip().splitlines()[-1] == result.stdout.strip().splitlines()[-1]
-    import json
-
+    steps = [line.split(":")[0] for line in text.splitlines() if line.startswith("== ")]
+    assert [s.split()[1] for s in steps if s.split()[1][0].isdigit()] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+    assert "JREG op as training runs it" in text.split("== 2/5")[1].splitlines()[0]
     details = json.loads((out / "gpu_check.json").read_text())
     assert details["mode"] == "dry-run" and details["errors"] == []
     names = {r["name"] for r in details["runs"]}
@@ -139,12 +150,17 @@ def test_dry_run_writes_console_json_and_logs_under_out(dry_run):
     if not megatron_lm_carried():
         rounds = {n for n in rounds if "megatron-lm" not in n}
     assert names == rounds | stages and all(r["rc"] == 0 for r in details["runs"]), details["runs"]
+    assert all(r["models_alive_after"] == 0 for r in details["runs"]), details["runs"]
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        logs = {m.name.removeprefix("gpu_check_logs/"): m.size for m in tar.getmembers() if m.isfile()}
     for name in names:
-        assert (out / "gpu_check" / f"{name}.log").stat().st_size > 0
-    # alternated rounds: λ = 0, λ = 1, Megatron-LM, then the reverse
-    order = [r["name"] for r in details["runs"] if r["name"].startswith("170m-") and "pp2" not in r["name"]]
-    assert [n.split("-")[1] for n in order] == [k for k in ("l0", "l1", "megatron", "megatron", "l1", "l0")
-                                               if megatron_lm_carried() or k != "megatron"]
+        assert logs[f"{name}.log"] > 0
+    assert logs["jreg_op.log"] > 0 and "sync_debug.log" in logs
+    order = [r["name"].rsplit("-r", 1)[0] for r in details["runs"]]
+    expected = ["1b-l0", "170m-l0", "1b-l1", "170m-l1", "1b-l1", "170m-l1", "1b-l0", "170m-l0"]
+    if megatron_lm_carried():
+        expected += ["1b-megatron-lm", "170m-megatron-lm"] * 2
+    assert order[:len(expected)] == expected and all("pp2" in n for n in order[len(expected):]), order
     assert details["sync_debug"]["error_mode"] == "passed"
     assert not (tmp / "out" / "ck").exists()
 
@@ -250,6 +266,63 @@ def test_make_gpu_wheels_fetches_for_the_gpu_machine():
                           ([], "https://raw.githubusercontent.com/NVIDIA/Megatron-LM/core_v0.19.0/$f")):
         text = subprocess.run(["make", "-n", "gpu-wheels", *extra], cwd=REPO, capture_output=True, text=True).stdout
         assert needle in text and f"for f in {' '.join(files)}; do" in text and ".whl/megatron-lm" in text, text
+
+
+def test_collecting_garbage_frees_what_manual_gc_left_behind():
+    """Megatron-LM's --manual-gc calls gc.disable() in train() and never enables it again: a model held in a
+    reference cycle outlives its run until the collector runs. The worker's collect_garbage turns it back on and
+    collects (a GPT model here; the count it returns is what each run's record reports)."""
+    import gc
+    import weakref
+
+    gpu_check = load("gpu_check")
+
+    class Holder:
+        pass
+
+    enabled = gc.isenabled()
+    try:
+        gc.disable()
+        holder = Holder()
+        holder.me = holder  # a cycle: only the collector frees it
+        gone = weakref.ref(holder)
+        del holder
+        assert gone() is not None  # nothing runs the collector while it is off
+        assert gpu_check.collect_garbage() == 0 and gone() is None and gc.isenabled()
+    finally:
+        if not enabled:
+            gc.disable()
+
+
+def test_the_script_finds_torch_where_the_lent_machine_has_it(tmp_path):
+    """On the lent machine only `python3` is promised to have torch: without a .venv that imports torch, the script
+    runs benchmarks/gpu_check.py with python3 (a stand-in checkout records the interpreter it got)."""
+    import shutil
+    import stat
+
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    shutil.copy(SCRIPT, checkout / "benchmarks" / "gpu_check.sh")
+    (checkout / "benchmarks" / "gpu_check.py").write_text("import sys; print('ran with', sys.argv[0], sys.argv[1:3])\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    python3.write_text(f"#!/bin/sh\necho python3 >> {tmp_path / 'chosen'}\nexec {sys.executable} \"$@\"\n")
+    python3.chmod(python3.stat().st_mode | stat.S_IEXEC)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    for venv in (False, True):
+        if venv:  # a .venv whose python has no torch (not the lent machine's): still python3
+            (checkout / ".venv" / "bin").mkdir(parents=True)
+            fake = checkout / ".venv" / "bin" / "python"
+            fake.write_text("#!/bin/sh\nexit 1\n")
+            fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+        (tmp_path / "chosen").unlink(missing_ok=True)
+        result = subprocess.run(["bash", str(checkout / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "ran with benchmarks/gpu_check.py ['--wheels'" in result.stdout
+        assert (tmp_path / "chosen").read_text().split() == ["python3"]
 
 
 def test_script_is_shellcheck_clean():
