@@ -3,10 +3,11 @@
 For each tokenizer kind, both tools run on the same JSONL with the same tokenizer, `--workers` and
 `--append-eod`, in interleaved rounds, and once more on the input's first document alone (start-up: imports,
 tokenizer, workers). Per tool: the wall time of the whole input, the start-up's, and the work = the first less
-the second (the best of --repeats rounds each); per kind: the ratio of the work (Megatron-LM's / ours), of the
-start-up, whether the outputs are byte-identical, and which engine ours ran (`tiktoken`, or why not). Then each
-kind's tokenizer alone, one process: our engine's MB/s against megatron-core's tokenize (the same ids checked),
-and the wall time of `--help` of both entry points. Ends with:
+the second (the best of --repeats rounds each; the same in CPU-s, steadier on a shared machine); per kind: the
+ratio of the work (Megatron-LM's / ours), the start-ups, whether the outputs are byte-identical, and which engine
+ours ran (`tiktoken`, or why not). Then each kind's tokenizer alone, one process: our engine's MB/s of CPU time
+against megatron-core's tokenize (the same ids checked), and the wall time of `--help` of both entry points
+and of Megatron-LM's tool. Ends with:
 
     min_work_ratio=<..> <kind>_work_ratio=<..> ... max_startup_ratio=<..> identical=<all|no> help_s=<..>
 
@@ -20,7 +21,8 @@ WikiText-2 (valid + test) and the Python standard library's sources (tests/_toke
 - `sentencepiece`: a SentencePiece BPE of 32,000 pieces with byte fallback (Llama-2's kind);
 - `nfkc`: the gpt2 stand-in with an NFKC normalizer, which has no exact tiktoken conversion (the `tokenizers`
   engine runs: that such a tokenizer runs, and how fast).
-The input is FineWeb-Edu-sized documents (WikiText-2 sections, ~3 KB) repeated to --mb MB (not committed).
+`--tokenizer-model` (with `--tokenizer-type`) adds yours, as kind `yours`. The input is FineWeb-Edu-sized
+documents (WikiText-2 sections, ~3 KB) repeated to --mb MB (not committed), or yours (`--input`).
 
 Megatron-LM is not a dependency: pass its checkout with --megatron-lm; without one the benchmark says so and
 exits 0. `--flags` adds Megatron-LM flags to both command lines; `--compare-with DIR` (a folder holding another
@@ -187,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron-python", default=sys.executable, help="python that can import torch")
     p.add_argument("--input", default=None, help="JSONL with a 'text' key (default: generated)")
     p.add_argument("--mb", type=float, default=64.0, help="size of the generated input (default: %(default)s)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="tokenizer kinds, of " + ", ".join(KINDS))
+    p.add_argument("--kinds", default=None, help=f"tokenizer kinds, of {', '.join(KINDS)} (default: all, or none "
+                   "with --tokenizer-model)")
+    p.add_argument("--tokenizer-model", default=None, help="your tokenizer too (a folder or .model), as kind 'yours'")
+    p.add_argument("--tokenizer-type", default="HuggingFaceTokenizer", help="of --tokenizer-model (default: "
+                   "%(default)s)")
     p.add_argument("--vocab-size", type=int, default=16384, help="the gpt2 stand-in's (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
@@ -195,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-with", default=None, help="folder with another version's megatron_jreg package")
     p.add_argument("--flags", default="", help="more Megatron-LM flags for both tools, e.g. '--split-sentences'")
     args = p.parse_args(argv)
-    kinds = args.kinds.split(",")
+    kinds = args.kinds.split(",") if args.kinds else [] if args.tokenizer_model else list(KINDS)
     if set(kinds) - set(KINDS):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")
+    if args.tokenizer_model:
+        kinds.append("yours")
 
     tool = Path(args.megatron_lm or "") / "tools" / "preprocess_data.py"
     if not args.megatron_lm or not tool.is_file():
@@ -229,27 +237,28 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     for kind in kinds:
         start = time.perf_counter()
-        tokenizer_type, model = build_tokenizer(kind, work / "tokenizers", args.vocab_size)
+        tokenizer_type, model = (args.tokenizer_type, str(Path(args.tokenizer_model).resolve())) if kind == "yours" \
+            else build_tokenizer(kind, work / "tokenizers", args.vocab_size)
         print(f"\n{kind}: {tokenizer_type} {Path(model).name} (trained or reused: {time.perf_counter() - start:.0f}s)")
         common = ["--tokenizer-type", tokenizer_type, "--tokenizer-model", model, "--append-eod",
                   "--workers", str(args.workers), "--log-interval", str(docs), *shlex.split(args.flags)]
         wall: dict[str, float] = {}
         startup: dict[str, float] = {}
         cpu: dict[str, float] = {}
+        cpu_startup: dict[str, float] = {}
         backend = ""
         for r in range(args.repeats):
             for name, (cmd, tool_env) in tools.items():
-                for inp, kept in ((source, wall), (one, startup)):
+                for inp, kept, kept_cpu in ((source, wall, cpu), (one, startup, cpu_startup)):
                     prefix = work / f"{name}_{kind}{'_one' if inp == one else ''}"
                     seconds, cpu_s, log = run_tool([*cmd, "--input", str(inp), "--output-prefix", str(prefix),
                                                     *common], tool_env, prefix)
                     kept[name] = min(kept.get(name, float("inf")), seconds)
-                    if inp == source:
-                        cpu[name] = min(cpu.get(name, float("inf")), cpu_s)
-                        found = re.search(r"tokenizer backend (.*?)\) in ", log)
-                        backend = found.group(1) if found and name == "ours" else backend
-                print(f"  round {r + 1} {name:8s}: {wall[name]:6.1f}s wall, {startup[name]:5.1f}s start-up "
-                      f"(one document), {cpu[name]:6.1f} CPU-s", flush=True)
+                    kept_cpu[name] = min(kept_cpu.get(name, float("inf")), cpu_s)
+                    if inp == source and name == "ours":
+                        backend = re.search(r"tokenizer backend (.*?)\) in ", log).group(1)
+                print(f"  round {r + 1} {name:8s}: {wall[name]:6.1f}s wall, {cpu[name]:6.1f} CPU-s; one document "
+                      f"(start-up): {startup[name]:5.1f}s wall, {cpu_startup[name]:5.1f} CPU-s", flush=True)
         identical = all(
             (work / f"ours_{kind}_text_document{s}").read_bytes()
             == (work / f"{name}_{kind}_text_document{s}").read_bytes()
@@ -260,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:8s}: work {work_s[name]:5.1f}s ({size / 1e6 / work_s[name]:6.2f} MB/s), start-up "
                   f"{startup[name]:4.1f}s")
         ours_mb, core_mb = engine_rates(tokenizer_type, model, source, 4.0, 2)
+        work_cpu = {name: cpu[name] - cpu_startup[name] for name in tools}  # steadier than wall on a busy machine
         results[kind] = {"work": work_s["megatron"] / work_s["ours"], "identical": identical, "engine": backend,
+                         "work_cpu": work_cpu["megatron"] / work_cpu["ours"],
                          "startup": startup["ours"] / startup["megatron"], "rates": (ours_mb, core_mb),
                          "mb_s": {name: size / 1e6 / work_s[name] for name in tools}, "startup_s": startup}
         vs = ""
@@ -271,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper tokenizer kind (work = wall less the one-document run's start-up; MB/s of the input):")
     for kind, r in results.items():
         ours, theirs = r["mb_s"]["ours"], r["mb_s"]["megatron"]
-        print(f"{kind:13s} work {r['work']:5.2f}x Megatron-LM's ({ours:5.2f} vs {theirs:5.2f} MB/s), start-up "
+        print(f"{kind:13s} work {r['work']:5.2f}x Megatron-LM's ({ours:5.2f} vs {theirs:5.2f} MB/s; CPU-s "
+              f"{r['work_cpu']:4.2f}x), start-up "
               f"{r['startup_s']['ours']:4.1f}s vs {r['startup_s']['megatron']:4.1f}s, byte-identical "
               f"{r['identical']}, tokenize alone {r['rates'][0] / r['rates'][1]:4.2f}x megatron-core's, engine "
               f"{r['engine']}")

@@ -524,3 +524,15 @@ def test_a_tokenizer_without_a_fast_path_says_so_once_in_the_progress_line(bpe, 
     assert summary["tokenizer_backend"] == note.removeprefix("tokenizer ")
     tok = build_tokenizer("HuggingFaceTokenizer", str(folder))
     assert _docs(tmp_path / "out") == [list(tok.megatron.tokenize(t)) + [tok.eod] for t in articles]
+
+
+def test_the_throughput_benchmark_the_docs_quote_reads_its_flags():
+    """docs/data.md quotes `python benchmarks/preprocess_throughput.py --input SAMPLE.jsonl --tokenizer-model TOK
+    --megatron-lm PATH` and `... --megatron-lm PATH`: the flags parse, and without a Megatron-LM checkout it says so
+    and exits 0 (it measures nothing here); an unknown --kinds is a usage error."""
+    bench = [sys.executable, str(ROOT / "benchmarks" / "preprocess_throughput.py")]
+    for extra in (["--input", "SAMPLE.jsonl", "--tokenizer-model", "TOK"], []):
+        proc = subprocess.run([*bench, *extra, "--megatron-lm", "PATH"], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout.startswith("skipped: no Megatron-LM checkout"), proc.stderr
+    proc = subprocess.run([*bench, "--kinds", "gpt2,bert"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--kinds: choose from gpt2, smollm2, llama3, sentencepiece, nfkc" in proc.stderr
