@@ -78,10 +78,10 @@ def test_endpoint_definitions():
 def test_committed_report_is_a_function_of_the_committed_raw_files(tmp_path):
     import study_v3_report
 
-    text, _ = study_v3_report.report_text(RAW_V3, tmp_path, plots=False)
-    committed = (ROOT / "docs" / "study.md").read_text(encoding="utf-8")
+    text, _ = study_v3_report.report_text(RAW_V3, STUDY, plots=False)
+    committed = (STUDY / "report_v3.md").read_text(encoding="utf-8")
     assert text == committed, "regenerate: python experiments/study/study_v3_report.py " \
-        "--raw experiments/study/raw_v3 --report docs/study.md"
+        "--raw experiments/study/raw_v3 --report experiments/study/report_v3.md"
 
 
 def test_the_preregistration_precedes_every_runs_commit():

@@ -24,7 +24,8 @@ Design (fixed here, before any run; experiments/study/report_v2.md reports whate
   before and after on the same held-out windows.
 
     python experiments/study/study.py                     # study v2 (report_v2.md): ~2 h on 2 cores
-    python experiments/study/study.py --design v3 --jobs 2   # study v3 (study_v3_analysis.py, docs/study.md)
+    python experiments/study/study.py --design v3 --jobs 2   # study v3 (study_v3_analysis.py, report_v3.md)
+    python experiments/study/study.py --design v4 --jobs 2   # study v4 (study_v4_analysis.py, docs/study.md)
     python experiments/study/study.py --quick             # pipeline smoke test: tiny model, 2 seeds, a few steps
     python experiments/study/study.py --report-only       # report from what is there
     python experiments/study/study.py --runs sft-jreg-a1/seed-3   # only these runs (and their parents), then:

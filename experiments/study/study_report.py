@@ -812,7 +812,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"study_report.py: error: --merge {args.merge}: {e}", file=sys.stderr)
             return 2
-    write_report(args.raw, args.report, plots=not args.no_plots)
+    design = json.loads((args.raw / "study.json").read_text())["config"].get("design", "v2")
+    if design == "v2":
+        write_report(args.raw, args.report, plots=not args.no_plots)
+    else:  # v3 and later: the design's own report, on its pre-registered analysis
+        import importlib
+
+        importlib.import_module(f"study_{design}_report").write_report(args.raw.resolve(), args.report,
+                                                                         plots=not args.no_plots)
     print(f"[study] report: {args.report}")
     if args.sft_doc is not None:
         write_sft_block(args.sft_doc, args.report.read_text(encoding="utf-8"))

@@ -2,7 +2,7 @@
 
 Fixed here and committed before the first v3 run (issue 30); `experiments/study/study.py --design v3` trains and
 measures, the v3 report is made from its raw files with these functions only. What v3 changes from v2
-(docs/study.md, "Earlier designs"), and why:
+(experiments/study/report_v3.md, "Earlier designs"), and why:
 
 - Regime: 12 layers × 64 (2 heads, FFN 176), the regime in which a top-of-stack jump formed in 7 of 8 baseline
   seeds (experiments/demo_regimes/regimes.txt). Seeds 9..20: fresh, never used to choose the regime (that used 1..8).
