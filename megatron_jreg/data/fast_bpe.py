@@ -304,7 +304,7 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
     order = {pair: i for i, pair in enumerate(merges)}  # as `tokenizers` builds its merge map: a repeated pair
     # keeps its last index
     made: dict[str, int] = {}  # merged piece (byte-level characters) -> its id, in merge order
-    for a, b in sorted(order, key=order.__getitem__):
+    for a, b in merges if len(order) == len(merges) else sorted(order, key=order.__getitem__):
         piece = a + b
         if piece in made:
             raise NoConversion(f"a piece made by two merges ({piece!r})")
@@ -313,8 +313,9 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
         made[piece] = vocab[piece]
     singles = {b: vocab[c] for b, c in byte_to_unicode().items() if c in vocab}
     present = {c for c in byte_to_unicode().values() if c in vocab}
-    made = {p: i for p, i in made.items() if set(p) <= present}  # a piece holding a lacking byte: unreachable
-    _check_merges_make_their_pieces(model, merges, list(made))
+    if len(present) < 256:  # a piece holding a lacking byte is unreachable
+        made = {p: i for p, i in made.items() if set(p) <= present}
+    _check_merges_make_their_pieces(model, merges, [p for p in made if len(p) > 2])  # two: made by their merge
     if model.get("ignore_merges"):  # a whole pre-token found in the vocabulary is one token, merges or not
         matched = {s.encode("utf-8") for s in specials}
         unmade = [p for p in vocab if len(p) > 1 and p not in made and set(p) <= present
@@ -322,7 +323,8 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
         if unmade:
             raise NoConversion(f"ignore_merges with vocabulary pieces no merge makes ({unmade[0]!r})")
     # tiktoken's ranks are its output ids: the vocabulary's ids where they rise with the merge index.
-    merged = [as_bytes(p) for p in made]
+    # as_bytes of each piece, in one pass (they hold alphabet characters only)
+    merged = "\x00".join(made).translate({**latin, 0: 0}).encode("latin-1").split(b"\x00") if made else []
     merged_ids = list(made.values())
     ids = [*singles.values(), *merged_ids]
     in_order = all(a < b for a, b in zip(merged_ids, merged_ids[1:])) and len(set(ids)) == len(ids)
