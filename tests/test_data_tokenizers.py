@@ -186,6 +186,22 @@ def test_llama3_style_bpe_with_reserved_specials_and_ignore_merges_runs_on_tikto
     assert tok.eod == eos and tok.tokenize(llama3_specials()[9]) == [*with_bos, eot]
 
 
+@pytest.mark.parametrize("pre", ["split-letters-only", "byte-level-without-regex"])
+def test_other_byte_level_pre_tokenizers_run_on_tiktoken(hf_bpe, tmp_path, pre):
+    """A Split regex that leaves text between its matches (`tokenizers` keeps it as pieces; tiktoken would drop
+    it: the pattern takes the gaps too), and ByteLevel without its regex (one piece between added tokens)."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    hf = Tokenizer.from_file(f"{hf_bpe}/tokenizer.json")
+    hf.pre_tokenizer = (pre_tokenizers.ByteLevel(False, use_regex=False) if pre.startswith("byte-level") else
+                        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}+"), "isolated"),
+                                                 pre_tokenizers.ByteLevel(False, use_regex=False)]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert tok.backend == "tiktoken"
+    _same_ids_as_megatron_core(tok, _corpus())
+
+
 def test_ids_out_of_merge_order_are_mapped(hf_bpe, tmp_path):
     """A vocabulary whose ids do not rise with the merge index (two merged pieces' ids swapped): tiktoken ranks in
     merge order, its ids mapped back to the vocabulary's."""
