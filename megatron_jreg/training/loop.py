@@ -89,7 +89,8 @@ class JregLoop:
         self.progress = Progress(args.progress if is_logging_rank else False, args.train_iters, args.log_interval)
         self._record = False  # this training step records Ψ
         self._line: dict = {}  # what on_log_start read for the line training_log is making
-        self._interrupted = False  # Ctrl-C seen: stop at the end of the step
+        self._interrupted = False  # Ctrl-C seen: stop at the end of the step (with several ranks: a logging step)
+        self._zero_warned = False  # the all-zero hidden states warning was printed
         self._iteration = 0  # the last completed iteration
         self._sigint = None
         if threading.current_thread() is threading.main_thread():
@@ -131,15 +132,21 @@ class JregLoop:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise Interrupted(self._interrupted_line())
         self._interrupted = True
-        print("megatron-jreg train: Ctrl-C: stopping at the end of this iteration (press again to stop at once)",
+        when = "this iteration"
+        if _ranks() > 1:  # the ranks agree on stopping where they log (no collective on the steps between)
+            when = f"iteration {-(-(self._iteration + 1) // self.args.log_interval) * self.args.log_interval}"
+        print(f"megatron-jreg train: Ctrl-C: stopping at the end of {when} (press again to stop at once)",
               file=sys.stderr, flush=True)
 
-    def _stop_if_interrupted(self) -> None:
-        """After a step or an evaluation: raise Interrupted on every rank if any rank saw Ctrl-C."""
+    def _stop_if_interrupted(self, agree: bool = True) -> None:
+        """After a step or an evaluation: raise Interrupted on every rank if any rank saw Ctrl-C. With several ranks
+        that takes a collective (and a host sync), so after training steps only where they log (`agree`)."""
         import torch
 
         stop = self._interrupted
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if _ranks() > 1:
+            if not agree:
+                return
             flag = torch.tensor([int(stop)], device="cuda" if torch.cuda.is_available() else "cpu")
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             stop = bool(flag.item())
@@ -180,6 +187,7 @@ class JregLoop:
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
         """After Megatron-LM's train_step; `result` by TRAIN_STEP_RESULT's names."""
         self.stats = self.plugin.finish_step() if self._record else None
+        self._warn_zero_states(self.stats)
         exit_code = result["exit_code"]
         if result["should_exit"] and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                                    EXIT_CODE_RESUME_TO_DISAMBIGUATE):
@@ -187,7 +195,16 @@ class JregLoop:
             return
         self._iteration = (iteration or 0) + 1
         self.first_step = False
-        self._stop_if_interrupted()
+        self._stop_if_interrupted(agree=self._record)
+
+    def _warn_zero_states(self, stats: JregStats | None) -> None:
+        """Once per run, at the first step that records one: layers whose hidden states are the zero vector."""
+        if stats is None or self._zero_warned or not stats.zero_layers:
+            return
+        from megatron.training import print_rank_last
+
+        self._zero_warned = True
+        print_rank_last(zero_state_warning(stats))
 
     def _report_divergence(self, iteration: int, exit_code: int) -> None:
         """Megatron-LM's rerun machine stops on NaN/Inf: exit 16 after saving a checkpoint when the result
@@ -281,6 +298,7 @@ class JregLoop:
     def on_eval_end(self, result: Mapping[str, Any]) -> None:
         """After Megatron-LM's evaluate; `result` by EVALUATE_RESULT's names."""
         stats = self.plugin.finish_step()
+        self._warn_zero_states(stats)
         losses = result["total_loss_dict"] or {}
         self.evaluations.append((stats, float(losses["lm loss"]) if "lm loss" in losses else None))
         if not self.first_step:
@@ -308,6 +326,22 @@ class JregLoop:
             group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
             write_scalars(stats, iteration, f"{group}-{name}" if name else group)
         self.evaluations = []
+
+
+def _ranks() -> int:
+    import torch
+
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def zero_state_warning(stats: JregStats) -> str:
+    """One line naming the layers where a real token's hidden state is the zero vector, and how many tokens."""
+    fraction = stats.zero_fraction
+    where = ", ".join(f"{ell} ({'every token' if fraction[ell - 1] >= 1 else f'{100 * fraction[ell - 1]:.3g} %'})"
+                      for ell in stats.zero_layers)
+    return (f"megatron-jreg train: warning: hidden states that are the zero vector at layer(s) {where}: Ψ reads 0.5 "
+            "there (the angle to a zero vector is undefined; it has no gradient) and ζ is not computed (nan); check "
+            "the initialisation (--init-method-std) and the weights")
 
 
 class MegatronLoopAdapter:
