@@ -173,7 +173,8 @@ class LayerPenalty:
     into the gradient h_out receives (jreg_kernels.grad_b) and hands the per-row figures to `watch`'s identity on
     h_in, whose backward runs after the layer's (it needs h_in's whole gradient from the layer) and adds ∂/∂h_in
     (jreg_kernels.grad_a). Each adds in place where autograd handed it the gradient alone (`_owned`), else writes a
-    fresh tensor: one pass either way, never a separate add."""
+    fresh tensor: one pass either way, never a separate add. (Megatron-LM's full recompute hands each recomputed
+    chunk the gradient of its output and keeps it: there the last layer's ∂/∂h_out goes into a fresh tensor.)"""
 
     def __init__(self, kind: str = "angular") -> None:
         _check_kind(kind)

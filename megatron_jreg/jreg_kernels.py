@@ -24,9 +24,10 @@ The math, fp32 whatever the input dtype, per row t (ε = NORM_EPS: a row shorter
       θ > π/2:            b̂ − â·cos = σ − â·(1 + cos),   â − b̂·cos =  σ − b̂·(1 + cos),   1 + cos = 2s²/(c² + s²)
 
 Edge cases:
-- b = a exactly (an identity layer; likewise b = −a): (b − a) and (rb − ra) are exactly 0, so δ, c², 1 − cos and
-  both gradients are exactly 0 however products and divisions round (FMA contraction, Triton's approximate fp32
-  division on NVIDIA: tests/test_jreg_kernels.py runs the Triton kernels with every division off by an ulp).
+- b = a exactly (an identity layer): (b − a) and (rb − ra) are exactly 0, so δ, c², 1 − cos and both gradients are
+  exactly 0 however products and divisions round (FMA contraction, Triton's approximate fp32 division on NVIDIA:
+  tests/test_jreg_math.py runs the Triton kernels with every division off by an ulp); b = −a likewise through
+  (a + b) and σ.
 - a zero vector: d = 0.5 (angular) / 1 (cosine), flagged, no gradient; a row whose upstream gradient is 0 (a
   masked token) gets exactly 0, even if its state is not finite.
 - not finite: a row holding inf/NaN, or one whose |x|² overflows fp32 (|x| ≳ 1.8e19), gives d = NaN and a NaN
