@@ -4,12 +4,13 @@ For each tokenizer kind, both tools run on the same JSONL with the same tokenize
 `--append-eod`, in interleaved rounds, and once more on the input's first document alone (start-up: imports,
 tokenizer, workers). Per tool: the wall time of the whole input, the start-up's, and the work = the first less
 the second (the best of --repeats rounds each; the same in CPU-s, steadier on a shared machine); per kind: the
-ratio of the work (Megatron-LM's / ours), the start-ups, whether the outputs are byte-identical, and which engine
-ours ran (`tiktoken`, or why not). Then each kind's tokenizer alone, one process: our engine's MB/s of CPU time
-against megatron-core's tokenize (the same ids checked), and the wall time of `--help` of both entry points
-and of Megatron-LM's tool. Ends with:
+ratio of the work (Megatron-LM's / ours; also in CPU-s, and by each tool's own processing time from its log),
+the start-ups, whether the outputs are byte-identical, and which engine ours ran (`tiktoken`, or why not). Then
+each kind's tokenizer alone, one process: our engine's MB/s of CPU time against megatron-core's tokenize (the
+same ids checked), and the wall time of `--help` of both entry points and of Megatron-LM's tool. Ends with:
 
-    min_work_ratio=<..> <kind>_work_ratio=<..> ... max_startup_ratio=<..> identical=<all|no> help_s=<..>
+    min_work_ratio=<..> <kind>_work_ratio=<..> ... min_work_cpu_ratio=<..> min_processing_ratio=<..>
+    max_startup_ratio=<..> identical=<all|no> help_s=<..>
 
 The tokenizers are stand-ins trained here (nothing is downloaded; the real ones are not on this machine), on
 WikiText-2 (valid + test) and the Python standard library's sources (tests/_tokenizers.py builds them):
@@ -134,6 +135,16 @@ def run_tool(cmd: list[str], env: dict, prefix: Path) -> tuple[float, float, str
     return elapsed, cpu, proc.stdout + proc.stderr
 
 
+def processing_seconds(name: str, log: str, docs: int) -> float:
+    """A tool's own time from its first document to its last, from its log: Megatron-LM's `Processed N documents
+    (D docs/s, ...)` (printed every --log-interval documents, timed from the end of its start-up; the interval is
+    the document count), ours `done: ... in Ts` (timed from the workers' start). One run, no start-up to subtract:
+    steadier than the wall times on a busy machine."""
+    if name == "megatron":
+        return docs / float(re.findall(rf"Processed {docs} documents \(([0-9.e+]+) docs/s", log)[-1])
+    return float(re.findall(r"\bin ([0-9.]+)s \(", log)[-1])
+
+
 def _each(tokenize):  # noqa: ANN001, ANN202 - megatron-core's tokenize over a list
     return lambda texts: [tokenize(t) for t in texts]
 
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         startup: dict[str, float] = {}
         cpu: dict[str, float] = {}
         cpu_startup: dict[str, float] = {}
+        processing: dict[str, float] = {}
         backend = ""
         for r in range(args.repeats):
             for name, (cmd, tool_env) in tools.items():
@@ -255,10 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     *common], tool_env, prefix)
                     kept[name] = min(kept.get(name, float("inf")), seconds)
                     kept_cpu[name] = min(kept_cpu.get(name, float("inf")), cpu_s)
+                    if inp == source:
+                        processing[name] = min(processing.get(name, float("inf")), processing_seconds(name, log, docs))
                     if inp == source and name == "ours":
                         backend = re.search(r"tokenizer backend (.*?)\) in ", log).group(1)
-                print(f"  round {r + 1} {name:8s}: {wall[name]:6.1f}s wall, {cpu[name]:6.1f} CPU-s; one document "
-                      f"(start-up): {startup[name]:5.1f}s wall, {cpu_startup[name]:5.1f} CPU-s", flush=True)
+                print(f"  round {r + 1} {name:8s}: {wall[name]:6.1f}s wall ({processing[name]:5.1f}s processing by its "
+                      f"log), {cpu[name]:6.1f} CPU-s; one document (start-up): {startup[name]:5.1f}s wall, "
+                      f"{cpu_startup[name]:5.1f} CPU-s", flush=True)
         identical = all(
             (work / f"ours_{kind}_text_document{s}").read_bytes()
             == (work / f"{name}_{kind}_text_document{s}").read_bytes()
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         work_cpu = {name: cpu[name] - cpu_startup[name] for name in tools}  # steadier than wall on a busy machine
         results[kind] = {"work": work_s["megatron"] / work_s["ours"], "identical": identical, "engine": backend,
                          "work_cpu": work_cpu["megatron"] / work_cpu["ours"],
+                         "processing": processing["megatron"] / processing["ours"],
                          "startup": startup["ours"] / startup["megatron"], "rates": (ours_mb, core_mb),
                          "mb_s": {name: size / 1e6 / work_s[name] for name in tools}, "startup_s": startup}
         vs = ""
@@ -283,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, r in results.items():
         ours, theirs = r["mb_s"]["ours"], r["mb_s"]["megatron"]
         print(f"{kind:13s} work {r['work']:5.2f}x Megatron-LM's ({ours:5.2f} vs {theirs:5.2f} MB/s; CPU-s "
-              f"{r['work_cpu']:4.2f}x), start-up "
+              f"{r['work_cpu']:4.2f}x; by the logs {r['processing']:4.2f}x), start-up "
               f"{r['startup_s']['ours']:4.1f}s vs {r['startup_s']['megatron']:4.1f}s, byte-identical "
               f"{r['identical']}, tokenize alone {r['rates'][0] / r['rates'][1]:4.2f}x megatron-core's, engine "
               f"{r['engine']}")
@@ -294,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ours_help = max(helps[n] for n in helps if not n.startswith("Megatron-LM"))
     ratios = " ".join(f"{kind}_work_ratio={r['work']:.2f}" for kind, r in results.items())
     print(f"min_work_ratio={min(r['work'] for r in results.values()):.2f} {ratios} "
+          f"min_work_cpu_ratio={min(r['work_cpu'] for r in results.values()):.2f} "
+          f"min_processing_ratio={min(r['processing'] for r in results.values()):.2f} "
           f"max_startup_ratio={max(r['startup'] for r in results.values()):.2f} "
           f"identical={'all' if all(r['identical'] for r in results.values()) else 'no'} help_s={ours_help:.2f}")
     return 0
