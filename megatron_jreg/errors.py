@@ -43,6 +43,17 @@ class Interrupted(JregError):
     exit_code = INTERRUPTED
 
 
+def ignore_further_interrupts() -> None:
+    """Once a command stops for a Ctrl-C, a further Ctrl-C is ignored until it exits: raised as KeyboardInterrupt it
+    would land in the teardown or in torch's DataLoader shutdown at exit, each a traceback after the command's own
+    line ("Exception ignored in ... __del__"), or kill it before that line (the main thread only: signals)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class ModelFileError(JregError, ValueError):
     """A model on disk that cannot be used as it is; the message is one line naming the path and the fix."""
 
@@ -53,6 +64,44 @@ class IncompleteWeightsError(ModelFileError):
 
 class BadConfigError(ModelFileError):
     """A config.json that is not JSON, or not a model config."""
+
+
+class Failed(JregError):
+    """The run or the machine failed (not the input given): one line naming what and where to resume (exit 1)."""
+
+    exit_code = FAILED
+
+
+class LimitReached(Failed):
+    """A process limit of the machine (`ulimit -n`, `ulimit -f`) stopped the run; one line naming it and the fix."""
+
+
+# A process limit: (errno, what libraries print for it, the resource, its shell name, what it bounds, unit in the shell)
+_LIMITS = ((errno.EMFILE, ("Too many open files",), "RLIMIT_NOFILE", "ulimit -n", "open files", 1),
+           (errno.EFBIG, ("File too large", "File size limit exceeded"), "RLIMIT_FSIZE", "ulimit -f",
+            "the size of a file it writes", 1024))
+
+
+def limit_reached(error: BaseException) -> LimitReached | None:
+    """LimitReached when `error`, or an error behind it (its cause, its context, a library's message quoting it:
+    gloo's "socket: Too many open files", a compiler "terminated by File size limit exceeded"), is this process
+    running into `ulimit -n` or `ulimit -f`; else None. Libraries end such failures in tracebacks far from the
+    limit (megatron-core's process groups, torch.compile's C++ compiler, a checkpoint writer)."""
+    import resource
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        for code, phrases, name, shell, what, unit in _LIMITS:
+            if getattr(error, "errno", None) == code or any(p in text for p in phrases):
+                soft = resource.getrlimit(getattr(resource, name))[0]
+                value = "unlimited" if soft == resource.RLIM_INFINITY else str(soft // unit)
+                example = "65536" if unit == 1 else "unlimited"
+                return LimitReached(f"the process limit on {what} stopped the run ({one_line(text, 160)}): it is "
+                                    f"`{shell} {value}` here; raise it (e.g. `{shell} {example}` in the job script)")
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def one_line(message: object, limit: int | None = None) -> str:

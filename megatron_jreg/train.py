@@ -196,12 +196,16 @@ def _main(argv: list[str]) -> int:
 
     huge_pages_for_cpu_training()  # before torch loads (process_env.py)
     _import_megatron_quietly()
-    from megatron_jreg.errors import JregError, report
+    from megatron_jreg.errors import Interrupted, JregError, ignore_further_interrupts, report
     from megatron_jreg.training.checkpointing import RankLost
     from megatron_jreg.training.run import run
 
     try:
         return run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler (startup) or past it: one line, not a traceback
+        ignore_further_interrupts()
+        return report("megatron-jreg train", Interrupted("interrupted (Ctrl-C); rerun to start again (with --load "
+                                                         "of --save to resume from a checkpoint it holds)"), debug)
     except JregError as e:  # only ours: anything else is a failure whose traceback every rank shows
         # one line per run, not per rank; a lost rank is reported by every survivor (rank 0 may be the lost one)
         if debug or os.environ.get("RANK", "0") == "0" or isinstance(e, RankLost):

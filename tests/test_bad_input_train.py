@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,11 @@ def _damage(good: Path, tmp: Path) -> dict[str, Path]:
     shard.unlink()
     shard.symlink_to(outside / "shard.distcp")
     cases["shard-symlink-out"] = root
+    root = _checkpoint_copy(good, tmp, "shard-unlisted")  # issue 46.10: loaded under "verified 3 file(s)"
+    manifest = json.loads((root / "iter_0000002" / "integrity.json").read_text())
+    del manifest["files"][next(n for n in manifest["files"] if n.endswith(".distcp"))]
+    (root / "iter_0000002" / "integrity.json").write_text(json.dumps(manifest))
+    cases["shard-unlisted"] = root
     for name, target in (("storage-absolute", str(outside / "fifo")), ("storage-parent", "../../outside/fifo")):
         root = _checkpoint_copy(good, tmp, name)
         _redirect_storage(root / "iter_0000002", target)
@@ -147,7 +153,26 @@ def _bad_data(tmp: Path) -> dict[str, str]:
     builder.finalize(str(other) + ".idx")
     Path(str(other) + ".manifest.json").write_text(json.dumps(
         {"tokenizer": {"type": "HuggingFaceTokenizer", "model": "/elsewhere/tok", "sha256": "0" * 64}}))
-    return {"big": str(big), "truncated": str(truncated), "other-tokenizer": str(other)}
+    understated = tmp / "understated_text_document"  # issue 46.9: its manifest says 100, the .bin holds 1000
+    for ext in (".bin", ".idx"):
+        shutil.copy(str(big) + ext, str(understated) + ext)
+    Path(str(understated) + ".manifest.json").write_text(json.dumps(
+        {"max_token_id": 100, "files": {"bin_bytes": Path(str(big) + ".bin").stat().st_size}}))
+    return {"big": str(big), "truncated": str(truncated), "other-tokenizer": str(other),
+            "understated": str(understated)}
+
+
+def _sft_empty_answers(tmp: Path) -> tuple[list[str], str]:
+    """issue 46.11: --sft data whose every assistant answer is empty trained only the end-of-turn token, silently."""
+    from tests.test_sft import SFT, chat_tokenizer
+
+    (tmp / "chat").mkdir()
+    chats = tmp / "chat" / "empty.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},
+                                                      {"role": "assistant", "content": ""}]}) + "\n"
+                             for i in range(3)))
+    argv = SFT + ["--tokenizer-model", chat_tokenizer(tmp / "chat"), "--data-path", str(chats)]
+    return argv, f"--data-path {chats}: every assistant answer in its 3 conversation(s) is empty"
 
 
 def _plain_tokenizer(tmp: Path) -> Path:
@@ -170,6 +195,7 @@ def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[l
     sidecar.write_text(json.dumps(record))
     (recorded / "iter_0000002" / "integrity.json").unlink()
     foreign = _checkpoint_copy(good, tmp, "foreign")
+    itself = _checkpoint_copy(good, tmp, "overwrite-itself")
     locked = tmp / "locked"
     locked.mkdir()
     legacy = _hostile_legacy(tmp)
@@ -196,6 +222,10 @@ def _resume_cases(tmp: Path, good: Path, nomock: list[str]) -> dict[str, tuple[l
                          "give this run an empty --save, or --overwrite-save"),
         "save-locked": (TINY + SAVE + ["--save", str(locked)],
                         f"--save {locked}: another run is writing there (pid "),
+        # issue 46.11: --overwrite-save was ignored when --load named the same folder (the run continued it)
+        "overwrite-save-with-load-of-it": (TINY + SAVE + ["--load", str(itself), "--save", str(itself),
+                                                          "--overwrite-save"],
+                                           f"--overwrite-save with --load {itself}, inside --save {itself}"),
     }
 
 
@@ -238,6 +268,8 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "lambda-negative": (TINY + ["--jreg-lambda", "-1"], "--jreg-lambda must be >= 0"),
         "jreg-layers-out-of-range": (TINY + ["--jreg-layers", "5"], "--jreg-layers [5]"),
         "jreg-layers-zero": (TINY + ["--jreg-layers", "0", "2"], "--jreg-layers [0, 2]: layers are numbered from 1"),
+        "jreg-layers-twice": (TINY + ["--jreg-layers", "2", "2"], "--jreg-layers [2, 2]: layer 2 is named more than "
+                                                                  "once"),
         "unknown-preset": (TINY + ["--model-preset", "llama-7b"], "--model-preset 'llama-7b' is unknown"),
         "unknown-flag": (TINY + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         "bad-int": (TINY + ["--train-iters", "many"], "--train-iters"),
@@ -251,6 +283,8 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "split-not-numbers": (TINY + ["--split", "a,b"], "--split 'a,b'"),
         "missing-data": (nomock + ["--data-path", str(tmp / "nope_text_document")], "nope_text_document.idx not found"),
         "vocabulary-too-small": (nomock + ["--data-path", data["big"]], "largest token id 1000"),
+        "manifest-understates-ids": (nomock + ["--data-path", data["understated"]], "largest token id 1000 (exact)"),
+        "sft-all-empty-answers": _sft_empty_answers(tmp),
         "truncated-idx": (nomock + ["--data-path", data["truncated"]], "cut_text_document.idx: truncated index"),
         "missing-tokenizer": ([a for a in nomock if a != "NullTokenizer" and a != "--tokenizer-type"]
                               + ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
@@ -330,6 +364,7 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "shard-symlink-out": "outside the checkpoint",
         "storage-absolute": "storage entry",
         "storage-parent": "'../../outside/fifo' is not a file name inside",
+        "shard-unlisted": "__0_0.distcp: not listed in integrity.json, so it cannot be verified",
     }
     for name, root in damaged.items():
         cases[name] = (TINY + SAVE + ["--load", str(root)], needles[name])
@@ -376,6 +411,45 @@ def bad_input_suite(rank: int, world: int, tmp_dir: str) -> dict:
     rc, _, err = train(TINY + SAVE + ["--load", str(good)])
     out["good-resume"] = (rc, err[-1500:])
     return out
+
+
+def issue46_runs(rank: int, world: int, tmp_dir: str) -> dict:
+    """What issue 46 found misleading or unguarded beyond a refused flag, on the suite's checkpoint and data: a
+    manifest understating a large .bin's ids (the vocabulary check trusts it, the embedding's IndexError was a
+    traceback), the exit-16 line of a float16 overflow, analyze --tokenizer on a mock-data checkpoint."""
+    from megatron_jreg.analysis.cli import main as analyze_main
+    from megatron_jreg.training import data as training_data
+
+    tmp = Path(tmp_dir)
+    good, data = tmp / "good", {"understated": str(tmp / "understated_text_document")}
+    out: dict = {}
+    nomock = [a for a in TINY if a != "--mock-data"]
+    defaults = training_data.max_token_id.__defaults__
+    training_data.max_token_id.__defaults__ = (defaults[0], 0)  # as for a .bin beyond the whole-scan size
+    try:
+        out["beyond-vocabulary-at-run-time"] = train(nomock + [  # one document: no validation split (it would hang)
+            "--data-path", data["understated"], "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "100",
+            "--train-iters", "2"])
+    finally:
+        training_data.max_token_id.__defaults__ = defaults
+    # hidden states beyond float16 from iteration 1 on; a static loss scale keeps Megatron-LM's NaN check on
+    out["fp16-exit-16"] = train(TINY + ["--fp16", "--init-method-std", "4", "--loss-scale", "1", "--eval-interval",
+                                        "100", "--train-iters", "3"])
+    tokenizer = str(tmp / "plain-tok")  # made for the cases above
+    common = ["--model", str(good), "--num-samples", "2", "--no-progress"]
+    out["analyze-mock"] = {name: _captured(analyze_main, common + extra + ["--output", str(tmp / f"an-{name}")])
+                           for name, extra in (("tokenizer", ["--tokenizer", tokenizer]), ("none", []))}
+    return out
+
+
+def _captured(main, argv: list[str]) -> tuple[int, str, str]:  # noqa: ANN001 - a command's main
+    """(exit code, stdout, stderr) of a command's main run in this process."""
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
 
 
 def _mount_tmpfs(folder: Path, size: int) -> bool:
@@ -443,7 +517,13 @@ def _disk_full_runs(tmp: Path, good: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    return run_ranks(bad_input_suite, 1, str(tmp_path_factory.mktemp("bad")))[0]
+    tmp = tmp_path_factory.mktemp("bad")
+    return {**run_ranks(bad_input_suite, 1, str(tmp), timeout=1800)[0], "tmp": tmp}  # a hang guard on shared cores
+
+
+@pytest.fixture(scope="module")
+def issue46(suite):
+    return run_ranks(issue46_runs, 1, str(suite["tmp"]), timeout=1800)[0]
 
 
 def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
@@ -468,6 +548,9 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "blend-weight-negative", "blend-weight-zero", "blend-weight-nan", "data-other-tokenizer",
     "resume-global-batch", "resume-seq-length", "resume-vocab", "resume-tokenizer", "resume-rampup", "legacy-hostile",
     "foreign-save", "save-locked",
+    # issue 46
+    "jreg-layers-twice", "manifest-understates-ids", "sft-all-empty-answers", "overwrite-save-with-load-of-it",
+    "shard-unlisted",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]
@@ -479,6 +562,46 @@ def test_bad_input_is_one_clear_line(suite, name):
         assert "--override-opt_param-scheduler" in lines[0] and "truncated" not in lines[0]
     if name == "save-locked":
         assert f"(pid {suite['holder']} on host node7 since 2026-01-01T00:00:00)" in lines[0]
+
+
+def test_an_id_beyond_the_vocabulary_at_run_time_is_one_line(issue46):
+    """issue 46.9: data ids beyond the vocabulary while the data's manifest says less (trusted for a .bin too large
+    to scan whole): the embedding's IndexError was a traceback; now one line naming the data and the fix."""
+    rc, out, err = issue46["beyond-vocabulary-at-run-time"]
+    lines = [line for line in err.splitlines() if line.startswith("megatron-jreg train: error:")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (out + err)[-3000:]
+    assert "understated_text_document: a token id beyond the vocabulary of --tokenizer-model (512 tokens) reached " \
+           "the model's embedding" in lines[0], lines[0]
+
+
+def test_a_float16_overflow_stop_names_where_it_began_and_not_the_learning_rate(issue46):
+    """issue 46.12: exit 16 on an fp16 overflow named the iteration the rerun machine stopped at (2) and suggested
+    "lower --lr", for hidden states that overflowed float16 in iteration 1's forward, before any update."""
+    rc, out, err = issue46["fp16-exit-16"]
+    lines = [line for line in out.splitlines() if line.startswith("megatron-jreg train: NaN/Inf")]
+    assert rc == 16 and len(lines) == 1 and "Traceback" not in err, (out + err)[-3000:]
+    assert re.search(r"hidden states non-finite from iteration 1, first at layer \d+ \(before any update: not the "
+                     r"learning rate\)", lines[0]), lines[0]
+    assert "the forward overflows float16" in lines[0] and "--bf16" in lines[0] and "--lr" not in lines[0], lines[0]
+
+
+def test_analyze_reads_a_mock_data_checkpoint_with_the_tokenizer_given(issue46):
+    """issue 46.12: `analyze --tokenizer X` on a checkpoint trained on mock data said "pass --tokenizer PATH"; the
+    folder given is its tokenizer now. Without one, the line still says to pass it."""
+    runs = issue46["analyze-mock"]
+    rc, out, err = runs["tokenizer"]
+    assert rc == 0 and "Reading" in out, (out + err)[-3000:]
+    rc, out, err = runs["none"]
+    assert rc == 2 and "the run had no tokenizer (mock data); pass --tokenizer PATH" in err, err[-2000:]
+
+
+def test_vocab_size_beside_a_hugging_face_tokenizer_is_a_note(suite):
+    """issue 46.11: --vocab-size with --tokenizer-type HuggingFaceTokenizer was accepted without a word (Megatron-LM
+    ignores it). A note says so rather than a refusal: pretrain_gpt.py takes the flag the same way and launch scripts
+    carry it; the run is well defined (the tokenizer's vocabulary)."""
+    _, out, _ = suite["cases"]["resume-tokenizer"]  # a 300-token tokenizer and TINY's --vocab-size 512
+    assert "megatron-jreg train: note: --vocab-size 512 has no effect with --tokenizer-type HuggingFaceTokenizer (as " \
+           "in Megatron-LM): the model's vocabulary is the tokenizer's" in out, out[-3000:]
 
 
 def test_hostile_checkpoints_are_refused_by_every_reader(suite):
@@ -569,3 +692,93 @@ def test_a_rank_killed_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
     assert ranks[0].returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert "another rank stopped" in lines[0] and "Connection" in lines[0], lines[0]
     assert f"--load {save}" in lines[0] or "saving iteration" in lines[0], lines[0]
+
+
+def _limited(resource_name: str, value: int):  # -> Callable[[], None]
+    """A preexec_fn: the child's soft limit `resource_name` set to `value`, SIGINT at its default (as from a
+    terminal)."""
+    def limit() -> None:
+        import resource
+
+        _, hard = resource.getrlimit(getattr(resource, resource_name))
+        resource.setrlimit(getattr(resource, resource_name), (value, hard))
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return limit
+
+
+def _data_of_400_documents(folder: Path) -> str:
+    """An indexed dataset of 400 documents of 2,000 ids below 500 (what TINY's vocabulary embeds)."""
+    from megatron_jreg.data.indexed import Builder
+
+    prefix = folder / "data_text_document"
+    builder = Builder(prefix, np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        builder.add_document(rng.integers(0, 500, 2000), [2000])
+    builder.finalize()
+    return str(prefix)
+
+
+@pytest.mark.parametrize("case", ["closed-stdout", "ulimit-n", "ulimit-f", "bin-truncated", "ctrl-c-again"])
+def test_what_fails_around_the_run_is_one_line_and_loses_nothing(tmp_path, case):
+    """issue 46.8, each a traceback before: `train | head -1` (quiet now, exit 0, every checkpoint and row written);
+    `ulimit -n` (gloo's socket), `ulimit -f` (the compiler or the checkpoint writer) and a .bin truncated under the
+    running job (a data loader worker's SIGBUS, blamed on shared memory) are one line naming the cause and the fix,
+    exit 1; Ctrl-C pressed on and on while the run stops is one line, exit 130 (was torch's DataLoader
+    KeyboardInterrupt tracebacks after ours, or a death by SIGINT)."""
+    from tests._terminal import sigint_default
+
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    argv = TINY + ["--save", str(save), "--save-interval", "2", "--eval-interval", "100", "--metrics-file",
+                   str(metrics)]
+    preexec, stdout, trigger = sigint_default, subprocess.PIPE, None
+    if case == "closed-stdout":
+        read, stdout = os.pipe()
+        os.close(read)  # `| head -1` once it has its line
+    elif case == "ulimit-n":
+        preexec = _limited("RLIMIT_NOFILE", 40)
+    elif case == "ulimit-f":
+        preexec = _limited("RLIMIT_FSIZE", 200 * 1024)
+    else:
+        argv += ["--train-iters", "400", "--num-workers", "2"]
+        if case == "bin-truncated":
+            data = _data_of_400_documents(tmp_path)
+            argv = [a for a in argv if a != "--mock-data"] + ["--data-path", data, "--split", "99,1,0"]
+        trigger = "iteration        3/"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train", *argv], stdout=stdout,
+                            stderr=subprocess.PIPE if trigger is None else subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=preexec, start_new_session=True, cwd=tmp_path)
+    if case == "closed-stdout":
+        os.close(stdout)
+    seen = ""
+    if trigger is not None:
+        for line in proc.stdout:  # stdout and stderr together
+            seen += line
+            if trigger in line:
+                break
+        if case == "bin-truncated":
+            os.truncate(data + ".bin", 1000)
+        else:  # Ctrl-C, then again and again until the run has stopped
+            while proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(0.1)
+    out, err = proc.communicate(timeout=900)
+    err = seen + (out or "") + (err or "")
+    # stdout and stderr interleave here; a dying data worker's own line ("ERROR: Unexpected bus error ...", written
+    # by torch's C handler) may share a line with ours
+    lines = re.findall(r"megatron-jreg train: error: .*", err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-4000:]
+    if case == "closed-stdout":
+        assert proc.returncode == 0 and not lines, err[-3000:]
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "4"
+        assert [r["iteration"] for r in map(json.loads, metrics.read_text().splitlines()) if "lm_loss" in r] == \
+            [1, 2, 3, 4]
+        return
+    expected = {"ulimit-n": (1, "the process limit on open files stopped the run"),
+                "ulimit-f": (1, "`ulimit -f 200` here; raise it"),
+                "bin-truncated": (1, f"--data-path {tmp_path}/data_text_document: the dataset changed during the run"),
+                "ctrl-c-again": (130, "interrupted (Ctrl-C)")}[case]
+    assert proc.returncode == expected[0] and len(lines) == 1 and expected[1] in lines[0], err[-4000:]

@@ -202,6 +202,24 @@ def test_a_foreign_save_is_refused_unless_loaded_or_overwrite_save(tmp_path, cap
     assert len(list(tmp_path.glob("overwritten-*"))) == 2 and not list(tmp_path.glob("iter_*"))
 
 
+def test_overwrite_save_with_load_of_the_same_folder_is_refused(tmp_path):
+    """issue 46.11: --overwrite-save beside --load of the same folder (or one of its iterations) was ignored without
+    a word: the run continued the checkpoints the flag says to move aside. Nothing is moved."""
+    import argparse
+
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.training.run_folder import _refuse_foreign
+
+    _iteration(tmp_path, 8, {"__0_0.distcp": b"x"})
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("8")
+    args = argparse.Namespace(save=str(tmp_path), jreg_overwrite_save=True, rank=0)
+    for root in (tmp_path, tmp_path / "iter_0000008"):
+        with pytest.raises(UsageError, match=rf"^--overwrite-save with --load {root}, inside --save {tmp_path}: the "
+                                             "run would load the checkpoint that --overwrite-save moves aside"):
+            _refuse_foreign(args, str(root))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000008", "latest_checkpointed_iteration.txt"]
+
+
 def test_overwrite_save_is_a_train_flag():
     import argparse
 

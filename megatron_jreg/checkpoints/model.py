@@ -135,14 +135,17 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
 
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
-    """The run's tokenizer (None for NullTokenizer / mock runs), by megatron_jreg.data.tokenizers with the
-    options the run saved. Not Megatron-LM's builder: its GPT2BPETokenizer loads gpt2 from the Hub even with
-    local vocab/merges files, and it would run a tokenizer's own code under the run's --trust-remote-code."""
+    """The run's tokenizer, by megatron_jreg.data.tokenizers with the options the run saved; for a NullTokenizer
+    (mock data) run, the Hugging Face tokenizer folder `tokenizer_model` names (analyze/convert's --tokenizer),
+    else None. Not Megatron-LM's builder: its GPT2BPETokenizer loads gpt2 from the Hub even with local
+    vocab/merges files, and it would run a tokenizer's own code under the run's --trust-remote-code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     kind = getattr(args, "tokenizer_type", None)
     if kind in (None, "NullTokenizer"):
-        return None
+        if tokenizer_model is None:
+            return None
+        return _given_tokenizer(args, tokenizer_model)
     if kind == "SFTTokenizer":  # Megatron-LM's SFT wrapper is a HuggingFace tokenizer plus a prompt format
         kind = "HuggingFaceTokenizer"
     model = tokenizer_model or getattr(args, "tokenizer_model", None)
@@ -161,6 +164,22 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
     except (ValueError, OSError, KeyError) as e:
         raise CheckpointError(f"tokenizer of the run ({kind} {model}): {e}; pass the tokenizer's current path "
                               "(--tokenizer)") from None
+
+
+def _given_tokenizer(args: argparse.Namespace, folder: str):
+    """A Hugging Face tokenizer folder for a run trained without one (mock data); refused when its vocabulary is
+    larger than the model's embedding (ids past it have no row)."""
+    from megatron_jreg.data.tokenizers import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer("HuggingFaceTokenizer", folder)
+    except (ValueError, OSError, KeyError) as e:
+        raise CheckpointError(f"--tokenizer {folder}: {e}; give a Hugging Face tokenizer folder") from None
+    rows = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    if rows and tokenizer.vocab_size > rows:
+        raise CheckpointError(f"--tokenizer {folder}: {tokenizer.vocab_size} tokens, but the model (trained on mock "
+                              f"data) embeds {rows}: give a tokenizer of at most {rows} tokens")
+    return tokenizer
 
 
 def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Namespace:

@@ -521,8 +521,29 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
                          f"{_assertion_text(e)}") from None
     from megatron_jreg.training.data import check_vocabulary
 
+    _note_unused_vocab_size(args)
     check_vocabulary(args)
     return args, jreg, start
+
+
+# Megatron-LM's tokenizers that read --vocab-size (core/tokenizers/utils/build_tokenizer.py, core_v0.19.0)
+_VOCAB_SIZE_READERS = ("NullTokenizer", "NullMultimodalTokenizer", "TikTokenizer")
+
+
+def _note_unused_vocab_size(args: argparse.Namespace) -> None:
+    """--vocab-size with a tokenizer that has its own vocabulary (Hugging Face, SentencePiece, GPT-2 files):
+    Megatron-LM ignores it. A note on rank 0 rather than a refusal: pretrain_gpt.py accepts it the same way, launch
+    scripts carry it from NullTokenizer runs, and the run is well defined (the tokenizer's vocabulary); the note
+    says which vocabulary the model gets, when it is not the number given."""
+    from megatron.training import get_tokenizer, print_rank_0
+
+    if args.vocab_size is None or args.tokenizer_type in _VOCAB_SIZE_READERS:
+        return
+    vocabulary = get_tokenizer().vocab_size
+    if vocabulary != args.vocab_size:
+        print_rank_0(f"megatron-jreg train: note: --vocab-size {args.vocab_size} has no effect with --tokenizer-type "
+                     f"{args.tokenizer_type} (as in Megatron-LM): the model's vocabulary is the tokenizer's "
+                     f"{vocabulary:,} tokens ({args.padded_vocab_size:,} embedding rows); drop --vocab-size")
 
 
 def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:

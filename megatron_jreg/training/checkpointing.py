@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_jreg.checkpoints import CheckpointError, failure_text, verify_integrity, write_integrity
 from megatron_jreg.checkpoints.files import SIDECAR, TRACKER, checkpoint_files, digest_files, share
-from megatron_jreg.errors import FAILED, JregError, UsageError
+from megatron_jreg.errors import FAILED, JregError, UsageError, limit_reached
 from megatron_jreg.training.run_folder import active, tracked
 
 
@@ -349,6 +349,8 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
     full = free < need or any(s in text for s in (f"Errno {errno.ENOSPC}]", f"Errno {errno.EDQUOT}]"))
     if any(s in text for s in PEER_LOST):
         cause = f"another rank stopped during the save: {text}"
+    elif (limit := limit_reached(OSError(text))) is not None:  # EFBIG: ulimit -f, not the disk
+        cause = str(limit)
     elif full:
         if "No space left on device" not in text:  # torch's zip writer reports ENOSPC as "enforce fail ... pos"
             text = f"no space left on the device; the writer said: {text}"

@@ -25,7 +25,8 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron_jreg.data.indexed import verify_dataset
 from megatron_jreg.data.manifest import read_manifest
 from megatron_jreg.data.tokenizers import file_sha256
-from megatron_jreg.errors import UsageError
+from megatron_jreg.errors import Failed, UsageError
+from megatron_jreg.training.run_folder import resume_hint
 from megatron_jreg.training.sft import check_conversations
 
 
@@ -76,17 +77,28 @@ def _sha256_of(*paths: str) -> str:
     return file_sha256(*paths)
 
 
-def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, bool]:
-    """Largest token id of an indexed dataset → (id, exact). Uses the preprocess manifest when it has
-    one; otherwise scans the .bin (only its first and last `scan_limit_bytes/2` when larger)."""
+def _recorded_max_token_id(prefix: str) -> int | None:
+    """The preprocess manifest's max_token_id, when the manifest describes this very .bin (its recorded size);
+    a manifest left beside data rewritten since says nothing about it."""
     for manifest in (Path(prefix + ".manifest.json"), Path(prefix + ".json")):
         if manifest.is_file():
             try:
-                value = json.loads(manifest.read_text()).get("max_token_id")
-            except (OSError, json.JSONDecodeError, AttributeError):
-                value = None
-            if isinstance(value, int):
-                return value, True
+                record = json.loads(manifest.read_text(encoding="utf-8"))
+                value, size = record.get("max_token_id"), (record.get("files") or {}).get("bin_bytes")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, int) and size == Path(prefix + ".bin").stat().st_size:
+                return value
+    return None
+
+
+def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int = 256 << 20) -> tuple[int, bool]:
+    """Largest token id of an indexed dataset → (id, exact): a .bin up to `exact_bytes` is scanned whole (about a
+    second: a manifest cannot be wrong about it then); a larger one is read from the preprocess manifest when it
+    describes this .bin, else scanned (only its first and last `scan_limit_bytes/2` when larger still)."""
+    size = Path(prefix + ".bin").stat().st_size if Path(prefix + ".bin").is_file() else 0
+    if size > exact_bytes and (recorded := _recorded_max_token_id(prefix)) is not None:
+        return recorded, True
     try:
         dtype = verify_dataset(prefix).dtype  # megatron's reader would fail deep in the builder
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
@@ -105,6 +117,42 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30) -> tuple[int, boo
             if len(part):
                 best = max(best, int(part.max()))
     return best, exact
+
+
+def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> UsageError | None:
+    """One line for the embedding's IndexError ("index out of range in self"): a token id of the data beyond the
+    vocabulary reached the model although `check_vocabulary` passed (a part of a large .bin it did not scan, or data
+    changed under the run); None for any other error."""
+    while error is not None:
+        if isinstance(error, IndexError) and "index out of range" in str(error):
+            from megatron.training import get_tokenizer
+
+            data = ", ".join(prefix for _, prefix in data_prefixes(args)) or "the data"
+            return UsageError(f"--data-path {data}: a token id beyond the vocabulary of --tokenizer-model "
+                              f"({get_tokenizer().vocab_size} tokens) reached the model's embedding; the data was "
+                              "tokenized with another tokenizer, or its .bin changed during the run: preprocess it "
+                              "again with this run's tokenizer")
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def data_changed(error: BaseException, args: argparse.Namespace) -> Failed | None:
+    """One line when a data loader worker died reading an indexed dataset that changed under the run (a .bin
+    truncated or rewritten: its memory map ends before the index says, and the worker dies of SIGBUS; torch then
+    blames shared memory, or says it "exited unexpectedly"); None for any other error, or when every dataset still
+    checks out."""
+    while error is not None and "DataLoader worker" not in str(error):  # "killed by signal", "exited unexpectedly"
+        error = error.__cause__ or error.__context__
+    if error is None:
+        return None
+    for option, prefix in data_prefixes(args):
+        try:
+            verify_dataset(prefix)
+        except (ValueError, OSError) as e:
+            return Failed(f"{option} {prefix}: the dataset changed during the run and a data loader worker died "
+                          f"reading it ({' '.join(str(e).split())}): restore the files (or rerun preprocess) and "
+                          f"resume; {resume_hint(args)}")
+    return None
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:

@@ -44,7 +44,7 @@ from megatron.core.rerun_state_machine import (
 )
 
 from megatron_jreg import patches
-from megatron_jreg.errors import Interrupted
+from megatron_jreg.errors import Interrupted, ignore_further_interrupts
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
 from megatron_jreg.training.metrics import (
     LossWindow,
@@ -54,7 +54,7 @@ from megatron_jreg.training.metrics import (
     jreg_fields,
     write_scalars,
 )
-from megatron_jreg.training.run_folder import RunFolder, Start, tracked
+from megatron_jreg.training.run_folder import RunFolder, Start, resume_hint, tracked
 
 TRAIN_STEP = "megatron.training.training.train_step"
 TRAINING_LOG = "megatron.training.training.training_log"
@@ -92,6 +92,7 @@ class JregLoop:
         self._interrupted = False  # Ctrl-C seen: stop at the end of the step (with several ranks: a logging step)
         self._zero_warned = False  # the all-zero hidden states warning was printed
         self._iteration = 0  # the last completed iteration
+        self._nonfinite: tuple[int, int] | None = None  # (iteration, layer) of the first non-finite hidden states
         self._sigint = None
         if threading.current_thread() is threading.main_thread():
             self._pid = os.getpid()
@@ -109,7 +110,8 @@ class JregLoop:
 
     def close(self) -> None:
         if self._sigint is not None:
-            signal.signal(signal.SIGINT, self._sigint)
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # stopping for a Ctrl-C: ignored until exit
+                signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
         self.progress.close()
         self.metrics.close()
@@ -129,7 +131,7 @@ class JregLoop:
         if os.getpid() != self._pid:  # a forked data worker (Ctrl-C reaches the whole process group): keep serving
             return  # batches until the step ends; the run's exit ends the workers
         if self.first_step or self._interrupted:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            ignore_further_interrupts()
             raise Interrupted(self._interrupted_line())
         self._interrupted = True
         when = "this iteration"
@@ -151,21 +153,14 @@ class JregLoop:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             stop = bool(flag.item())
         if stop:
+            ignore_further_interrupts()
             raise Interrupted(self._interrupted_line())
 
     def _interrupted_line(self) -> str:
         """"interrupted at iteration N; last checkpoint M ...; resume with ..." (one line)."""
-        save, last = self.args.save, tracked(self.args.save)
         where = (f"at iteration {self._iteration}" if not self.first_step
                  else f"before training started (iteration {self.start or 0})")
-        if not save:
-            kept = "no --save: nothing was saved, a rerun starts over"
-        elif last is None:
-            kept = f"no checkpoint in --save {save} yet, a rerun starts over"
-        else:
-            again = "the same command" if self.args.load == save else f"the same command with --load {save}"
-            kept = f"last checkpoint: iteration {last} in {save}; to resume, rerun {again}"
-        return f"interrupted (Ctrl-C) {where}; {kept}"
+        return f"interrupted (Ctrl-C) {where}; {resume_hint(self.args)}"
 
     def _records(self, iteration: int) -> bool:
         """Megatron-LM prints iteration `iteration + 1` (1-based) when this is true."""
@@ -188,6 +183,8 @@ class JregLoop:
         """After Megatron-LM's train_step; `result` by TRAIN_STEP_RESULT's names."""
         self.stats = self.plugin.finish_step() if self._record else None
         self._warn_zero_states(self.stats)
+        if self._nonfinite is None and self.stats is not None and self.stats.first_nonfinite_layer is not None:
+            self._nonfinite = ((iteration or 0) + 1, self.stats.first_nonfinite_layer)  # where NaN/Inf states began
         exit_code = result["exit_code"]
         if result["should_exit"] and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                                    EXIT_CODE_RESUME_TO_DISAMBIGUATE):
@@ -214,16 +211,30 @@ class JregLoop:
 
         found = [(root, it) for root in (self.args.save, self.args.load) if (it := tracked(root)) is not None]
         last = f"{found[0][0]} (iteration {found[0][1]})" if found else "none (no checkpoint saved yet)"
-        if not self.args.save:
+        seen, advice = "", None
+        if self._nonfinite is not None:  # the hidden states went first: where, and what that rules out
+            began, layer = self._nonfinite
+            fresh = began == (self.start or 0) + 1  # before any update of this run: not the learning rate
+            seen = (f"; hidden states non-finite from iteration {began}, first at layer {layer}"
+                    f"{' (before any update: not the learning rate)' if fresh else ''}")
+            then = (", then rerun (no --save, so nothing to resume from)" if not self.args.save
+                    else ", then start again" if fresh or not found else f", then resume with --load {found[0][0]}")
+            if self.args.fp16:
+                advice = (f"exit {exit_code}: the forward overflows float16 (--fp16 ends at 65,504), not a fault of "
+                          f"the hardware: train with --bf16 (float32's range) or smaller activations (e.g. a smaller "
+                          f"--init-method-std){then}")
+            elif fresh:
+                advice = f"exit {exit_code}: check the initialization (--init-method-std) and the data{then}"
+        if advice is None and not self.args.save:
             advice = (f"exit {exit_code}: no --save, so nothing to resume from; rerun with --save (on another node if "
                       "you suspect the hardware), or lower --lr")
-        elif exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+        elif advice is None and exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
             advice = (f"exit {exit_code}: resume with --load (on another node if you suspect the hardware) to tell a "
                       "fault from a divergence")
-        else:
+        elif advice is None:
             advice = f"exit {exit_code}: the divergence is confirmed; lower --lr (or check the data) and resume"
-        print_rank_0(f"megatron-jreg train: NaN/Inf loss or gradient at iteration {iteration}; last good checkpoint: "
-                     f"{last}; {advice}")
+        print_rank_0(f"megatron-jreg train: NaN/Inf loss or gradient at iteration {iteration}{seen}; last good "
+                     f"checkpoint: {last}; {advice}")
 
     def on_log_start(self, log: Mapping[str, Any]) -> str | None:
         """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line, if

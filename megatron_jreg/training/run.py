@@ -4,14 +4,17 @@ once, training/arguments.py) → providers → `megatron.training.pretrain`.
 Megatron-LM keeps its state in module globals (args, timers, microbatch calculator, parallel groups,
 rerun state machine); `run` tears them down afterwards so that one process can run several trainings
 (tests do), and turns `sys.exit` from Megatron-LM's exit paths (--exit-interval, SIGTERM, NaN) into the
-return code. An AssertionError, TypeError or ValueError raised while Megatron-LM builds the model or the
-optimizer (its bare `assert`s on flag combinations, torch's argument checks) becomes a UsageError naming
-the flags (chained to the original, which `--debug` prints).
+return code. What a library reports far from its cause is one line naming it and where to resume: a process limit
+(`ulimit -n`, `ulimit -f`: `errors.limit_reached`), a dataset changed under the run (`data.data_changed`), an id
+beyond the vocabulary reaching the embedding (`data.token_beyond_vocabulary`). An AssertionError, TypeError or
+ValueError raised while Megatron-LM builds the model or the optimizer (its bare `assert`s on flag combinations,
+torch's argument checks) becomes a UsageError naming the flags (chained to the original, which `--debug` prints).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from functools import partial
@@ -102,6 +105,13 @@ def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-L
         yield
 
 
+def _not_a_traceback_copy(record: logging.LogRecord) -> bool:
+    """Drops megatron-core's StragglerDetector warning that repeats, as a list of lines, the traceback of every
+    exception leaving a timed region (forward_step's): the exception goes on to the train entry, which reports it
+    once (one line for ours: a Ctrl-C, data beyond the vocabulary, a dataset changed under the run)."""
+    return not (record.funcName == "__exit__" and "Traceback (most recent call last)" in record.getMessage())
+
+
 def run(argv: list[str]) -> int:
     """Train with Megatron-LM's loop; returns the process exit code. Raises UsageError before any work."""
     from megatron.core import parallel_state
@@ -109,11 +119,13 @@ def run(argv: list[str]) -> int:
     from megatron.training import training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_jreg.errors import JregError, LimitReached, limit_reached
     from megatron_jreg.training import checkpointing
     from megatron_jreg.training.arguments import parse_and_validate
-    from megatron_jreg.training.data import train_valid_test_datasets_provider
+    from megatron_jreg.training.data import data_changed, token_beyond_vocabulary, train_valid_test_datasets_provider
     from megatron_jreg.training.loop import JregLoop
     from megatron_jreg.training.model import gpt_model_config
+    from megatron_jreg.training.run_folder import resume_hint
     from megatron_jreg.training.step import forward_step
 
     if parallel_state.model_parallel_is_initialized():  # Megatron-LM would silently keep another layout
@@ -122,8 +134,10 @@ def run(argv: list[str]) -> int:
 
     atexit.unregister(_stop_data_workers)
     atexit.register(_stop_data_workers)
-    loop = None
+    loop = args = None
     environ = dict(os.environ)  # validate_args exports NVTE_*_ATTN for --attention-backend: restored after
+    timers = logging.getLogger("megatron.core.utils")
+    timers.addFilter(_not_a_traceback_copy)
     try:
         args, jreg, start = parse_and_validate(argv)
         loop = JregLoop(args, jreg, start)
@@ -142,7 +156,17 @@ def run(argv: list[str]) -> int:
                 raise
             raise lost from e
         return 0
+    except JregError:
+        raise
+    except Exception as e:  # what a library reports far from its cause: the data, a process limit (run's docstring)
+        known = (token_beyond_vocabulary(e, args) or data_changed(e, args)) if args is not None else None
+        if known is None and (limit := limit_reached(e)) is not None:
+            known = LimitReached(f"{limit}; {resume_hint(args)}" if args is not None else str(limit))
+        if known is None:
+            raise
+        raise known from e
     finally:
+        timers.removeFilter(_not_a_traceback_copy)
         if loop is not None:
             loop.close()
         teardown()

@@ -111,6 +111,17 @@ def tracked(root: str | None) -> int | str | None:
         return None
 
 
+def resume_hint(args: argparse.Namespace) -> str:
+    """Where a run that stopped resumes from: its --save's last checkpoint and the command, or that there is none."""
+    save, last = args.save, tracked(args.save)
+    if not save:
+        return "no --save: nothing was saved, a rerun starts over"
+    if last is None:
+        return f"no checkpoint in --save {save} yet, a rerun starts over"
+    again = "the same command" if args.load == save else f"the same command with --load {save}"
+    return f"last checkpoint: iteration {last} in {save}; to resume, rerun {again}"
+
+
 def active() -> RunFolder | None:
     """The RunFolder of the run in progress in this process (None outside `megatron-jreg train`)."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -346,11 +357,17 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
     """--save holds checkpoints of another run, and this run does not continue that folder (`root`: the folder it
     loads a checkpoint from, if any): UsageError, or with --overwrite-save those checkpoints moved aside (rank 0)."""
     save = Path(args.save)
+    continuing = root is not None and (Path(root).resolve() == save.resolve()
+                                       or save.resolve() in Path(root).resolve().parents)
+    if continuing and getattr(args, "jreg_overwrite_save", False):
+        raise UsageError(f"--overwrite-save with --load {root}, inside --save {args.save}: the run would load the "
+                         "checkpoint that --overwrite-save moves aside first; drop --overwrite-save to continue that "
+                         "run, or load another folder to start over in this one")
     found = saved_iterations(save)
     tracker = _tracker_text(save)
     if not found and tracker is None:
         return
-    if root is not None and (Path(root).resolve() == save.resolve() or save.resolve() in Path(root).resolve().parents):
+    if continuing:
         return  # continuing that folder (its tracker, or one of its iterations)
     shown = ", ".join(map(str, found[-6:])) if found else "none complete"
     if getattr(args, "jreg_overwrite_save", False):

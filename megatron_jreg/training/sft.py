@@ -75,7 +75,7 @@ def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
     for flag, path in paths:
         option = f"{flag} {path}"
-        trainable, lines = False, 0
+        trainable, answered, lines = False, False, 0
         with open(path, "rb") as f:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
@@ -84,9 +84,14 @@ def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa
                 problem = _record_problem(raw)
                 if problem is not None:
                     raise UsageError(f"{option}: line {number}: {problem}; {fix}")
-                trainable = trainable or _trains(args, json.loads(raw)["messages"], f"{option}: line {number}")
+                messages = json.loads(raw)["messages"]
+                answered = answered or any(t["role"] == "assistant" and t["content"].strip() for t in messages)
+                trainable = trainable or _trains(args, messages, f"{option}: line {number}")
         if not lines:
             raise UsageError(f"{option}: no conversation in the file; {fix}")
+        if not answered:  # the loss would fall on the end-of-turn tokens alone: a model trained to answer nothing
+            raise UsageError(f"{option}: every assistant answer in its {lines} conversation(s) is empty, so the run "
+                             f"would train only the token that ends each turn; fill in the answers ({fix})")
         if not trainable:
             raise UsageError(f"{option}: no conversation gives a token to train on within --seq-length "
                              f"{args.seq_length} (no assistant turn, or every assistant turn is cut off by the "
