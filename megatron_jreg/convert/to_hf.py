@@ -71,11 +71,11 @@ def mcore_to_hf(
     checkpoint = Checkpoint.open(load, iteration)
     iteration, args = checkpoint.iteration, checkpoint.args
     llama.check_megatron_args(args)  # refuse before loading anything
-    with quiet_megatron():  # the run's tokenizer is built with Megatron-LM's tokenizer defaults
+    with quiet_megatron():  # the run's tokenizer and its padding rule come from Megatron-LM
         source, note = tokenizer.resolve_source(args, tokenizer_model, tokenizer_type, no_tokenizer)
         tok = source.build() if source is not None else None
-    if tok is not None:
-        tokenizer.check_fits_checkpoint(tok, source, args)
+        if tok is not None:
+            tokenizer.check_fits_checkpoint(tok, source, args)
     out_dtype = export_dtype(dtype, args)
     max_bytes = parse_size(max_shard_size)
 

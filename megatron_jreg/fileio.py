@@ -1,0 +1,83 @@
+"""Writing files so that a crash or a reader never sees half of one, and reading JSON lines with the line named.
+
+Every writer of an output the project promises (checkpoint sidecars, integrity.json, metrics, manifests, answers,
+exported folders) goes through `atomic_write` or `atomic_folder`; every JSONL reader through `read_jsonl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+def _partial(path: Path) -> Path:
+    """A unique hidden sibling of `path`: the rename stays within one file system, two writers never share it."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "w", *, fsync: bool = True) -> Iterator[IO[Any]]:
+    """Open a temporary sibling of `path` for writing; on a clean exit flush, fsync and rename it over `path`,
+    on an error remove it. Created by a plain open, so it gets the umask's mode (not mkstemp's 0600)."""
+    path = Path(path)
+    tmp = _partial(path)
+    try:
+        with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> None:
+    """`obj` as JSON (UTF-8, a final newline) through `atomic_write`."""
+    with atomic_write(path) as f:
+        json.dump(obj, f, indent=indent, ensure_ascii=False)
+        f.write("\n")
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """A temporary sibling folder to fill; on a clean exit it replaces `path` (an existing folder is removed
+    first), on an error it is removed and `path` is left as it was."""
+    path = Path(path)
+    tmp = _partial(path)
+    tmp.mkdir(parents=False)
+    try:
+        yield tmp
+        if path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class JsonlError(ValueError):
+    """A line of a JSONL file that is not a JSON object: the message names the file and the line number."""
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of `path`; JsonlError names the file and line of one that
+    is not UTF-8 or not a JSON object."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise JsonlError(f"{path}: line {number} is not a JSON line ({e})") from None
+            if not isinstance(obj, dict):
+                raise JsonlError(f"{path}: line {number} is a JSON {type(obj).__name__}, not an object")
+            yield number, obj
