@@ -10,11 +10,10 @@ torch is imported, so each entry point calls these first. Torch-free, the lowest
   for (benchmarks/generate_hf_vs_load.py, docs/results/generate_hf_vs_load.txt). The policy is OpenMP's
   standard `OMP_WAIT_POLICY`; a wait the user chose is kept: OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT.
 - `huge_pages_for_cpu_training` (train, on a machine with no sign of a GPU): torch's CPU allocator asks for
-  transparent huge pages for tensors of 2 MB and more (`THP_MEM_ALLOC_ENABLE=1`). Each fresh large tensor
-  (JREG's two gradients of a layer, the layers' activations) is otherwise first touched 4 KB page by page: at
-  [16384, 2048] that was 64 ms (bf16) / 151 ms (fp32) of the JREG op's 109 / 220 ms
-  (benchmarks/jreg_op.py, docs/results/jreg_op.txt). A value the user set is kept (`THP_MEM_ALLOC_ENABLE=0`
-  turns it off).
+  transparent huge pages for tensors of 2 MB and more (`THP_MEM_ALLOC_ENABLE=1`); without them each fresh large
+  tensor (the layers' activations and gradients) is first touched 4 KB page by page: docs/results/jreg_op_no_thp.txt
+  measured that cost for the JREG op of 82a5650 (two fresh gradients per layer call; the op now adds into the
+  incoming ones, docs/results/jreg_op.txt). A value the user set is kept (`THP_MEM_ALLOC_ENABLE=0` turns it off).
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def single_rank_runs(rank: int, world: int, tmp: str) -> dict:
     # ... resumed in its own folder from iteration 3 with every JREG setting changed: recorded after the first
     out["second-changed"] = train(TINY + ["--load", f"{tmp}/second", "--ckpt-step", "3", "--save", f"{tmp}/second",
                                           "--save-interval", "1", "--seed", "7", "--jreg-lambda", "0.25",
-                                          "--jreg-alpha", "2", "--jreg-distance", "cosine", "--jreg-layers", "2", "3"])
+                                          "--jreg-alpha", "2", "--jreg-distance", "cosine", "--jreg-layers", "2", "3",
+                                          "--jreg-min-weight", "0.01"])
     # --overwrite-save over a finished run's copy (iterations 2 and 4) by a run that saves only iteration 2
     shutil.copytree(Path(tmp, "ckpt"), Path(tmp, "overwrite"))
     out["overwrite"] = train(TINY + ["--save", f"{tmp}/overwrite", "--save-interval", "2", "--train-iters", "2",

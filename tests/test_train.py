@@ -169,20 +169,23 @@ def test_a_second_run_from_the_first_runs_checkpoint_records_what_changed(runs):
 
 
 def test_jreg_settings_changed_resuming_in_the_same_folder_are_printed_and_appended(runs):
-    """λ, α, the distance and the layers changed on a resume of the same --save (from its iteration 3): one line,
-    and the change appended to the history the checkpoint carried, with the iteration it took effect."""
+    """λ, α, the distance, the layers and the minimum weight changed on a resume of the same --save (from its
+    iteration 3): one line, and the change appended to the history the checkpoint carried, with the iteration it
+    took effect."""
     rc, out, err = runs["one"]["second-changed"]
     source = runs["tmp"] / "second" / "iter_0000003"
     assert rc == 0, (out + err)[-3000:]
     assert (f"megatron-jreg: {source} (iteration 3) continues with changed settings from iteration 3: "
             "--jreg-lambda 0.5 → 0.25, --jreg-alpha 1.0 → 2.0, --jreg-distance angular → cosine, "
-            "--jreg-layers (not set) → 2 3; recorded in each checkpoint's megatron_jreg.json `history`") in out
+            "--jreg-layers (not set) → 2 3, --jreg-min-weight 0.0 → 0.01; recorded in each checkpoint's "
+            "megatron_jreg.json `history`") in out
     sidecar = json.loads((runs["tmp"] / "second" / "iter_0000004" / "megatron_jreg.json").read_text())
     assert sidecar["history"][0]["iteration"] == 2 and len(sidecar["history"]) == 2
     assert sidecar["history"][1] == {"iteration": 3, "from": str(source), "changes": {
         "jreg.lambda": [0.5, 0.25], "jreg.alpha": [1.0, 2.0], "jreg.distance": ["angular", "cosine"],
-        "jreg.layers": [None, [2, 3]]}}
-    assert sidecar["jreg"] == {"lambda": 0.25, "alpha": 2.0, "distance": "cosine", "layers": [2, 3]}
+        "jreg.layers": [None, [2, 3]], "jreg.min-weight": [0.0, 0.01]}}
+    assert sidecar["jreg"] == {"lambda": 0.25, "alpha": 2.0, "distance": "cosine", "layers": [2, 3],
+                               "min-weight": 0.01}
 
 
 def test_overwrite_save_moves_the_earlier_runs_checkpoints_aside(runs):

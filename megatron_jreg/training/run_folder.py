@@ -255,9 +255,12 @@ _KEPT_ON_RESUME = {
     "rampup_batch_size": ("--rampup-batch-size", "the consumed samples follow its ramp"),
     "seq_length": ("--seq-length", "the data's samples and positions are cut at it"),
 }
-_RECORDED = {"seed": "--seed", "layernorm_scaling": "--layernorm-scaling", "jreg.lambda": "--jreg-lambda",
-             "jreg.alpha": "--jreg-alpha",
-             "jreg.distance": "--jreg-distance", "jreg.layers": "--jreg-layers"}
+_RECORDED = {"seed": "--seed", "layernorm_scaling": "--layernorm-scaling"}  # and every JREG setting (`_flag`)
+
+
+def _flag(key: str) -> str:
+    """The flag of a flattened setting: "jreg.min-weight" → "--jreg-min-weight" (JregConfig.record's keys)."""
+    return _RECORDED.get(key) or "--" + key.replace(".", "-").replace("_", "-")
 
 
 def _flat(settings: dict) -> dict:
@@ -327,7 +330,7 @@ class RunFolder:
         if changes or not same_folder:
             history.append({"iteration": first, "from": str(start.ckpt), "changes": changes})
         if changes:
-            what = ", ".join(f"{_RECORDED.get(k, '--' + k.replace('_', '-'))} {_value(old)} → {_value(new)}"
+            what = ", ".join(f"{_flag(k)} {_value(old)} → {_value(new)}"
                              for k, (old, new) in changes.items())
             print_rank_0(f"megatron-jreg: {start.ckpt} (iteration {start.iteration}) continues with changed settings "
                          f"from iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
@@ -441,7 +444,7 @@ def _compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) -
                 raise UsageError(f"{_with(flag, new.get(key))}: {ckpt} was trained {trained} and a resume must keep "
                                  f"it ({why}): {keep}, or start a new run from its weights with --finetune")
             changes[key] = [old.get(key), new.get(key)]
-    for key in _RECORDED:
+    for key in [*_RECORDED, *(k for k in old if k.startswith("jreg."))]:  # every JREG setting the checkpoint kept
         if key in old and old[key] != new.get(key):
             changes[key] = [old[key], new.get(key)]
     return changes
