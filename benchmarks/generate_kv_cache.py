@@ -1,6 +1,6 @@
 """Decoding with the models' own KV caches against recomputing the whole prefix each step, side by side.
 
-What `megatron-jreg generate` runs (`generate.decoding.complete`, greedy) on one random Llama, as a Hugging
+What `megatron-jreg generate` runs (`evaluate.decoding.complete`, greedy) on one random Llama, as a Hugging
 Face folder (transformers' cache, `HFDecoder`) and as the Megatron-LM checkpoint `convert hf-to-mcore`
 makes of it (megatron-core's `StaticInferenceContext`, `MegatronDecoder`), each against the decoder that
 generate used before: every step the full prefix through `CausalLM.logits`. Both decoders of a model must
@@ -38,7 +38,7 @@ class FullPrefix:
 
 
 def timed(decode, prompts: list[list[int]], new: int, vocab: int) -> tuple[float, list[list[int]]]:  # noqa: ANN001
-    from megatron_jreg.generate.decoding import complete
+    from megatron_jreg.evaluate.decoding import complete
 
     start = time.perf_counter()
     done = complete(decode, prompts, max_new_tokens=new, window=10_000, vocab_size=vocab, stop_ids=set())
@@ -73,8 +73,8 @@ def main() -> int:
 
     from megatron_jreg.checkpoints import load_megatron_model
     from megatron_jreg.convert.from_hf import hf_to_mcore
+    from megatron_jreg.evaluate.decoding import HFDecoder, MegatronDecoder
     from megatron_jreg.evaluate.models import load_hf_lm
-    from megatron_jreg.generate.decoding import HFDecoder, MegatronDecoder
     from tests._toy import save_random_llama
 
     texts = (ROOT / "examples/data/wikitext-2/valid.txt").read_text(encoding="utf-8")[:20000].splitlines()

@@ -285,6 +285,8 @@ def test_adapter_matches_lm_eval_hf_model(model_dir):
     gen = [
         ("The game was", {"until": ["."], "max_gen_toks": 8}),
         ("In 1990", {"until": ["\n"], "max_gen_toks": 5}),
+        (text, {"until": ["\n\n"], "max_gen_toks": 8}),  # cut on the left; batched with the first, longer
+        ("She", {"until": [], "max_gen_toks": 8}),
     ]
 
     ours = HarnessLM(load_hf_lm(model_dir, max_length=32), batch_size=3)
@@ -298,9 +300,18 @@ def test_adapter_matches_lm_eval_hf_model(model_dir):
         ref.loglikelihood_rolling(requests("loglikelihood_rolling", rolling)),
     ):
         assert a == pytest.approx(b, abs=1e-2)
-    assert ours.generate_until(requests("generate_until", gen)) == ref.generate_until(
-        requests("generate_until", gen)
-    )
+    answers = ours.generate_until(requests("generate_until", gen))
+    assert answers == ref.generate_until(requests("generate_until", gen))
+    # the KV-cache decoder gives the tokens of the obvious way: the whole sequence again for every token
+    model, tokenizer = ours.model.model, ours.model.tokenizer
+    for (context, kwargs), answer in zip(gen, answers):
+        new = _greedy(model, tokenizer.encode(context)[-(32 - kwargs["max_gen_toks"]) :], kwargs["max_gen_toks"])
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        expected = tokenizer.decode(new)
+        for stop in kwargs["until"]:
+            expected = expected.split(stop)[0]
+        assert answer == expected
 
 
 LAMBADA_TASK_YAML = """\

@@ -169,7 +169,7 @@ def turns_of_greedy(hf_model: Path, prompts: Path, tmp_path: Path) -> dict:
 def test_top_p_keeps_the_smallest_nucleus():
     import torch
 
-    from megatron_jreg.generate.decoding import Sampling, next_tokens
+    from megatron_jreg.evaluate.decoding import Sampling, next_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     draws = {next_tokens(logits, Sampling(1.0, 0.7), [torch.Generator().manual_seed(s)])[0] for s in range(200)}
@@ -303,7 +303,7 @@ def test_answers_end_at_a_stop_token_a_turn_marker_or_the_window(hf_model):
     import torch
     from transformers import AutoTokenizer
 
-    from megatron_jreg.generate.decoding import complete
+    from megatron_jreg.evaluate.decoding import complete
     from megatron_jreg.generate.runner import ChatModel
 
     tok = AutoTokenizer.from_pretrained(hf_model)

@@ -14,8 +14,9 @@ from typing import Any
 
 from lm_eval.api.model import LM
 
+from megatron_jreg.evaluate.decoding import complete
 from megatron_jreg.evaluate.models import CausalLM
-from megatron_jreg.evaluate.scoring import encode_pair, generate_greedy, rolling_windows, score
+from megatron_jreg.evaluate.scoring import encode_pair, rolling_windows, score
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks
 
@@ -81,15 +82,33 @@ class HarnessLM(LM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        outputs = []
+        """Greedy continuations through generate's KV-cache loop (decoding.complete), batched per max_gen_toks;
+        a context keeps its last max_length - max_gen_toks tokens, so the generation always fits."""
+        lm, settings = self.model, [_generation_settings(request.args[1]) for request in requests]
+        groups: dict[int, list[int]] = {}
+        for index, (_, max_new) in enumerate(settings):
+            if max_new >= lm.max_length:
+                raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {lm.max_length}")
+            groups.setdefault(max_new, []).append(index)
+        outputs = [""] * len(requests)
         with self._bar(len(requests), "generate_until", disable_tqdm) as bar:
-            for request in requests:
-                context, gen_kwargs = request.args
-                stop, max_new = _generation_settings(gen_kwargs)
-                text = generate_greedy(self.model, context, stop, max_new)
-                self.cache_hook.add_partial("generate_until", request.args, text)
-                outputs.append(text)
-                bar.update(1)
+            for max_new, indices in groups.items():
+                for start in range(0, len(indices), self.batch_size):
+                    batch = indices[start : start + self.batch_size]
+                    stops = [[s for s in settings[i][0] if s] for i in batch]
+                    prompts = [lm.encode(requests[i].args[0])[-(lm.max_length - max_new) :] or [lm.prefix_token]
+                               for i in batch]
+                    done = complete(lm.decoder, prompts, max_new_tokens=max_new,
+                                    window=lm.max_length, vocab_size=lm.vocab_size, stop_ids={lm.eod},
+                                    stopped=lambda row, ids: any(s in lm.decode(ids) for s in stops[row]),  # noqa: B023
+                                    pad_id=lm.eod)
+                    for i, row_stops, result in zip(batch, stops, done):
+                        text = lm.decode(result.ids)
+                        for s in row_stops:
+                            text = text.split(s)[0]
+                        outputs[i] = text
+                        self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                    bar.update(len(batch))
         return outputs
 
 

@@ -76,6 +76,10 @@ class CausalLM(Protocol):
         """
         ...
 
+    def decoder(self, batch: int, length: int):  # noqa: ANN201 - a decoding.Decoder
+        """A key/value-cache decoder for `batch` rows of at most `length` positions (decoding.complete)."""
+        ...
+
 
 class HFCausalLM:
     """`CausalLM` over a Hugging Face `AutoModelForCausalLM` + `AutoTokenizer` loaded from a local folder."""
@@ -105,6 +109,11 @@ class HFCausalLM:
         # No attention mask on purpose: the causal mask alone is right for right-padded rows, and
         # position ids then count from 0 for every row, as they do without padding.
         return self.model(input_ids=tokens.to(self.device)).logits.float()
+
+    def decoder(self, batch: int, length: int):  # noqa: ANN201 - transformers sizes its own cache
+        from megatron_jreg.evaluate.decoding import HFDecoder
+
+        return HFDecoder(self.model)
 
 
 def context_length(config: dict, tokenizer_max: int | None) -> int:
@@ -215,6 +224,11 @@ class MegatronCausalLM:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.loaded.logits(tokens).cpu()
+
+    def decoder(self, batch: int, length: int):  # noqa: ANN201
+        from megatron_jreg.evaluate.decoding import MegatronDecoder
+
+        return MegatronDecoder(self.loaded.model, batch, length)
 
 
 def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM:

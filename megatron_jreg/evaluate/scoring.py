@@ -107,32 +107,3 @@ def rolling_windows(tokens: list[int], prefix_token: int, max_length: int) -> li
         end = min(start + max_length, len(tokens))
         windows.append((full[max(0, end - max_length) : start + 1], tokens[start:end]))
     return windows
-
-
-def generate_greedy(lm: CausalLM, context: str, stop: Sequence[str], max_new_tokens: int) -> str:
-    """Greedy continuation of `context`, cut before the first stop string; stops early at `lm.eod`.
-
-    The context keeps its last max_length - max_new_tokens tokens so the generation always fits.
-    Each step re-runs the whole sequence: no KV cache, since `CausalLM` exposes only logits; no paper
-    task generates, so simplicity wins over speed here.
-    """
-    if max_new_tokens >= lm.max_length:
-        raise ValueError(
-            f"max_gen_toks {max_new_tokens} must be below the model's max_length {lm.max_length}"
-        )
-    ids = lm.encode(context)[-(lm.max_length - max_new_tokens) :] or [lm.prefix_token]
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = lm.logits(torch.tensor([ids + new], dtype=torch.long))[0, -1, : lm.vocab_size]
-        check_finite_logits(logits, getattr(lm, "dtype", torch.float32), "a generation request")
-        token = int(logits.argmax())
-        if token == lm.eod:
-            break
-        new.append(token)
-        if any(s and s in lm.decode(new) for s in stop):
-            break
-    text = lm.decode(new)
-    for s in stop:
-        if s:
-            text = text.split(s)[0]
-    return text

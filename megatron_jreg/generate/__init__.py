@@ -2,7 +2,6 @@
 
 config.py     GenerateConfig: every flag checked before any model is loaded
 questions.py  FastChat question files in, answer files out (atomic rewrite, resume by question id)
-decoding.py   batched greedy / seeded top-p decoding over any CausalLM
-runner.py     model + chat tokenizer (--hf or --load), multi-turn answering, progress
+runner.py     model + chat tokenizer (--hf or --load), multi-turn answering (evaluate/decoding.py), progress
 cli.py        the command line
 """

@@ -2,7 +2,7 @@
 
 Both model kinds go through the evaluator's `CausalLM` (megatron_jreg.evaluate.models): `load_hf_lm` for a
 Hugging Face folder, `MegatronCausalLM` over `load_megatron_model` for a checkpoint (any saved layout, run
-at TP=1/PP=1 in this process); answers are decoded with each one's own KV cache (generate/decoding.py).
+at TP=1/PP=1 in this process); answers are decoded with each one's own KV cache (evaluate/decoding.py).
 The chat side is always a Hugging Face tokenizer — the folder's own, or the run's `--tokenizer-model`
 (HuggingFaceTokenizer or SFTTokenizer runs; Megatron-LM's SFTTokenizer renders
 conversations with it too) — so a conversation is tokenized the way `--sft` trained on it:
@@ -19,13 +19,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 
+from megatron_jreg.evaluate.decoding import Decoder, Sampling, complete
 from megatron_jreg.generate.config import ConfigError, GenerateConfig
-from megatron_jreg.generate.decoding import Decoder, HFDecoder, MegatronDecoder, Sampling, complete
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
 from megatron_jreg.progress import progress_bar, show_progress
 
@@ -104,7 +103,6 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         lm = load_hf_lm(cfg.hf, cfg.device, cfg.dtype)
         tokenizer = lm.tokenizer
         stop = {lm.eod} | _generation_eos(Path(cfg.hf))
-        decoder = lambda batch, length: HFDecoder(lm.model)  # noqa: E731 - the model sizes its own cache
     else:
         from megatron_jreg.checkpoints import load_megatron_model
         from megatron_jreg.data.tokenizers import build_tokenizer
@@ -129,7 +127,6 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
                               "embedding rows; give the tokenizer the checkpoint was trained with")
         lm = MegatronCausalLM(loaded)
         stop = {lm.eod}
-        decoder = partial(MegatronDecoder, loaded.model)
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     template, name, stop_texts = _template(cfg, tokenizer)
@@ -137,7 +134,7 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == 1:
             stop.add(int(ids[0]))
-    return ChatModel(lm, tokenizer, template, name, stop, stop_texts, decoder)
+    return ChatModel(lm, tokenizer, template, name, stop, stop_texts, lm.decoder)
 
 
 @dataclass

@@ -1,20 +1,12 @@
-"""Batched greedy or sampled decoding with the model's own key/value cache.
+"""The one decoding loop (generate's answers, evaluate's generate_until): batched greedy or sampled, through
+the model's own key/value cache (transformers' `Cache`, megatron-core's `StaticInferenceContext`).
 
-The cache is the library's: transformers' (the `Cache` a Hugging Face model builds for itself, as in its
-`generate`) for a Hugging Face folder, megatron-core's `StaticInferenceContext` (its static-batching
-inference path) for a checkpoint. A batch advances in lockstep, one position for every row per step, as
-megatron-core's static batching does: from the shortest prompt on, a row still inside its prompt is fed its
-next prompt token, the others their last generated one, and a finished row padding; so every row's cache
-holds exactly its own tokens (no padding before them, no attention mask) and each step costs one token per
-row instead of the whole prefix (`benchmarks/generate_kv_cache.py`).
-
-The loop itself is ours, not `transformers.generate` or megatron-core's text generation controller: each
-question draws from its own `torch.Generator` (seeded per question by the caller), so its answer depends on
-the seed and the question only, not on its batch or a resume (`generate`'s sampling draws the whole batch
-from the global RNG — measured on a random Llama at temperature 1.5, seed 7: one question answered alone
-and second in a batch of two got different tokens at all 8 positions; megatron-core's controller is
-deprecated with its static engine, whose replacement needs CUDA); and one loop serves both model kinds,
-with the same stop rules.
+Rows advance in lockstep as megatron-core's static batching does, so each row's cache holds only its own tokens
+(no padding, no mask) and a step costs one token per row (docs/results/generate_kv_cache.txt). The loop is ours:
+each question draws from its own seeded `torch.Generator`, so its answer depends on the seed and the question
+only, not on its batch or a resume (`transformers.generate` samples a batch from the global RNG: a question asked
+alone and second in a batch got different tokens); megatron-core's controller is deprecated with its static
+engine, whose replacement needs CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from megatron_jreg.evaluate.models import check_finite_logits
 
 
 @dataclass(frozen=True)
@@ -130,8 +124,6 @@ def complete(
     open_decoder(batch, length): a `Decoder` for `batch` rows of at most `length` positions. Logit columns
     from `vocab_size` on (megatron's padded vocabulary) never win; `pad_id` feeds finished rows. Logits that are
     not finite stop the run (NonFiniteOutput): decoded they would end every answer at once, silently."""
-    from megatron_jreg.evaluate.models import check_finite_logits
-
     out = [Completion([], "length") for _ in prompts]
     generators = generators or [None] * len(prompts)
     batch = [i for i, p in enumerate(prompts) if len(p) < window]
