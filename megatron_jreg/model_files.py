@@ -10,10 +10,8 @@ code:
   safetensors headers give the exact number of stored values, and a config whose embedding, one layer or
   all layers alone need more is refused naming the key (transformers would build 10⁹ layers until the
   process is killed);
-- safetensors files: the header is parsed with bounds checks before any tensor is read: header length
-  within the file and the format's 100 MB limit, every tensor's dtype known and dtype × shape equal to its
-  byte range, byte ranges inside the data area, in order, without overlap or gap (what the safetensors
-  library requires, named here instead of raised from Rust); `model.safetensors.index.json` may name only
+- safetensors files: each header is read once by `safetensors.safe_open` (which validates it) before any
+  tensor is read, its error wrapped with the file and the fix; `model.safetensors.index.json` may name only
   files inside the folder (a weight map pointing at `/etc/passwd` or `../x` is refused as such);
 - code: pickle-format weights (`pytorch_model.bin`, `*.pt`, ...) are refused — `torch.load` unpickles, and
   transformers loads only safetensors here (`use_safetensors=True`); `convert hf-to-mcore` alone imports
@@ -33,24 +31,17 @@ import json
 import math
 import os
 import stat
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from megatron_jreg.dtypes import SAFETENSORS
 from megatron_jreg.errors import BadConfigError, ModelFileError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
-MAX_HEADER = 100_000_000  # the safetensors format's limit on the JSON header (bytes)
-# Bits per element of every safetensors dtype.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
-    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}  # fmt: skip
 
 # config.json keys that count or size something: positive integers (experts: >= 0, 0 = dense).
 _SIZES = (
@@ -174,7 +165,7 @@ def check_entries(folder: Path, flag: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# safetensors headers, bounds-checked.
+# safetensors headers, read by the safetensors library.
 
 
 @dataclass(frozen=True)
@@ -192,68 +183,29 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
-def _entry(path: Path, name: str, entry: Any, base: int) -> TensorEntry:
-    """A header entry, its types checked (offsets are checked against each other by the caller)."""
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(entry, dict):
-        raise WeightsError(f"{where}: header entry is not a JSON object; the file is corrupt: download it again")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BITS:
-        raise WeightsError(f"{where}: unknown dtype {str(dtype)[:40]!r}; the file is corrupt: download it again")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise WeightsError(f"{where}: shape {str(shape)[:60]} is not a list of non-negative integers; the file is "
-                           "corrupt: download it again")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
-        raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} are not two non-negative integers; the file "
-                           "is corrupt: download it again")
-    begin, end = offsets
-    info = TensorEntry(path, dtype, tuple(shape), base + begin, base + end)
-    bits = info.numel * DTYPE_BITS[dtype]
-    if end < begin or bits % 8 or end - begin != bits // 8:
-        raise WeightsError(f"{where}: {dtype} × {tuple(shape)} is {bits / 8:g} bytes but its data_offsets span "
-                           f"{end - begin}; the file is corrupt: download it again")
-    return info
-
-
 def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
-    """The tensors of one safetensors file (8-byte little-endian header length N, N bytes of JSON
-    {name: {dtype, shape, data_offsets: [begin, end]}} with offsets relative to the data area, then the
-    data), every field checked before any tensor is read."""
+    """The tensors of one safetensors file, its header read and validated by `safetensors.safe_open` (length,
+    JSON, dtypes, shape × dtype against each byte range, ranges contiguous and covering the file) before any
+    tensor is read. Byte ranges follow from that validated order (for the streaming reader's plain reads)."""
+    from safetensors import SafetensorError, safe_open
+
     path = Path(path)
     try:
-        with open_regular(path) as f:
+        with open_regular(path) as f:  # a FIFO or device is refused before the library maps it
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise WeightsError(f"{path}: {size} bytes, too short for a safetensors file; download it again")
-            (length,) = struct.unpack("<Q", head)
-            if length > size - 8 or length > MAX_HEADER:
-                limit = "the file" if length > size - 8 else "the format's 100 MB limit"
-                raise WeightsError(f"{path}: header length {length} exceeds {limit} ({size} bytes in all): truncated "
-                                   "or corrupt; download the file again")
-            raw = f.read(length)
+        with safe_open(path, framework="np") as f:
+            layout = [(name, f.get_slice(name)) for name in f.offset_keys()]
+            layout = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in layout]
+    except SafetensorError as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e}): truncated or corrupt; download it "
+                           "again") from None
     except OSError as e:
         raise WeightsError(f"{path}: cannot read it ({e}); restore the file") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightsError(f"{path}: the safetensors header is not JSON ({e}); download the file again") from None
-    if not isinstance(header, dict):
-        raise WeightsError(f"{path}: the safetensors header is not a JSON object; download the file again")
-    base = 8 + length
-    tensors = {name: _entry(path, name, entry, base) for name, entry in header.items() if name != "__metadata__"}
-    previous, last = None, base
-    for name, info in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end)):
-        if info.start < last:
-            raise WeightsError(f"{path}: tensors {previous!r} and {name!r} overlap (bytes {info.start}..{last}); the "
-                               "file is corrupt: download it again")
-        if info.start > last:
-            raise WeightsError(f"{path}: bytes {last}..{info.start} before tensor {name!r} belong to no tensor; the "
-                               "file is corrupt: download it again")
-        if info.end > size:
-            raise WeightsError(f"{path}: tensor {name!r} needs bytes {info.start}..{info.end} of a {size}-byte file "
-                               "(truncated or corrupt); download the file again")
-        previous, last = name, info.end
+    sizes = [math.prod(shape) * SAFETENSORS[dtype][1] // 8 for _, dtype, shape in layout]
+    start, tensors = size - sum(sizes), {}
+    for (name, dtype, shape), nbytes in zip(layout, sizes):
+        tensors[name] = TensorEntry(path, dtype, shape, start, start + nbytes)
+        start += nbytes
     return tensors
 
 
@@ -472,10 +424,20 @@ def refuse_custom_code(folder: Path, flag: str) -> None:
 # The one check.
 
 
-def check_model_folder(
+@dataclass(frozen=True)
+class ModelFolder:
+    """A checked Hugging Face folder: its config.json and its safetensors tensors, each header read once and
+    carried to whoever sizes or streams the weights."""
+
+    path: Path
+    config: dict
+    tensors: dict[str, TensorEntry]
+
+
+def inspect_model_folder(
     folder: str | Path, flag: str, *, allow_pickle: bool = False, require_weights: bool = True
-) -> dict:
-    """Check a Hugging Face model folder before anything loads it (module docstring); its config.json.
+) -> ModelFolder:
+    """Check a Hugging Face model folder before anything loads it (module docstring).
     allow_pickle: accept pickle-format weights, unchecked, when there are no safetensors (`convert hf-to-mcore`
     reads them with torch.load(weights_only=True)). require_weights=False leaves a folder without weight files
     to the caller (convert names what is missing after refusing an architecture it cannot map)."""
@@ -488,11 +450,10 @@ def check_model_folder(
     _, _, files = safetensors_sources(folder)
     tensors = read_safetensors_folder(folder) if files else {}
     single = folder / SAFETENSORS_SINGLE
-    if single.is_file() and single not in files:  # beside an index: transformers loads this one
-        tensors = read_safetensors_header(single)
-    if tensors or files:
-        check_weights_fit(config, sum(t.numel for t in tensors.values()), where, "the safetensors headers")
-        return config
+    loaded = read_safetensors_header(single) if single.is_file() and single not in files else tensors
+    if loaded or files:  # beside an index, transformers loads model.safetensors: its sizes are checked
+        check_weights_fit(config, sum(t.numel for t in loaded.values()), where, "the safetensors headers")
+        return ModelFolder(folder, config, tensors)
     pickles = sorted({p.name for pattern in PICKLE_PATTERNS for p in folder.glob(pattern)})
     if pickles and not allow_pickle:
         raise ModelFileError(f"{where}: pickle-format weights ({', '.join(pickles[:3])}): megatron-jreg does not "
@@ -501,4 +462,9 @@ def check_model_folder(
     if not pickles and require_weights:
         raise ModelFileError(f"{where}: no weight files: no file named {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
                              "there; download the model again")
-    return config
+    return ModelFolder(folder, config, {})
+
+
+def check_model_folder(folder: str | Path, flag: str, **options: bool) -> dict:
+    """`inspect_model_folder`'s config.json, for callers that need no tensors."""
+    return inspect_model_folder(folder, flag, **options).config

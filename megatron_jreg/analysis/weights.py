@@ -15,12 +15,10 @@ from typing import BinaryIO
 
 import torch
 
+from megatron_jreg.dtypes import SAFETENSORS
 from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder, safetensors_sources
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, (t, _) in SAFETENSORS.items() if t}
 
 
 def _streamable(entry: TensorEntry) -> TensorEntry:
@@ -35,14 +33,15 @@ class SafetensorsFolder:
     `*.safetensors` files themselves when there is no index (headers and index names checked by
     `model_files.read_safetensors_folder`)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, tensors: dict[str, TensorEntry] | None = None):
         self.folder = Path(folder)
-        if not safetensors_sources(self.folder)[2]:
+        if not tensors and not safetensors_sources(self.folder)[2]:
             raise WeightsError(
                 f"{self.folder}: no *.safetensors weights (layer streaming reads safetensors only); convert the "
                 "model with `save_pretrained(..., safe_serialization=True)` or analyze it without --stream"
             )
-        self.tensors = {name: _streamable(entry) for name, entry in read_safetensors_folder(self.folder).items()}
+        tensors = tensors or read_safetensors_folder(self.folder)  # headers read by `inspect_model_folder`
+        self.tensors = {name: _streamable(entry) for name, entry in tensors.items()}
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of all tensors, as stored or converted to `dtype`."""
