@@ -4,8 +4,8 @@ Megatron-LM's tools/preprocess_data.py tokenizes each document with megatron-cor
 `tokenizer(text).input_ids` for HuggingFaceTokenizer and GPT2BPETokenizer, sentencepiece's `encode_as_ids` for
 the SentencePiece types. `engine_for` gives the same ids from one of two engines, or says why neither applies:
 
-- `TiktokenBPE`: tiktoken's BPE (~5-10x transformers' per CPU-second, docs/results/preprocess_throughput.txt) over
-  ranks converted from the tokenizer. Two conversions:
+- `TiktokenBPE`: tiktoken's BPE over ranks converted from the tokenizer (its speed per tokenizer kind:
+  docs/results/preprocess_throughput.txt). Two conversions:
   * a byte-level BPE tokenizer.json (GPT-2/SmolLM2's `ByteLevel`, Llama-3's `Split`+`ByteLevel`), by
     `byte_level_plan`: ranks in merge order (`tokenizers` merges the pair of lowest merge index; tiktoken the
     pair whose concatenation has the lowest rank), added tokens as tiktoken's special tokens (both match them
@@ -21,7 +21,7 @@ the SentencePiece types. `engine_for` gives the same ids from one of two engines
   (unknown or byte fallback).
 - `TokenizersBatch`: where no exact tiktoken conversion exists (a normalizer, another pre-tokenizer or model),
   the `tokenizers` library's `encode_batch_fast` on the same backend transformers calls, per unit of documents,
-  without transformers' Python around each call (~1.8x per CPU-second).
+  without transformers' Python around each call.
 
 Every engine is checked against megatron-core's tokenizer on a probe text when it is built; the byte identity
 of whole runs is what tests/test_data_megatron_compat.py and benchmarks/preprocess_throughput.py check.

@@ -3,7 +3,7 @@
 reads, so that a parser holding them, its `--help` and the flag checks need no torch.
 
 Megatron-LM builds the group from `megatron.training.config.TokenizerConfig`, and importing megatron.training
-imports torch and megatron-core (5-10 s; `preprocess --help` took 6.7 s). This table holds the same flags, names,
+imports torch and megatron-core (seconds, before `--help` could answer). This table holds the same flags, names,
 defaults, choices and help; tests/test_data_megatron_compat.py checks it against the installed megatron-core's
 group flag by flag, so an upgrade that changes them fails there.
 """

@@ -5,7 +5,7 @@ Megatron-LM's tools/preprocess_data.py parser (core_v0.19.0): its tokenizer grou
 and defaults; megatron-jreg's own flags follow. Two defaults are relaxed, not changed: `--workers` is optional (1)
 and `--input` takes several files, directories or globs. Bad input ends in one line (see
 `megatron_jreg.data.checks`), Ctrl-C too. The flags are read and checked before torch and megatron-core load
-(`--help` took 6.7 s when the parser loaded them): the driver, which loads them, is imported only to run.
+(`--help` waited seconds for them): the driver, which loads them, is imported only to run.
 """
 
 from __future__ import annotations
