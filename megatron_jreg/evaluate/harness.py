@@ -12,11 +12,11 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 
 from megatron_jreg.evaluate.decoding import complete
 from megatron_jreg.evaluate.models import CausalLM
-from megatron_jreg.evaluate.scoring import encode_pair, rolling_windows, score
+from megatron_jreg.evaluate.scoring import score
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks
 
@@ -37,8 +37,9 @@ def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
     return stop, DEFAULT_MAX_GEN_TOKS
 
 
-class HarnessLM(LM):
-    """An lm-eval `LM` backed by a `CausalLM` (single process: every request is answered here)."""
+class HarnessLM(TemplateLM):
+    """An lm-eval `TemplateLM` backed by a `CausalLM` (single process: every request is answered here). lm-eval
+    tokenizes the (context, continuation) pairs and cuts the rolling windows; `scoring.score` scores them."""
 
     def __init__(self, model: CausalLM, batch_size: int = 8, progress: bool = True) -> None:
         super().__init__()
@@ -50,32 +51,49 @@ class HarnessLM(LM):
     def max_length(self) -> int:
         return self.model.max_length
 
+    @property
+    def eot_token_id(self) -> int:
+        return self.model.eod
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.model.prefix_token
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return self.model.encode(string, special=add_special_tokens is not False)
+
     def _bar(self, total: int, kind: str, disable_tqdm: bool):  # noqa: ANN202 - a tqdm bar
         from megatron_jreg.progress import progress_bar
 
         return progress_bar(total, f"lm-eval {kind}", "request", self.progress and not disable_tqdm)
 
+    def _score(self, pairs: list, kind: str, disable_tqdm: bool) -> list:
+        with self._bar(len(pairs), kind, disable_tqdm) as bar:
+            return score(self.model, pairs, self.batch_size, bar.update)
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [encode_pair(self.model, *request.args) for request in requests]
-        with self._bar(len(pairs), "loglikelihood", disable_tqdm) as bar:
-            results = [(s.logprob, s.greedy) for s in score(self.model, pairs, self.batch_size, bar.update)]
-        for request, result in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        scored = self._score([(ctx, cont) for _, ctx, cont in requests], "loglikelihood", disable_tqdm)
+        results = [(s.logprob, s.greedy) for s in scored]
+        for (key, _, _), result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", key, result)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of each whole text: its bare tokens (no BOS of their own) conditioned on the
-        prefix token, in disjoint windows of max_length predictions (lm-eval's definition)."""
+        """Log-likelihood of each whole text: its bare tokens conditioned on the prefix token, in lm-eval's
+        disjoint windows of max_length predictions (as its HFLM cuts them)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
         windows, owner = [], []
         for index, request in enumerate(requests):
-            tokens = self.model.encode(request.args[0], special=False)
-            for window in rolling_windows(tokens, self.model.prefix_token, self.model.max_length):
-                windows.append(window)
+            tokens = self.tok_encode(request.args[0], add_special_tokens=False)
+            for window in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1):
+                windows.append(make_disjoint_window(window))
                 owner.append(index)
         totals = [0.0] * len(requests)
-        with self._bar(len(windows), "loglikelihood_rolling", disable_tqdm) as bar:
-            scores = score(self.model, windows, self.batch_size, bar.update)
-        for index, scored in zip(owner, scores):
+        for index, scored in zip(owner, self._score(windows, "loglikelihood_rolling", disable_tqdm)):
             totals[index] += scored.logprob
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)

@@ -1,13 +1,9 @@
-"""Token-level computations on a `CausalLM`, written once for both evaluators.
+"""Scoring continuations on a `CausalLM`, one computation for LAMBADA and the lm-eval adapter.
 
-The definitions follow lm-evaluation-harness 0.4 for causal models, so the built-in LAMBADA numbers
-and the harness numbers of the same model are the same numbers:
-- a (context, continuation) pair is tokenized by encoding context+continuation and the context alone,
-  and taking the tokens past the context's length as the continuation (`encode_pair`);
-- an input longer than the model's window keeps its last max_length+1 tokens (the last one is only a
-  target), and only the continuation tokens that still fit are scored (`score`);
-- a rolling log-likelihood cuts the document into disjoint windows of max_length predicted tokens,
-  each with as much preceding text as fits (`rolling_windows`).
+It follows lm-evaluation-harness 0.4's causal models (the adapter is its `TemplateLM`, which tokenizes the
+pairs and cuts the rolling windows), so the built-in LAMBADA numbers and the harness numbers of one model agree:
+an input longer than the window keeps its last max_length+1 tokens, and only the continuation tokens that still
+fit are scored.
 """
 
 from __future__ import annotations
@@ -33,24 +29,14 @@ class Scored:
 
 
 def encode_pair(lm: CausalLM, context: str, continuation: str) -> Pair:
-    """(context ids, continuation ids) as lm-eval's causal models split them.
-
-    Trailing whitespace of the context moves into the continuation (" word" is one token in most
-    BPEs, "word" after a space another). The continuation is whole[len(ctx):], not encode(continuation):
-    when a tokenizer merges across the boundary, the scored tokens are still exactly the ones the model
-    sees after the context tokens. An empty context conditions on `lm.prefix_token`.
-    """
-    if not context:
-        cont = lm.encode(continuation, special=False)
-        if cont and cont[0] == lm.prefix_token:
-            return cont[:1], cont[1:]
-        return [lm.prefix_token], cont
+    """(context ids, continuation ids) of a non-empty context as lm-eval's `TemplateLM._encode_pair` splits them
+    (LAMBADA's; the adapter is a TemplateLM). Trailing whitespace of the context joins the continuation, and the
+    continuation is whole[len(ctx):], so a merge across the boundary still scores the tokens the model sees."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-    whole = lm.encode(context + continuation)
     ctx = lm.encode(context)
-    return ctx, whole[len(ctx) :]
+    return ctx, lm.encode(context + continuation)[len(ctx) :]
 
 
 def _fit(lm: CausalLM, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
@@ -93,17 +79,3 @@ def score(
         if progress is not None:
             progress(len(batch))
     return results
-
-
-def rolling_windows(tokens: list[int], prefix_token: int, max_length: int) -> list[Pair]:
-    """Disjoint (context, continuation) windows that predict every token of a document exactly once.
-
-    Window k predicts tokens[k*L : (k+1)*L] (L = max_length) and is conditioned on the tokens just
-    before them, as many as fit in L inputs; the first window is conditioned on `prefix_token`.
-    """
-    full = [prefix_token, *tokens]
-    windows = []
-    for start in range(0, len(tokens), max_length):
-        end = min(start + max_length, len(tokens))
-        windows.append((full[max(0, end - max_length) : start + 1], tokens[start:end]))
-    return windows
