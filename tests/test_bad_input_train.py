@@ -270,7 +270,8 @@ def _cases(tmp: Path, good: Path, data: dict[str, str], damaged: dict[str, Path]
         "jreg-layers-zero": (TINY + ["--jreg-layers", "0", "2"], "--jreg-layers [0, 2]: layers are numbered from 1"),
         "jreg-layers-twice": (TINY + ["--jreg-layers", "2", "2"], "--jreg-layers [2, 2]: layer 2 is named more than "
                                                                   "once"),
-        "min-weight-nan": (TINY + ["--jreg-min-weight", "nan"], "--jreg-min-weight must be in [0, 1) (got nan)"),
+        "min-weight-nan": (TINY + ["--jreg-min-weight", "nan"], "--jreg-min-weight nan: give a finite number"),
+        "min-weight-one": (TINY + ["--jreg-min-weight", "1"], "--jreg-min-weight must be in [0, 1) (got 1.0)"),
         "min-weight-skips-every-layer": (TINY + ["--jreg-min-weight", "0.9"],
                                          "--jreg-min-weight 0.9 skips every layer"),
         "unknown-preset": (TINY + ["--model-preset", "llama-7b"], "--model-preset 'llama-7b' is unknown"),
@@ -555,7 +556,7 @@ def test_good_checkpoint_trains_and_still_resumes_afterwards(suite):
     "jreg-layers-twice", "manifest-understates-ids", "sft-all-empty-answers", "overwrite-save-with-load-of-it",
     "shard-unlisted",
     # issue 47
-    "min-weight-nan", "min-weight-skips-every-layer",
+    "min-weight-nan", "min-weight-one", "min-weight-skips-every-layer",
 ])
 def test_bad_input_is_one_clear_line(suite, name):
     rc, out, err = suite["cases"][name]
