@@ -523,7 +523,7 @@ def worker(plan_path: Path) -> int:
     for label, f in plan.get("flops", {}).items():  # Megatron-LM's model FLOPs of one iteration, per label
         from megatron.training.training import num_floating_point_operations
 
-        from megatron_jreg.training.arguments import model_args
+        from megatron_jreg.checkpoints.args import model_args
 
         with Redirect(Path(f["log"])):
             flops[label] = num_floating_point_operations(model_args(f["argv"], f["vocab_size"]), f["batch"])
@@ -672,7 +672,7 @@ class Check:
     # -- 4 ---------------------------------------------------------------------------------------------
     def common_flags(self, label: str, micro_batch: int, global_batch: int, iters: int, log_interval: int) -> list[str]:
         """The Megatron-LM flags both megatron-jreg train and pretrain_gpt.py get for a preset."""
-        from megatron_jreg.training.arguments import preset_flags
+        from megatron_jreg.training.flags import preset_flags
 
         s = self.sizes
         preset, _, extra = s.presets[label]
@@ -712,7 +712,7 @@ class Check:
                                  "env": {"WORLD_SIZE": "2", "RANK": str(stage), "LOCAL_RANK": "0"},
                                  "label": label, "key": f"pp2-l{lam}", "stage": stage})
         preset, mbs, extra = s.presets["170m"]
-        from megatron_jreg.training.arguments import preset_flags
+        from megatron_jreg.training.flags import preset_flags
 
         sync = {"flags": [*preset_flags(preset), *extra, "--seq-length", str(s.seq_length),
                           "--max-position-embeddings", str(s.seq_length)],

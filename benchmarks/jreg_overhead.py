@@ -96,10 +96,10 @@ class Bench:
     """The model, its two plugins (λ = 0 and λ = 1) and a fixed random batch per micro-batch size."""
 
     def __init__(self, flags: list[str], vocab_size: int, bf16: bool, distance: str) -> None:
+        from megatron_jreg.checkpoints.args import model_args
         from megatron_jreg.checkpoints.model import build_model
         from megatron_jreg.compat import device
         from megatron_jreg.plugin import JregConfig, JregPlugin
-        from megatron_jreg.training.arguments import model_args
 
         self.args = model_args(flags, vocab_size)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     if args.micro_batch_size != "auto" and not args.micro_batch_size.isdigit():
         p.error("--micro-batch-size: give a number or 'auto'")
-    from megatron_jreg.training.arguments import preset_flags
+    from megatron_jreg.training.flags import preset_flags
 
     flags = preset_flags(args.preset) if args.preset else list(CPU_FLAGS)
     if args.seq_length:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron_jreg.training.arguments import PRESETS, parse_args  # noqa: E402
+from megatron_jreg.training.flags import PRESETS, parse_args  # noqa: E402
 
 LLAMA3_VOCAB = 128_256
 SENTENCEPIECE_VOCAB = 32_000

@@ -207,7 +207,7 @@ RELIED_ON: tuple[Reliance, ...] = (
               "model_provider", "process_non_loss_data_func", "get_embedding_ranks", "get_position_embedding_ranks",
               "non_loss_data_func", "store", "inprocess_call_wrapper", "p2p_communicator", "pg_collection",
               "skip_model_parallel_init")),
-    Reliance("megatron.training.global_vars._build_tokenizer", "megatron_jreg.training.arguments",
+    Reliance("megatron.training.global_vars._build_tokenizer", "megatron_jreg.training.run",
              "private: the tokenizer is built apart from set_global_variables, so that its errors become a "
              "UsageError naming --tokenizer-type/--tokenizer-model", ("args",)),
     Reliance("megatron.training.arguments._add_tokenizer_args", "megatron_jreg.data.tokenizers",

@@ -120,6 +120,17 @@ class JregConfig:
             raise UsageError(f"--jreg-min-weight {self.min_weight} skips every layer (the largest weight is {top:.4g} "
                              f"at --jreg-alpha {self.alpha}): give a smaller one")
 
+    def check_args(self, args: argparse.Namespace) -> None:
+        """JREG's pre-flight checks against Megatron-LM's flags, before any work (training/checks.py runs the rest)."""
+        packed = args.sft or args.dataloader_inter_document_masking
+        virtual = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
+        readers_only = not packed and (args.pipeline_model_parallel_size > 2 or (
+            args.pipeline_model_parallel_size > 1 and virtual is not None))
+        if args.eod_mask_loss and args.calculate_per_token_loss and self.lam > 0 and readers_only:
+            raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
+                             "microbatch by its loss tokens, which the pipeline stages between the first and last do "
+                             "not read here (more than 2 stages, or virtual stages); drop one of the three")
+
     def weights(self, num_layers: int) -> Tensor:
         """w[L] = softmax(α·ℓ) over the penalized layers, 0 where below --jreg-min-weight (what training uses)."""
         w = jreg.layer_weights(num_layers, self.alpha, self.layers)
@@ -240,8 +251,10 @@ class JregPlugin:
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
         if not model_chunks:
             raise ValueError("JregPlugin needs the model chunks of this rank")
+        from megatron.core.utils import get_model_config
+
         self.chunks = list(model_chunks)
-        self.mcfg = _model_config(model_chunks)
+        self.mcfg = get_model_config(model_chunks[0])  # the TransformerConfig under the DDP/Float16 wrappers
         self.num_layers = self.mcfg.num_layers
         cfg.check_layers(self.num_layers)
         self.layers = decoder_layers(model_chunks)  # [(ℓ, layer)]
@@ -448,14 +461,3 @@ def _tp_rank() -> int:
 
     return parallel_state.get_tensor_model_parallel_rank()
 
-
-def _model_config(model_chunks: list[torch.nn.Module]):
-    """The TransformerConfig of the (possibly DDP/Float16-wrapped) model."""
-    for chunk in model_chunks:
-        module = chunk
-        while module is not None:
-            cfg = getattr(module, "config", None)
-            if cfg is not None and hasattr(cfg, "num_layers"):
-                return cfg
-            module = getattr(module, "module", None)
-    raise ValueError("could not find a megatron TransformerConfig on the model chunks")

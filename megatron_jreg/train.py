@@ -34,7 +34,7 @@ def _single_process_env() -> None:
 
 
 # The files that shape `train --help` besides megatron-core itself (its version is part of the cache key).
-_HELP_SOURCES = ("training/arguments.py", "plugin.py", "usage.py", "train.py")
+_HELP_SOURCES = ("training/flags.py", "checkpoints/args.py", "plugin.py", "usage.py", "train.py")
 
 
 def _help_cache() -> Path:
@@ -127,7 +127,7 @@ def _train_parser() -> argparse.ArgumentParser:
     """Megatron-LM's parser with our flags, built as `megatron-jreg train` builds it (parse_args)."""
     from megatron.training import arguments
 
-    from megatron_jreg.training.arguments import add_jreg_args
+    from megatron_jreg.training.flags import add_jreg_args
 
     built: list[argparse.ArgumentParser] = []
 

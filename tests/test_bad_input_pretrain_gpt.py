@@ -52,14 +52,16 @@ def test_refused_in_one_line(results, name):
 
 
 def _check(*flags: str, **fields) -> None:
-    """check_pretrain_gpt_flags on TINY plus `flags`, with `fields` set on the parsed args."""
+    """check_pretrain_gpt_flags and JregConfig.check_args on TINY plus `flags`, with `fields` set on the parsed args."""
     from megatron_jreg.plugin import JregConfig
-    from megatron_jreg.training.arguments import check_pretrain_gpt_flags, parse_args
+    from megatron_jreg.training.checks import check_pretrain_gpt_flags
+    from megatron_jreg.training.flags import parse_args
 
     args = parse_args(TINY + list(flags))
     for key, value in fields.items():
         setattr(args, key, value)
-    check_pretrain_gpt_flags(args, JregConfig.from_args(args))
+    check_pretrain_gpt_flags(args)
+    JregConfig.from_args(args).check_args(args)
 
 
 @pytest.mark.parametrize("flags,fields,needle", [
@@ -77,7 +79,7 @@ def _check(*flags: str, **fields) -> None:
     ([], {"sft": True, "hybrid_context_parallel": True}, "--context-parallel-size 1 --hybrid-context-parallel: "),
 ])
 def test_layout_dependent_refusals(flags, fields, needle):
-    from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.errors import UsageError
 
     with pytest.raises(UsageError, match=re.escape(needle)):
         _check(*flags, **fields)
@@ -110,15 +112,15 @@ def offline_hub(tmp_path, monkeypatch):
 def _tokenizer_check(model: str) -> None:
     import argparse
 
-    from megatron_jreg.training.arguments import _check_tokenizer_path
+    from megatron_jreg.training.checks import check_tokenizer_path
 
-    _check_tokenizer_path(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=model))
+    check_tokenizer_path(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=model))
 
 
 def test_mistyped_folder_read_as_hub_id_is_one_line_when_offline(offline_hub):
     """issue 33.3: `data/bpe4` run where there is no data/ reads as a hub id `org/name`; offline, and not in the
     cache, it is neither: one line (transformers retried the network five times, then "couldn't connect")."""
-    from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.errors import UsageError
 
     with pytest.raises(UsageError, match=re.escape(
             "--tokenizer-type HuggingFaceTokenizer --tokenizer-model data/bpe4: neither a folder here nor a model in "
@@ -171,7 +173,7 @@ def test_a_name_that_is_no_folder_and_no_reachable_hub_id_is_one_line_at_once(of
     id is still read from the cache (offline from then on: no retries before transformers reads it)."""
     from huggingface_hub import constants
 
-    from megatron_jreg.training.arguments import UsageError
+    from megatron_jreg.errors import UsageError
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     _hub_at(monkeypatch, listening=False)

@@ -223,7 +223,7 @@ def test_overwrite_save_with_load_of_the_same_folder_is_refused(tmp_path):
 def test_overwrite_save_is_a_train_flag():
     import argparse
 
-    from megatron_jreg.training.arguments import add_jreg_args
+    from megatron_jreg.training.flags import add_jreg_args
 
     parser = add_jreg_args(argparse.ArgumentParser())
     assert parser.parse_args(["--overwrite-save"]).jreg_overwrite_save is True

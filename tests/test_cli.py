@@ -126,7 +126,7 @@ def test_train_help_from_the_kept_layout_is_megatron_lms_help_at_every_width(mon
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron_jreg.training.arguments import parse_args
+        from megatron_jreg.training.flags import parse_args
 
         layout = json.loads(json.dumps(train.help_layout(train._train_parser())))
     for columns in ("60", "80", "137", "300"):

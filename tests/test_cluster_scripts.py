@@ -486,7 +486,7 @@ def test_parameter_count_is_the_built_models():
     """check_args.py's closed form against docs/results/preset_params.txt (megatron-core's built models)."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
-    from megatron_jreg.training.arguments import parse_args
+    from megatron_jreg.training.flags import parse_args
 
     rows = re.findall(r"^(\S+)\s+(\d+)\s+\d+\s+yes\s+([\d,]+)", (REPO / "docs" / "results" / "preset_params.txt")
                       .read_text(encoding="utf-8"), re.M)

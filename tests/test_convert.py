@@ -165,8 +165,8 @@ def _refusal_folders(tmp: Path) -> dict[str, Path]:
     # A real Megatron-LM checkpoint of a GPT-2-style model (Megatron-LM's default architecture: LayerNorm,
     # GELU, biases, learned positions): saved args and weights, nothing Llama about it.
     from megatron_jreg.checkpoints import build_model
+    from megatron_jreg.checkpoints.args import model_args
     from megatron_jreg.convert.from_hf import save_release_checkpoint
-    from megatron_jreg.training.arguments import model_args
 
     args = model_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                       "--max-position-embeddings 32 --tokenizer-type NullTokenizer".split(), 300)

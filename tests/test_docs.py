@@ -78,7 +78,7 @@ def test_preset_parameter_counts_in_the_docs_are_the_results_file():
     assert {p for p, _ in params} == set(presets), params
     readme = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     scaling = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
-    arguments = (ROOT / "megatron_jreg" / "training" / "arguments.py").read_text(encoding="utf-8")
+    arguments = (ROOT / "megatron_jreg" / "training" / "flags.py").read_text(encoding="utf-8")
     for preset in presets:
         llama3, sentencepiece = _short(params[(preset, 128_256)]), _short(params[(preset, 32_000)])
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{preset}` |"))

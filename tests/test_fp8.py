@@ -71,14 +71,14 @@ def machine(monkeypatch):
 
 
 def args_of(*flags: str):
-    from megatron_jreg.training.arguments import parse_args
+    from megatron_jreg.training.flags import parse_args
 
     return parse_args(TINY + list(flags))
 
 
 def error_of(*flags: str) -> str:
+    from megatron_jreg.errors import UsageError
     from megatron_jreg.training import model
-    from megatron_jreg.training.arguments import UsageError
 
     with pytest.raises(UsageError) as e:
         model.check_transformer_impl(args_of(*flags))

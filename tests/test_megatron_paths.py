@@ -33,9 +33,8 @@ def _validation_tokens(argv: list[str], count: int):
     from megatron.core import parallel_state
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_jreg.training.arguments import parse_and_validate
     from megatron_jreg.training.data import train_valid_test_datasets_provider
-    from megatron_jreg.training.run import teardown
+    from megatron_jreg.training.run import parse_and_validate, teardown
 
     try:
         parse_and_validate(argv)

@@ -188,8 +188,10 @@ def _loop_args(**changes) -> SimpleNamespace:
 def _loop(args: SimpleNamespace):  # noqa: ANN202 - a JregLoop of λ = 0.1 that starts from no checkpoint
     from megatron_jreg.plugin import JregConfig
     from megatron_jreg.training.loop import JregLoop
+    from megatron_jreg.training.run_folder import RunFolder
 
-    return JregLoop(args, JregConfig(lam=0.1), None)
+    cfg = JregConfig(lam=0.1)
+    return JregLoop(args, cfg, RunFolder.open(args, cfg, None))
 
 
 def test_training_patches_are_the_training_rows_and_are_undone(monkeypatch):

@@ -186,9 +186,8 @@ def _loss_ignores_user_targets(argv: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_jreg.training.arguments import parse_and_validate
     from megatron_jreg.training.data import train_valid_test_datasets_provider
-    from megatron_jreg.training.run import teardown
+    from megatron_jreg.training.run import parse_and_validate, teardown
     from megatron_jreg.training.sft import install_chat_targets
     from megatron_jreg.training.step import loss_func
 

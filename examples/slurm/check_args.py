@@ -3,7 +3,7 @@
     python examples/slurm/check_args.py --world-size 16 -- --model-preset llama-1b --bf16 ...   # the train flags
     DRY_RUN=1 bash examples/slurm/llama-1b.sbatch          # the Slurm recipes run it (launch.sh), no allocation
 
-The flags go through what every rank of the job runs first (`megatron_jreg.training.arguments.parse_and_validate`:
+The flags go through what every rank of the job runs first (`megatron_jreg.training.run.parse_and_validate`:
 Megatron-LM's parser and validate_args, megatron-jreg's checks of the data, tokenizer, --save folder and flag
 combinations) as rank 0 of `--world-size` ranks, then Megatron-LM's sizing of the train/validation samples, and
 a summary is printed: the parallel layout and the batch arithmetic (global batch = micro-batch × data-parallel
@@ -58,7 +58,7 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
     from megatron.training import arguments as megatron_arguments
 
     from megatron_jreg import compat
-    from megatron_jreg.training import arguments, model
+    from megatron_jreg.training import checks, model
 
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_DEVICE_MAX_CONNECTIONS")
     saved_env = {key: os.environ.get(key) for key in keys}
@@ -79,7 +79,7 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
             not_checked.append(f"FP8 (--fp8-format {args.fp8} --fp8-recipe {args.fp8_recipe}: the GPU's and "
                                "Transformer Engine's support; each rank checks it at start)")
 
-    check_model_config = arguments._check_model_config
+    check_model_config = checks.check_model_config
 
     def model_config(args: argparse.Namespace) -> None:
         """megatron-core's TransformerConfig checks; without TE here, on a copy of the flags with the kernel only
@@ -91,9 +91,9 @@ def as_rank_zero(world: int) -> Iterator[list[str]]:
     stand_ins = [] if torch.cuda.is_available() else [
         (compat, "cpu_training_refusal", lambda *a, **k: None),
         (compat, "apply_cpu_training_compat", lambda *a, **k: False),
-        (arguments, "_check_cpu", lambda args: None),
+        (checks, "check_cpu", lambda args: None),
         (model, "check_transformer_impl", transformer_engine),
-        (arguments, "_check_model_config", model_config),
+        (checks, "check_model_config", model_config),
         (megatron_arguments, "get_device_arch_version", lambda: HOPPER),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
@@ -131,8 +131,7 @@ def check(argv: list[str], world: int) -> Report:
     refuse them. Megatron-LM's global state is torn down afterwards, so one process can check many commands."""
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_jreg.training.arguments import parse_and_validate
-    from megatron_jreg.training.run import teardown
+    from megatron_jreg.training.run import parse_and_validate, teardown
 
     try:
         # Megatron-LM prints its argument table (and notes) on stdout and warns through `warnings`: kept out of the

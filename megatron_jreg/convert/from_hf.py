@@ -122,7 +122,7 @@ def hf_to_mcore(
     hf_cfg = read_config(folder, "--hf")
     arch = llama.LlamaArch.from_hf(hf_cfg, seq_length)
     with quiet_megatron():  # Megatron-LM's arguments and tokenizer defaults import megatron-core
-        from megatron_jreg.training.arguments import model_args
+        from megatron_jreg.checkpoints.args import model_args
 
         tokenizer, tokens_in_tokenizer, notes = _tokenizer(folder)
     layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",

@@ -54,7 +54,7 @@ from megatron_jreg.training.metrics import (
     jreg_fields,
     write_scalars,
 )
-from megatron_jreg.training.run_folder import RunFolder, Start, resume_hint, tracked
+from megatron_jreg.training.run_folder import RunFolder, resume_hint, tracked
 
 TRAIN_STEP = "megatron.training.training.train_step"
 TRAINING_LOG = "megatron.training.training.training_log"
@@ -74,9 +74,8 @@ class JregLoop:
     """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop; it also holds
     the run's --save folder (run_folder.RunFolder: lock, settings, history) and its Ctrl-C."""
 
-    def __init__(self, args: argparse.Namespace, cfg: JregConfig, start: Start | None) -> None:
-        self.args, self.cfg = args, cfg
-        self.folder = RunFolder.open(args, cfg, start)  # first: a refusal leaves nothing else behind
+    def __init__(self, args: argparse.Namespace, cfg: JregConfig, folder: RunFolder) -> None:
+        self.args, self.cfg, self.folder = args, cfg, folder
         self.folder.loop_fields = self._checkpoint_fields
         self.plugin: JregPlugin | None = None
         self.stats: JregStats | None = None  # Ψ of the last recorded training iteration

@@ -6,7 +6,6 @@ builder's extension points only:
 - `transformer_layer_spec`: Megatron-LM's own spec with sequence-parallel capable norms, scaled by 1/√ℓ with
   `--layernorm-scaling` (layer_spec.py);
 - a pre-wrap hook for `--init-mode layout-independent` (training/sharding.py);
-- a post-wrap hook that attaches the JREG plugin to the wrapped model chunks (training/loop.py);
 - packed data (`--sft`) at PP > 1 with micro-batch > 1: megatron-core's variable-sequence-length p2p, so the
   flattened microbatches reach the next stage in their own shape (Megatron-LM's fixed buffers mismatch).
 
@@ -16,7 +15,6 @@ FP8 that cannot run here stops before any work (`check_transformer_impl`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 
@@ -100,9 +98,9 @@ def check_transformer_impl(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag}: Transformer Engine cannot run this recipe here ({reason}): {instead}")
 
 
-def gpt_model_config(args: argparse.Namespace, post_wrap: Callable[[list], list] | None = None):
+def gpt_model_config(args: argparse.Namespace):
     """Megatron-LM's GPTModelConfig for `args` (gpt_config_from_args, pretrain_gpt.py:517-521 at core_v0.19.0)
-    with our spec and hooks."""
+    with our spec and init hook (the run adds JREG's post-wrap hook)."""
     from megatron.training.argument_utils import gpt_config_from_args
 
     cfg = gpt_config_from_args(args)
@@ -122,6 +120,4 @@ def gpt_model_config(args: argparse.Namespace, post_wrap: Callable[[list], list]
             return chunks
 
         cfg.pre_wrap_hooks.append(init)
-    if post_wrap is not None:
-        cfg.post_wrap_hooks.append(post_wrap)
     return cfg

@@ -1,5 +1,5 @@
 """One training run: flags → Megatron-LM's args, the JREG config and the checkpoint to start from (each built
-once, training/arguments.py) → providers → `megatron.training.pretrain`.
+once, `parse_and_validate`: training/flags.py, training/checks.py) → providers → `megatron.training.pretrain`.
 
 Megatron-LM keeps its state in module globals (args, timers, microbatch calculator, parallel groups,
 rerun state machine); `run` tears them down afterwards so that one process can run several trainings
@@ -18,6 +18,82 @@ import logging
 import os
 from collections.abc import Iterator
 from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+    from megatron_jreg.plugin import JregConfig
+    from megatron_jreg.training.run_folder import Start
+
+
+def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
+    """Flags → (Megatron-LM's validated args (global state set), the run's JREG config, the checkpoint it starts
+    from), each built once and handed down; or UsageError before any work.
+
+    Megatron-LM's own order (parse_and_validate_args): parse, validate_args, set_global_variables
+    (tokenizer, timers, TensorBoard/W&B writers, signal handler); our checks run before its validation.
+    """
+    import importlib.util
+
+    import torch
+    from megatron.training import arguments, global_vars
+
+    from megatron_jreg.compat import apply_cpu_training_compat, cpu_training_refusal
+    from megatron_jreg.errors import UsageError
+    from megatron_jreg.plugin import JregConfig
+    from megatron_jreg.training import checks
+    from megatron_jreg.training.data import check_vocabulary
+    from megatron_jreg.training.flags import parse_args
+    from megatron_jreg.training.model import check_transformer_impl
+    from megatron_jreg.training.run_folder import find_start
+
+    args = parse_args(argv)
+    cpu = not torch.cuda.is_available()
+    refusal = cpu_training_refusal() if cpu and not args.allow_cpu else None
+    if refusal is not None:  # never train on the CPU by accident (compat.py)
+        raise UsageError(refusal)
+    start = find_start(args)
+    if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
+        checks.args_from_checkpoint(args, start)
+    checks.check_numbers(args)
+    jreg = JregConfig.from_args(args)  # --jreg-* before Megatron-LM's own checks
+    checks.check_paths(args)
+    checks.check_sft(args)
+    checks.check_data(args)
+    checks.check_pretrain_gpt_flags(args)
+    jreg.check_args(args)
+    if not args.jreg_no_exit_signal_handler:
+        args.exit_signal_handler = True
+    if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
+        args.tokenizer_type = "GPT2BPETokenizer"
+    if cpu:
+        checks.check_cpu(args)
+        apply_cpu_training_compat(args)
+    check_transformer_impl(args)
+    checks.check_megatron_prerequisites(args)
+    try:
+        arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    except (AssertionError, ValueError, TypeError, RuntimeError) as e:
+        raise UsageError(checks.assertion_text(e, args)) from None
+    checks.check_model_config(args)
+    jreg.check_layers(args.num_layers)  # --jreg-layers against num_layers, which may only now be known
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--wandb-project needs the wandb package: pip install wandb")
+    try:
+        global_vars.set_global_variables(args, build_tokenizer=False)
+    except (AssertionError, ValueError) as e:
+        raise UsageError(checks.assertion_text(e)) from None
+    try:
+        global_vars._build_tokenizer(args)
+    except (OSError, ValueError, AssertionError, ImportError, KeyError) as e:
+        raise UsageError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {args.tokenizer_model}: "
+                         f"{checks.assertion_text(e)}") from None
+    checks.note_unused_vocab_size(args)
+    check_vocabulary(args)
+    return args, jreg, start
+
+
 
 
 def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
@@ -56,8 +132,8 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
     import functools
     import traceback
 
+    from megatron_jreg.checkpoints.args import assertion_text
     from megatron_jreg.errors import UsageError
-    from megatron_jreg.training.arguments import _assertion_text
 
     @functools.wraps(setup)
     def setup_model_and_optimizer(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -74,7 +150,7 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
                 what = f"the optimizer (check {_OPTIMIZER_FLAGS.get(args.optimizer, '--optimizer and its flags')})"
             else:
                 what = "the model"
-            raise UsageError(f"Megatron-LM cannot build {what} for these flags: {_assertion_text(e, args)} "
+            raise UsageError(f"Megatron-LM cannot build {what} for these flags: {assertion_text(e, args)} "
                              "(rerun with --debug for the traceback)") from e
 
     return setup_model_and_optimizer
@@ -121,11 +197,10 @@ def run(argv: list[str]) -> int:
 
     from megatron_jreg.errors import JregError, LimitReached, limit_reached
     from megatron_jreg.training import checkpointing
-    from megatron_jreg.training.arguments import parse_and_validate
     from megatron_jreg.training.data import data_changed, token_beyond_vocabulary, train_valid_test_datasets_provider
     from megatron_jreg.training.loop import JregLoop
     from megatron_jreg.training.model import gpt_model_config
-    from megatron_jreg.training.run_folder import resume_hint
+    from megatron_jreg.training.run_folder import RunFolder, resume_hint
     from megatron_jreg.training.step import forward_step
 
     if parallel_state.model_parallel_is_initialized():  # Megatron-LM would silently keep another layout
@@ -134,15 +209,18 @@ def run(argv: list[str]) -> int:
 
     atexit.unregister(_stop_data_workers)
     atexit.register(_stop_data_workers)
-    loop = args = None
+    loop = args = folder = None
     environ = dict(os.environ)  # validate_args exports NVTE_*_ATTN for --attention-backend: restored after
     timers = logging.getLogger("megatron.core.utils")
     timers.addFilter(_not_a_traceback_copy)
     try:
         args, jreg, start = parse_and_validate(argv)
-        loop = JregLoop(args, jreg, start)
+        folder = RunFolder.open(args, jreg, start)  # first: a refusal leaves nothing else behind
+        loop = JregLoop(args, jreg, folder)
+        model = gpt_model_config(args)
+        model.post_wrap_hooks.append(loop.attach)  # JREG on this rank's wrapped chunks (plugin.JregPlugin)
         # pretrain_gpt.py:520-530 (core_v0.19.0): its config container and pretrain call, with our providers
-        config = pretrain_cfg_container_from_args(args, gpt_model_config(args, post_wrap=loop.attach))
+        config = pretrain_cfg_container_from_args(args, model)
         try:
             with training_patches(args, loop):
                 training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
@@ -168,7 +246,9 @@ def run(argv: list[str]) -> int:
     finally:
         timers.removeFilter(_not_a_traceback_copy)
         if loop is not None:
-            loop.close()
+            loop.close()  # the folder too
+        elif folder is not None:
+            folder.close()
         teardown()
         for key in [k for k in os.environ if k.startswith("NVTE_") and k not in environ]:
             del os.environ[key]

@@ -14,7 +14,7 @@ the local spec cannot take packed sequences (sft.py).
 
 What `pretrain_gpt.py` reads and how megatron-jreg treats it (flags of its forward step, loss, dataset
 providers, embedding ranks and entry; megatron-jreg train refuses the rest in one line,
-arguments.check_pretrain_gpt_flags):
+checks.check_pretrain_gpt_flags):
 - implemented as there: --sft, --dataloader-inter-document-masking, --create-attention-mask-in-dataloader,
   --hybrid-context-parallel, --context-parallel-size, --micro-batch-size, --seq-length,
   --pipeline-model-parallel-size, --mtp-num-layers with --pipeline-model-parallel-layout (batch, datasets

@@ -1,158 +1,24 @@
-"""`megatron-jreg train` flags: Megatron-LM's own parser and validation, plus what is ours.
-
-Every `pretrain_gpt.py` flag comes from `megatron.training.arguments` with its meaning and default; this
-module only adds (through Megatron-LM's `extra_args_provider`) the flags JREG and this project need, and
-turns Megatron-LM's bare assertions into one line naming the problem (`megatron-jreg train: error: …`,
-exit 2) before any work.
-
-`--model-preset NAME` is shorthand for the architecture flags below, placed before the user's flags so
-that explicit flags override it (argparse keeps the last value).
+"""`megatron-jreg train`'s pre-flight checks: what Megatron-LM would only trip over after the model is built, in
+its first step, or never (silently), refused in one line naming the flag and the fix (exit 2) before any work.
+The order they run in is the run's first step (training/run.py's `parse_and_validate`).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import importlib.util
 import math
 import os
-import re
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_jreg.checkpoints.args import assertion_text, check_model_config, flag  # noqa: F401 - the run calls it here
 from megatron_jreg.errors import UsageError
-from megatron_jreg.plugin import JregConfig
 
 if TYPE_CHECKING:
     from megatron_jreg.training.run_folder import Start
 
-PROG = "megatron-jreg train"
 
-# Llama architecture flags common to the presets (RoPE, RMSNorm, SwiGLU, no biases, no dropout).
-_LLAMA = ("--position-embedding-type rope --normalization RMSNorm --norm-epsilon 1e-5 --swiglu "
-          "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 "
-          "--group-query-attention")
-# The paper gives layers × hidden (12×768, 16×2048, 30×3072) and the names 170M/1B/3.4B. Heads, query
-# groups, FFN width, RoPE base and tied embeddings are our choice, following Llama-3.2 (1B: 16×2048, 32
-# heads, 8 KV heads, FFN 8192; 3B: 24 heads, 8 KV heads, FFN 8192). The vocabulary comes from the tokenizer,
-# so the parameter count does too (tied embeddings): with the Llama-3 tokenizer (128,256 tokens) 174.0M,
-# 1.24B and 3.41B, matching the paper's names; with the 32,000-token SentencePiece model the docs' recipe
-# trains, 100.1M, 1.04B and 3.12B (docs/results/preset_params.txt, from benchmarks/preset_params.py).
-PRESETS: dict[str, str] = {
-    "tiny": "--num-layers 4 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 4 --num-query-groups 2 "
-            "--seq-length 128 --max-position-embeddings 128 --rotary-base 10000",
-    "llama-170m": "--num-layers 12 --hidden-size 768 --ffn-hidden-size 2048 --num-attention-heads 12 "
-                  "--num-query-groups 4 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
-    "llama-1b": "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 "
-                "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
-    "llama-3.4b": "--num-layers 30 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 "
-                  "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --rotary-base 500000",
-}
-
-
-def preset_flags(name: str) -> list[str]:
-    return (PRESETS[name] + " " + _LLAMA).split()
-
-
-def expand_preset(argv: list[str]) -> list[str]:
-    """Put the preset's architecture flags before the user's (explicit flags then override them)."""
-    for i, arg in enumerate(argv):
-        name = None
-        if arg == "--model-preset" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--model-preset="):
-            name = arg.split("=", 1)[1]
-        if name is not None:
-            if name not in PRESETS:
-                raise UsageError(f"--model-preset {name!r} is unknown: choose one of {', '.join(PRESETS)}")
-            return preset_flags(name) + argv
-    return argv
-
-
-EXAMPLE = ("megatron-jreg train --model-preset tiny --transformer-impl local --mock-data --tokenizer-type "
-           "NullTokenizer --vocab-size 512 \\\n    --micro-batch-size 2 --global-batch-size 8 --train-iters 20 "
-           "--lr 1e-3 --eval-interval 10 --eval-iters 2 --jreg-lambda 1")
-
-
-def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
-    """Help texts argparse cannot format: megatron-core 0.19.2's --moe-paged-stash-buffer-size-factor-cuda help
-    holds a bare `%` (from its config docstring), which makes `--help` raise ValueError, in Megatron-LM's own
-    pretrain_gpt.py too. Such a `%` is doubled; `%(default)s`-style fields stay."""
-    for action in parser._actions:
-        if isinstance(action.help, str):
-            try:
-                action.help % collections.defaultdict(str)
-            except (ValueError, TypeError, KeyError):
-                action.help = re.sub(r"%%|%\(\w+\)[a-z]|%", lambda m: m[0] if len(m[0]) > 1 else "%%", action.help)
-
-
-def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's `extra_args_provider`: our flags, one-line argparse errors, a help that prints."""
-    from megatron_jreg.usage import example
-
-    parser.prog = PROG
-    _escape_bare_percent(parser)
-    for key, value in example(EXAMPLE).items():
-        setattr(parser, key, value)
-
-    def error(message: str) -> None:  # argparse would print Megatron-LM's 800-flag usage first
-        raise UsageError(message)
-
-    parser.error = error  # type: ignore[method-assign]
-    g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
-    JregConfig.add_flags(g)
-    g.add_argument("--layernorm-scaling", action="store_true",
-                   help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
-                        "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl local)")
-    g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
-                   help="the paper's architectures (Llama-3.2 proportions) as flags; explicit flags override")
-    g.add_argument("--metrics-file", default=None,
-                   help="append one JSON object per logged iteration and validation (Ψ, ζ, losses) here")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="a progress bar on stderr, its rate Megatron-LM's elapsed time per iteration (default: when "
-                        "stderr is a terminal and --log-interval > 1)")
-    g.add_argument("--init-mode", choices=["megatron", "layout-independent"], default="megatron",
-                   help="layout-independent: draw every weight from its global tensor, so one seed gives one "
-                        "model at every TP/PP/VPP layout (default: Megatron-LM's own init)")
-    g.add_argument("--no-exit-signal-handler", dest="jreg_no_exit_signal_handler", action="store_true",
-                   help="SIGTERM kills the run (default here: save a checkpoint and exit 0, Megatron-LM's "
-                        "--exit-signal-handler, for Slurm preemption)")
-    g.add_argument("--allow-cpu", action="store_true",
-                   help="train on the CPU (gloo) when CUDA is not usable, also where a GPU is expected (NVIDIA "
-                        "devices, CUDA_VISIBLE_DEVICES, a Slurm GPU allocation, several nodes), which is refused "
-                        "otherwise; a machine with no sign of a GPU trains on the CPU without it")
-    g.add_argument("--no-verify-integrity", dest="jreg_no_verify_integrity", action="store_true",
-                   help="do not record SHA-256 digests at save nor verify them at load (default here: every rank "
-                        "digests the files it wrote before the tracker names the save, and verifies its share at "
-                        "load)")
-    g.add_argument("--overwrite-save", dest="jreg_overwrite_save", action="store_true",
-                   help="write into a --save folder that holds another run's checkpoints without --load of it "
-                        "(refused otherwise): its iter_* folders and tracker are first moved into "
-                        "SAVE/overwritten-DATE/")
-    return parser
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Megatron-LM's parse_args on `argv`, with our flags; raises UsageError."""
-    from megatron.training import arguments
-
-    argv = expand_preset(list(argv))
-    if any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in argv):  # Megatron-LM loads it while parsing
-        raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
-    saved = sys.argv
-    sys.argv = [PROG, *argv]
-    try:
-        return arguments.parse_args(extra_args_provider=add_jreg_args)
-    finally:
-        sys.argv = saved
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
+def check_numbers(args: argparse.Namespace) -> None:
     """NaN or ±inf in any numeric flag (Megatron-LM accepts them and e.g. --clip-grad nan disables clipping)."""
     for name, value in sorted(vars(args).items()):
         values = value if isinstance(value, list | tuple) else [value]
@@ -161,7 +27,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                 raise UsageError(f"{flag(name)} {v}: give a finite number")
 
 
-def _check_paths(args: argparse.Namespace) -> None:
+def check_paths(args: argparse.Namespace) -> None:
     """Paths Megatron-LM would only trip over after the model is built (or silently ignore)."""
     if args.load is not None and Path(args.load).is_file():
         raise UsageError(f"--load {args.load} is a file: give the checkpoint directory (the one holding "
@@ -197,7 +63,7 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise UsageError(f"--split {split!r}: weights must be >= 0 and not all 0, e.g. 969,30,1")
 
 
-def _check_sft(args: argparse.Namespace) -> None:
+def check_sft(args: argparse.Namespace) -> None:
     """--sft: Megatron-LM's SFTDataset reads chat JSONL files and asserts what it needs deep inside."""
     if not args.sft:
         return
@@ -212,7 +78,7 @@ def _check_sft(args: argparse.Namespace) -> None:
                          "--reset-attention-mask")
 
 
-def _check_data(args: argparse.Namespace) -> None:
+def check_data(args: argparse.Namespace) -> None:
     """Every dataset the run reads exists, --sft's chat JSONL files or PREFIX.bin + PREFIX.idx (Megatron-LM fails
     deep in the builder)."""
     from megatron_jreg.training.data import data_paths
@@ -227,27 +93,7 @@ def _check_data(args: argparse.Namespace) -> None:
                                  ".bin/.idx, e.g. my-data_text_document)")
 
 
-def _assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
-    """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
-    made, with `args.foo_bar` (and, given `args`, any bare argument name) spelled as the flag `--foo-bar`."""
-    import traceback
-
-    text = " ".join(str(e).split())
-    if text:
-        if args is not None:
-            text = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
-                          lambda m: flag(m.group(0)) if hasattr(args, m.group(0)) else m.group(0), text)
-        return text
-    frames = traceback.extract_tb(e.__traceback__)
-    if not frames:
-        return type(e).__name__
-    frame = frames[-1]
-    check = re.sub(r"^assert\s+", "", (frame.line or "").strip())
-    check = re.sub(r"args\.([a-z0-9_]+)", lambda m: flag(m.group(1)), check)
-    return f"Megatron-LM's argument check `{check}` failed ({Path(frame.filename).name}:{frame.lineno})"
-
-
-def _check_cpu(args: argparse.Namespace) -> None:
+def check_cpu(args: argparse.Namespace) -> None:
     """Megatron-LM features that need CUDA, refused on a CPU with the reason: Megatron-LM would fail in its
     validation, the build or a step, or hang (FP8 and Transformer Engine: training/model.py; CUDA graphs:
     check_pretrain_gpt_flags)."""
@@ -274,7 +120,7 @@ def _check_cpu(args: argparse.Namespace) -> None:
             raise UsageError(line)
 
 
-def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None:
+def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
     """Flags of Megatron-LM's pretrain_gpt.py (and its loop) that megatron-jreg train does not run as
     Megatron-LM would, refused in one line before any work (the full list: training/step.py). Runs before
     Megatron-LM's validation, which already calls CUDA for some of them."""
@@ -305,14 +151,6 @@ def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None
                          "0.19.2 cannot build the MTP stage's sharded state dict, which checkpoints and --init-mode "
                          "layout-independent need (Megatron-LM fails at its first save); add "
                          "--untie-embeddings-and-output-weights")
-    packed = args.sft or args.dataloader_inter_document_masking
-    virtual = args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank
-    readers_only = not packed and (args.pipeline_model_parallel_size > 2 or (
-        args.pipeline_model_parallel_size > 1 and virtual is not None))
-    if args.eod_mask_loss and args.calculate_per_token_loss and jreg.lam > 0 and readers_only:
-        raise UsageError("--eod-mask-loss with --calculate-per-token-loss and --jreg-lambda > 0: JREG weights each "
-                         "microbatch by its loss tokens, which the pipeline stages between the first and last do "
-                         "not read here (more than 2 stages, or virtual stages); drop one of the three")
     if args.layernorm_scaling:
         clash = next((why for why, on in (
             (f"--transformer-impl {args.transformer_impl}: its norms are fused into Transformer Engine's linear "
@@ -329,36 +167,25 @@ def check_pretrain_gpt_flags(args: argparse.Namespace, jreg: JregConfig) -> None
                          "the padding; use --context-parallel-size 1 (tensor/sequence or pipeline parallelism)")
 
 
-def _args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
-    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the checkpoint the run starts from (already
+def args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
+    """--use-checkpoint-args: Megatron-LM's loadargs_from_checkpoint on the checkpoint the run starts from (already
     checked by run_folder.find_start)."""
-    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.checkpointing import loadargs_from_checkpoint
 
     if start is None:
         raise UsageError("--use-checkpoint-args needs a checkpoint in --load (or --pretrained-checkpoint) to read the "
                          "model from")
     try:
-        load_args_from_checkpoint(args, load_arg=start.option[2:].replace("-", "_"))
+        loadargs_from_checkpoint(args, load_arg=start.option[2:].replace("-", "_"))
     except (AssertionError, ValueError, KeyError, OSError) as e:
         raise UsageError(f"--use-checkpoint-args: cannot read the args of {start.root} "
-                         f"({_assertion_text(e)})") from None
-
-
-def _check_model_config(args: argparse.Namespace) -> None:
-    """megatron-core's TransformerConfig checks (heads and groups divisible by TP, layers by stages, ...)
-    that Megatron-LM's validate_args leaves to the model build, after the process groups exist."""
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
-    try:
-        core_transformer_config_from_args(args)
-    except (AssertionError, ValueError, TypeError) as e:
-        raise UsageError(_assertion_text(e, args)) from None
+                         f"({assertion_text(e)})") from None
 
 
 _HF_TOKENIZERS = ("HuggingFaceTokenizer", "SFTTokenizer", "MultimodalTokenizer")
 
 
-def _check_tokenizer_path(args: argparse.Namespace) -> None:
+def check_tokenizer_path(args: argparse.Namespace) -> None:
     """A local --tokenizer-model that does not exist: transformers would take `data/bpe4` for a hub id and retry
     the network for a minute before failing. A path counts as local when it starts with / . or ~, has more
     parts than a hub id's `org/name`, or its first folder exists here; a tokenizer file of the other types
@@ -454,7 +281,7 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
                          f"size {args.expert_model_parallel_size} exchanges tokens with all_to_all_single, which "
                          "Megatron-LM calls in a form gloo (CPU) does not accept: use --moe-token-dispatcher-type "
                          "allgather (Megatron-LM's default)")
-    _check_tokenizer_path(args)
+    check_tokenizer_path(args)
     tokenizer = Path(args.tokenizer_model) if args.tokenizer_model else None
     if args.tokenizer_type in ("HuggingFaceTokenizer", "SFTTokenizer") and tokenizer is not None and tokenizer.is_dir():
         found = custom_code(tokenizer)
@@ -465,72 +292,11 @@ def check_megatron_prerequisites(args: argparse.Namespace) -> None:
                              "code: save it as a fast tokenizer (tokenizer.json) and drop --trust-remote-code")
 
 
-def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
-    """Flags → (Megatron-LM's validated args (global state set), the run's JREG config, the checkpoint it starts
-    from), each built once and handed down; or UsageError before any work.
-
-    Megatron-LM's own order (parse_and_validate_args): parse, validate_args, set_global_variables
-    (tokenizer, timers, TensorBoard/W&B writers, signal handler); our checks run before its validation.
-    """
-    import torch
-    from megatron.training import arguments, global_vars
-
-    from megatron_jreg.compat import apply_cpu_training_compat, cpu_training_refusal
-    from megatron_jreg.training.model import check_transformer_impl
-    from megatron_jreg.training.run_folder import find_start
-
-    args = parse_args(argv)
-    cpu = not torch.cuda.is_available()
-    refusal = cpu_training_refusal() if cpu and not args.allow_cpu else None
-    if refusal is not None:  # never train on the CPU by accident (compat.py)
-        raise UsageError(refusal)
-    start = find_start(args)
-    if args.use_checkpoint_args:  # as Megatron-LM's parse_and_validate_args: the model flags from the checkpoint
-        _args_from_checkpoint(args, start)
-    _check_numbers(args)
-    jreg = JregConfig.from_args(args)  # --jreg-* before Megatron-LM's own checks
-    _check_paths(args)
-    _check_sft(args)
-    _check_data(args)
-    check_pretrain_gpt_flags(args, jreg)
-    if not args.jreg_no_exit_signal_handler:
-        args.exit_signal_handler = True
-    if args.tokenizer_type is None:  # pretrain_gpt.py's default (its args_defaults, :512-515 at core_v0.19.0)
-        args.tokenizer_type = "GPT2BPETokenizer"
-    if cpu:
-        _check_cpu(args)
-        apply_cpu_training_compat(args)
-    check_transformer_impl(args)
-    check_megatron_prerequisites(args)
-    try:
-        arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    except (AssertionError, ValueError, TypeError, RuntimeError) as e:
-        raise UsageError(_assertion_text(e, args)) from None
-    _check_model_config(args)
-    jreg.check_layers(args.num_layers)  # --jreg-layers against num_layers, which may only now be known
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--wandb-project needs the wandb package: pip install wandb")
-    try:
-        global_vars.set_global_variables(args, build_tokenizer=False)
-    except (AssertionError, ValueError) as e:
-        raise UsageError(_assertion_text(e)) from None
-    try:
-        global_vars._build_tokenizer(args)
-    except (OSError, ValueError, AssertionError, ImportError, KeyError) as e:
-        raise UsageError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {args.tokenizer_model}: "
-                         f"{_assertion_text(e)}") from None
-    from megatron_jreg.training.data import check_vocabulary
-
-    _note_unused_vocab_size(args)
-    check_vocabulary(args)
-    return args, jreg, start
-
-
 # Megatron-LM's tokenizers that read --vocab-size (core/tokenizers/utils/build_tokenizer.py, core_v0.19.0)
 _VOCAB_SIZE_READERS = ("NullTokenizer", "NullMultimodalTokenizer", "TikTokenizer")
 
 
-def _note_unused_vocab_size(args: argparse.Namespace) -> None:
+def note_unused_vocab_size(args: argparse.Namespace) -> None:
     """--vocab-size with a tokenizer that has its own vocabulary (Hugging Face, SentencePiece, GPT-2 files):
     Megatron-LM ignores it. A note on rank 0 rather than a refusal: pretrain_gpt.py accepts it the same way, launch
     scripts carry it from NullTokenizer runs, and the run is well defined (the tokenizer's vocabulary); the note
@@ -544,37 +310,3 @@ def _note_unused_vocab_size(args: argparse.Namespace) -> None:
         print_rank_0(f"megatron-jreg train: note: --vocab-size {args.vocab_size} has no effect with --tokenizer-type "
                      f"{args.tokenizer_type} (as in Megatron-LM): the model's vocabulary is the tokenizer's "
                      f"{vocabulary:,} tokens ({args.padded_vocab_size:,} embedding rows); drop --vocab-size")
-
-
-def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:
-    """Megatron-LM args for a model described by flags alone (an import, not a training run): parsed and
-    validated by Megatron-LM's own code, quietly, with the padded vocabulary set — what a checkpoint
-    stores as `args`, so Megatron-LM and every megatron-jreg command rebuild the same model from it.
-    world_size: the TP×PP the flags ask for (validation checks the layout against it)."""
-    import contextlib
-    import io
-    from unittest import mock
-
-    import torch
-    from megatron.training import arguments
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
-
-    from megatron_jreg.compat import apply_cpu_training_compat
-
-    # validation checks the layout against a world of TP×PP ranks, as a training launch sets it up
-    launch = {"RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    try:
-        with mock.patch.dict(os.environ, launch):
-            # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
-            args = parse_args(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
-                               "--transformer-impl", "local"])
-            if not torch.cuda.is_available():
-                apply_cpu_training_compat(args)
-            with contextlib.redirect_stdout(io.StringIO()):
-                arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-            _check_model_config(args)
-    except (AssertionError, ValueError, TypeError) as e:
-        raise UsageError(_assertion_text(e)) from None
-    args.padded_vocab_size = calculate_padded_vocab_size(
-        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, logging_enabled=False)
-    return args

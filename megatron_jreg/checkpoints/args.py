@@ -1,0 +1,124 @@
+"""Megatron-LM args of a model: parsed and validated by Megatron-LM's own code, its failures as one line.
+
+A checkpoint stores the `args` it was trained with, and every command rebuilds its model from them; an import
+(convert) makes such args from flags alone (`model_args`). The flags that change what a checkpoint holds or means
+(`add_model_flags`: --layernorm-scaling and JREG's settings) are added here, and `megatron-jreg train`'s parser
+adds them from here too (training/flags.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_jreg.errors import UsageError
+from megatron_jreg.plugin import JregConfig
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_model_flags(group: argparse._ArgumentGroup) -> None:
+    """The flags of ours a checkpoint's args keep: JREG's settings (recorded) and --layernorm-scaling (the model)."""
+    JregConfig.add_flags(group)
+    group.add_argument("--layernorm-scaling", action="store_true",
+                       help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
+                            "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl "
+                            "local)")
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse's errors as a UsageError (it would print Megatron-LM's 800-flag usage first)."""
+
+    def error(message: str) -> None:
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def megatron_parse(argv: list[str], extra_args_provider: Callable) -> argparse.Namespace:
+    """Megatron-LM's parse_args on `argv` (it reads sys.argv) with `extra_args_provider`; raises UsageError."""
+    from megatron.training import arguments
+
+    saved = sys.argv
+    sys.argv = ["megatron-jreg", *argv]
+    try:
+        return arguments.parse_args(extra_args_provider=extra_args_provider)
+    finally:
+        sys.argv = saved
+
+
+def _model_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    one_line_errors(parser)
+    add_model_flags(parser.add_argument_group("megatron-jreg"))
+    return parser
+
+
+def assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
+    """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
+    made, with `args.foo_bar` (and, given `args`, any bare argument name) spelled as the flag `--foo-bar`."""
+    import traceback
+
+    text = " ".join(str(e).split())
+    if text:
+        if args is not None:
+            text = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
+                          lambda m: flag(m.group(0)) if hasattr(args, m.group(0)) else m.group(0), text)
+        return text
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return type(e).__name__
+    frame = frames[-1]
+    check = re.sub(r"^assert\s+", "", (frame.line or "").strip())
+    check = re.sub(r"args\.([a-z0-9_]+)", lambda m: flag(m.group(1)), check)
+    return f"Megatron-LM's argument check `{check}` failed ({Path(frame.filename).name}:{frame.lineno})"
+
+
+def check_model_config(args: argparse.Namespace) -> None:
+    """megatron-core's TransformerConfig checks (heads and groups divisible by TP, layers by stages, ...)
+    that Megatron-LM's validate_args leaves to the model build, after the process groups exist."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    try:
+        core_transformer_config_from_args(args)
+    except (AssertionError, ValueError, TypeError) as e:
+        raise UsageError(assertion_text(e, args)) from None
+
+
+def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:
+    """Megatron-LM args for a model described by flags alone (an import, not a training run): parsed and
+    validated by Megatron-LM's own code, quietly, with the padded vocabulary set — what a checkpoint
+    stores as `args`, so Megatron-LM and every megatron-jreg command rebuild the same model from it.
+    world_size: the TP×PP the flags ask for (validation checks the layout against it)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import torch
+    from megatron.training import arguments
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    from megatron_jreg.compat import apply_cpu_training_compat
+
+    # validation checks the layout against a world of TP×PP ranks, as a training launch sets it up
+    launch = {"RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    try:
+        with mock.patch.dict(os.environ, launch):
+            # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
+            args = megatron_parse(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
+                                   "--transformer-impl", "local"], _model_parser)
+            if not torch.cuda.is_available():
+                apply_cpu_training_compat(args)
+            with contextlib.redirect_stdout(io.StringIO()):
+                arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+            check_model_config(args)
+    except (AssertionError, ValueError, TypeError) as e:
+        raise UsageError(assertion_text(e)) from None
+    args.padded_vocab_size = calculate_padded_vocab_size(
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, logging_enabled=False)
+    return args
