@@ -549,15 +549,17 @@ CASES: dict[str, tuple[str, Callable[[Inputs], list[str]], tuple[str, ...]]] = {
     ),
     "evaluate/lambada-no-last-word": ("evaluate", lambada_file({"text": "ends with a space "}), ("1 no_last_word",)),
     "evaluate/lambada-malformed": (
-        "evaluate", lambada_file({"text": "a good passage"}, "{broken"), ("lambada.jsonl:2", "not JSON")
+        "evaluate", lambada_file({"text": "a good passage"}, "{broken"), ("lambada.jsonl: line 2", "not a JSON line")
     ),
-    "evaluate/lambada-no-text-field": ("evaluate", lambada_file({"body": "a b c"}), ('lambada.jsonl:1', '"text"')),
-    "evaluate/lambada-a-list": ("evaluate", lambada_file('["a b c"]'), ('lambada.jsonl:1', '"text"')),
+    "evaluate/lambada-no-text-field": (
+        "evaluate", lambada_file({"body": "a b c"}), ('lambada.jsonl: line 1', '"text"')
+    ),
+    "evaluate/lambada-a-list": ("evaluate", lambada_file('["a b c"]'), ('lambada.jsonl: line 1', '"text"')),
     "evaluate/lambada-empty-file": ("evaluate", lambada_file(), ("--lambada-file", "no passages")),
     "evaluate/lambada-not-utf8": (
         "evaluate",
         lambda i: ["--hf", str(i.llama), "--lambada-file", str(i.file("l.jsonl", b'{"text": "a \xff b"}\n'))],
-        ("--lambada-file", "not UTF-8"),
+        ("--lambada-file", "can't decode"),
     ),
     "evaluate/lambada-is-a-folder": ("evaluate", hf(good_llama, "--lambada-file", "/tmp"), ("--lambada-file /tmp",)),
     # evaluate: model files

@@ -15,7 +15,6 @@ byte: lower). The "average" row is the paired t-test (stats.py) on each seed's m
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from megatron_jreg.evaluate.results import EvalResults
 from megatron_jreg.evaluate.results import format_number as _value
 from megatron_jreg.evaluate.stats import PairedTest, holm, paired_one_sided, untested
 from megatron_jreg.evaluate.tasks import task_pairs
+from megatron_jreg.fileio import write_json
 from megatron_jreg.usage import example
 
 AVERAGE = "average"
@@ -406,7 +406,7 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(rows_to_json(comparison, pairing), indent=2) + "\n", encoding="utf-8")
+        write_json(args.output, rows_to_json(comparison, pairing))
     return 0
 
 

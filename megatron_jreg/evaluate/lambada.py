@@ -12,7 +12,6 @@ method, perplexity * (sample std of the per-passage NLL) / sqrt(n), where lm-eva
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
+from megatron_jreg.fileio import JsonlError, read_jsonl
 
 # Why a passage cannot be scored: nothing to predict from, or nothing to predict.
 SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
@@ -60,31 +60,24 @@ def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
     path = Path(path)
     passages: list[str] = []
     skipped: Counter[str] = Counter()
-    fix = 'fix the line, or pass a LAMBADA JSONL file (one {"text": passage} a line)'
-    expected = 'pass a LAMBADA JSONL file (one {"text": passage} a line)'
+    fix = 'fix the line, or pass a LAMBADA JSONL file (one UTF-8 {"text": passage} a line)'
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"--lambada-file {path}:{lineno}: not JSON ({e.msg}); {fix}") from None
-                if not isinstance(record, dict) or "text" not in record:
-                    raise UsageError(f'--lambada-file {path}:{lineno}: no "text" field; {fix}')
-                reason = skip_reason(record["text"])
-                if reason is None:
-                    passages.append(record["text"])
-                else:
-                    skipped[reason] += 1
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--lambada-file {path}: not UTF-8 ({e.reason} at byte {e.start}); {expected}") from None
+        for lineno, record in read_jsonl(path):
+            if "text" not in record:
+                raise UsageError(f'--lambada-file {path}: line {lineno} has no "text" field; {fix}')
+            reason = skip_reason(record["text"])
+            if reason is None:
+                passages.append(record["text"])
+            else:
+                skipped[reason] += 1
+    except JsonlError as e:
+        raise UsageError(f"--lambada-file {e}; {fix}") from None
     except OSError as e:
         raise UsageError(f"--lambada-file {path}: cannot read it ({e.strerror}); pass a readable file") from None
     if not passages:
         counts = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "no passages"
-        raise UsageError(f"--lambada-file {path}: no passage can be scored ({counts}); {expected}")
+        raise UsageError(f'--lambada-file {path}: no passage can be scored ({counts}); pass a LAMBADA JSONL file '
+                         '(one {"text": passage} a line)')
     return passages, skipped
 
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.fileio import write_json
+
 Metrics = dict[str, float | None]
 _NOT_METRICS = ("alias", "name", "sample_len", "samples")
 
@@ -45,7 +47,7 @@ class EvalResults:
     def write(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        write_json(path, asdict(self))
 
     @classmethod
     def read(cls, path: str | Path) -> EvalResults:

@@ -6,20 +6,19 @@ file (`data/<bench>/model_answer/<model_id>.jsonl`, what `gen_model_answer.py` w
 reads) has one line per question: `{"question_id", "answer_id", "model_id", "choices": [{"index": 0,
 "turns": [answer to turn 1, answer to turn 2, ...]}], "tstamp"}`.
 
-The answer file is rewritten whole after every batch, under a temporary name and renamed, so it always
-holds complete lines only, and a run started again skips the question ids it already holds.
+The answer file is rewritten whole after every batch (fileio.atomic_write), so it always holds complete lines
+only, and a run started again skips the question ids it already holds.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_jreg.errors import JregError
+from megatron_jreg.fileio import JsonlError, atomic_write, read_jsonl
 
 
 class PromptFileError(JregError, ValueError):
@@ -39,41 +38,31 @@ def _valid_id(value: Any) -> bool:
 
 def read_questions(path: Path, flag: str = "--prompts") -> list[Question]:
     """Every question of a FastChat question file, in file order; the first bad line is a PromptFileError."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise PromptFileError(f"{flag} {path}: cannot read it ({e.strerror}); give a question JSONL file") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PromptFileError(f"{flag} {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL") from None
     questions: list[Question] = []
     seen: dict[int | str, int] = {}
-    fix = 'one {"question_id": 1, "category": "writing", "turns": ["..."]} a line'
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{flag} {path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise PromptFileError(f"{where}: not JSON ({e}); write {fix}") from None
-        if not isinstance(record, dict):
-            raise PromptFileError(f"{where}: a JSON {type(record).__name__}, not an object; write {fix}")
-        qid = record.get("question_id")
-        if not _valid_id(qid):
-            raise PromptFileError(f"{where}: 'question_id' must be an integer or a non-empty string, got {qid!r}")
-        if qid in seen:
-            raise PromptFileError(f"{where}: question_id {qid!r} again (first at line {seen[qid]}); ids must differ")
-        seen[qid] = lineno
-        turns = record.get("turns")
-        if not isinstance(turns, list) or not turns:
-            raise PromptFileError(f"{where}: 'turns' must be a non-empty list of user turns (question {qid!r})")
-        for k, turn in enumerate(turns):
-            if not isinstance(turn, str) or not turn.strip():
-                raise PromptFileError(f"{where}: turn {k} of question {qid!r} is empty or not a string")
-        category = record.get("category", "")
-        questions.append(Question(qid, category if isinstance(category, str) else str(category), tuple(turns)))
+    fix = 'one UTF-8 {"question_id": 1, "category": "writing", "turns": ["..."]} a line'
+    try:
+        for lineno, record in read_jsonl(path):
+            where = f"{flag} {path}: line {lineno}"
+            qid = record.get("question_id")
+            if not _valid_id(qid):
+                raise PromptFileError(f"{where}: 'question_id' must be an integer or a non-empty string, got {qid!r}")
+            if qid in seen:
+                raise PromptFileError(f"{where}: question_id {qid!r} again (first at line {seen[qid]}); ids must "
+                                      "differ")
+            seen[qid] = lineno
+            turns = record.get("turns")
+            if not isinstance(turns, list) or not turns:
+                raise PromptFileError(f"{where}: 'turns' must be a non-empty list of user turns (question {qid!r})")
+            for k, turn in enumerate(turns):
+                if not isinstance(turn, str) or not turn.strip():
+                    raise PromptFileError(f"{where}: turn {k} of question {qid!r} is empty or not a string")
+            category = record.get("category", "")
+            questions.append(Question(qid, category if isinstance(category, str) else str(category), tuple(turns)))
+    except JsonlError as e:
+        raise PromptFileError(f"{flag} {e}; write {fix}") from None
+    except OSError as e:
+        raise PromptFileError(f"{flag} {path}: cannot read it ({e.strerror}); give a question JSONL file") from None
     if not questions:
         raise PromptFileError(f"{flag} {path}: no questions in it; write {fix}")
     return questions
@@ -89,24 +78,17 @@ def read_answers(path: Path, model_id: str, flag: str = "--output") -> dict[int 
     answers: dict[int | str, dict] = {}
     fix = "delete it or choose another --output"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        for lineno, record in read_jsonl(path):
+            if not (_valid_id(record.get("question_id")) and isinstance(record.get("choices"), list)):
+                raise PromptFileError(f"{flag} {path}: line {lineno}: exists and is not a FastChat answer file; {fix}")
+            if record.get("model_id") != model_id:
+                raise PromptFileError(f"{flag} {path}: holds answers of model {record.get('model_id')!r}, not "
+                                      f"{model_id!r}; give --model-id {record.get('model_id')} to resume it, or {fix}")
+            answers[record["question_id"]] = record
+    except JsonlError as e:
+        raise PromptFileError(f"{flag} {e}: it exists and is not a FastChat answer file; {fix}") from None
+    except OSError as e:
         raise PromptFileError(f"{flag} {path}: exists and cannot be read as an answer file ({e}); {fix}") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        ok = isinstance(record, dict) and _valid_id(record.get("question_id")) and isinstance(
-            record.get("choices"), list)
-        if not ok:
-            raise PromptFileError(f"{flag} {path}:{lineno}: exists and is not a FastChat answer file; {fix}")
-        if record.get("model_id") != model_id:
-            raise PromptFileError(f"{flag} {path}: holds answers of model {record.get('model_id')!r}, not "
-                                  f"{model_id!r}; give --model-id {record.get('model_id')} to resume it, or {fix}")
-        answers[record["question_id"]] = record
     return answers
 
 
@@ -117,17 +99,7 @@ def answer_record(question: Question, model_id: str, turns: list[str], answer_id
 
 
 def write_answers(path: Path, records: list[dict]) -> None:
-    """All `records`, one JSON line each, written under a temporary name in the same folder and renamed. The
-    file is created by a plain open, so it gets the mode the umask gives (0644 under umask 022, readable by a
-    judge job's account), not mkstemp's owner-only 0600."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """All `records`, one JSON line each, through fileio.atomic_write (the umask's mode: a judge job's account
+    reads it)."""
+    with atomic_write(path) as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
