@@ -162,10 +162,11 @@ def print_help() -> None:
             warnings.simplefilter("ignore")
             layout = help_layout(_train_parser())
         with contextlib.suppress(OSError):  # a read-only home just means no cache
+            from megatron_jreg.fileio import atomic_write
+
             cache.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(layout), encoding="utf-8")
-            partial.replace(cache)
+            with atomic_write(cache, fsync=False) as f:
+                f.write(json.dumps(layout))
     sys.stdout.write(render_help(layout))
 
 

@@ -42,6 +42,7 @@ import torch
 
 from megatron_jreg import patches
 from megatron_jreg.errors import JregError
+from megatron_jreg.fileio import atomic_write
 from megatron_jreg.model_files import NotRegularFile, open_regular, relative_name, special_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -91,6 +92,12 @@ def read_sidecar(ckpt: Path) -> dict | None:
     if not isinstance(record, dict):
         raise CheckpointError(f"{path}: not a JSON object; restore it or remove it")
     return record
+
+
+def write_sidecar(ckpt: Path, record: dict) -> None:
+    """An iteration folder's megatron_jreg.json (`read_sidecar` reads it), whole or not at all."""
+    with atomic_write(Path(ckpt) / SIDECAR) as f:
+        f.write(json.dumps(record, indent=2))
 
 
 def read_tracker(root: str | Path) -> int | str | None:
@@ -371,9 +378,8 @@ def write_integrity(ckpt: str | Path, digests: dict[str, str] | None = None) -> 
     ckpt = Path(ckpt)
     if digests is None:
         digests = digest_files(ckpt, checkpoint_files(ckpt))
-    tmp = ckpt / (INTEGRITY + ".tmp")
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(digests.items()))}, indent=2))
-    os.replace(tmp, ckpt / INTEGRITY)
+    with atomic_write(ckpt / INTEGRITY) as f:
+        f.write(json.dumps({"algorithm": "sha256", "files": dict(sorted(digests.items()))}, indent=2))
     return len(digests)
 
 

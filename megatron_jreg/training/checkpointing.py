@@ -37,7 +37,6 @@ import argparse
 import errno
 import functools
 import inspect
-import json
 import logging
 import os
 import re
@@ -47,7 +46,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megatron_jreg.checkpoints import CheckpointError, failure_text, verify_integrity, write_integrity
-from megatron_jreg.checkpoints.files import SIDECAR, TRACKER, checkpoint_files, digest_files, share
+from megatron_jreg.checkpoints.files import TRACKER, checkpoint_files, digest_files, share, write_sidecar
 from megatron_jreg.errors import FAILED, JregError, UsageError, limit_reached
 from megatron_jreg.training.run_folder import active, tracked
 
@@ -142,9 +141,7 @@ def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
     if rank == 0:
         try:
             if sidecar is not None:
-                tmp = ckpt / (SIDECAR + ".tmp")
-                tmp.write_text(json.dumps(sidecar, indent=2))
-                os.replace(tmp, ckpt / SIDECAR)
+                write_sidecar(ckpt, sidecar)
             listed = [checkpoint_files(ckpt)]
         except OSError as e:
             listed = [f"[Errno {e.errno}] {e.strerror}: {e.filename}"]

@@ -12,10 +12,10 @@ Megatron-LM has no step-begin/step-end callback, so the adapter wraps four modul
 
 - `train_step`: `on_train_step_start` (start the plugin's step) and `on_train_step_end` (reduce Ψ on
   logging iterations; name the iteration and the last good checkpoint when the rerun machine stops on NaN/Inf);
-- `training_log`: `on_log_start` gives the suffix (Ψ/ζ/L_cos) appended to Megatron-LM's own iteration line
-  (its `lm loss` field unchanged) and `on_log` adds them to its TensorBoard and W&B writers, writes
-  `--metrics-file` with the line's own loss window and elapsed time (read from Megatron-LM's accumulators
-  and its `interval-time` timer as the line is made) and advances the progress bar;
+- `training_log`: `on_log_start` / `on_log` hand Megatron-LM's line to metrics.Telemetry: the suffix (Ψ/ζ/L_cos)
+  appended to its iteration line (its `lm loss` field unchanged), its TensorBoard and W&B writers,
+  `--metrics-file` with the line's own loss window and elapsed time (read from Megatron-LM's accumulators and
+  its `interval-time` timer as the line is made) and the progress bar;
 - `evaluate`: `on_eval_start` / `on_eval_end` record Ψ on the validation batches;
 - `evaluate_and_print_results`: `on_eval_report_start` / `on_eval_report_end` report it, one record per
   evaluation.
@@ -46,14 +46,7 @@ from megatron.core.rerun_state_machine import (
 from megatron_jreg import patches
 from megatron_jreg.errors import Interrupted, ignore_further_interrupts
 from megatron_jreg.plugin import JregConfig, JregPlugin, JregStats
-from megatron_jreg.training.metrics import (
-    LossWindow,
-    MetricsFile,
-    Progress,
-    console_suffix,
-    jreg_fields,
-    write_scalars,
-)
+from megatron_jreg.training.metrics import Telemetry
 from megatron_jreg.training.run_folder import RunFolder, resume_hint, tracked
 
 TRAIN_STEP = "megatron.training.training.train_step"
@@ -71,8 +64,8 @@ EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")
 
 
 class JregLoop:
-    """The plugin and the JREG telemetry across one `pretrain` call, as events of Megatron-LM's loop; it also holds
-    the run's --save folder (run_folder.RunFolder: lock, settings, history) and its Ctrl-C."""
+    """The plugin across one `pretrain` call, as events of Megatron-LM's loop, with the run's Ctrl-C, its divergence
+    line and its --save folder (run_folder.RunFolder, opened by the run); what is written goes to `telemetry`."""
 
     def __init__(self, args: argparse.Namespace, cfg: JregConfig, folder: RunFolder) -> None:
         self.args, self.cfg, self.folder = args, cfg, folder
@@ -82,12 +75,8 @@ class JregLoop:
         self.evaluations: list[tuple[JregStats, float | None]] = []  # (Ψ, lm loss) of each `evaluate` call
         self.first_step = True
         self.start: int | None = None  # the iteration this run's steps count from (set at its first step)
-        is_logging_rank = args.rank == args.world_size - 1  # Megatron-LM prints its log on the last rank
-        self.metrics = MetricsFile(args.metrics_file, is_logging_rank)
-        self.window = LossWindow()  # --metrics-file's lm loss since its last row
-        self.progress = Progress(args.progress if is_logging_rank else False, args.train_iters, args.log_interval)
+        self.telemetry = Telemetry(args)  # --metrics-file, TensorBoard/W&B, the progress bar (metrics.py)
         self._record = False  # this training step records Ψ
-        self._line: dict = {}  # what on_log_start read for the line training_log is making
         self._interrupted = False  # Ctrl-C seen: stop at the end of the step (with several ranks: a logging step)
         self._zero_warned = False  # the all-zero hidden states warning was printed
         self._iteration = 0  # the last completed iteration
@@ -112,16 +101,14 @@ class JregLoop:
             if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # stopping for a Ctrl-C: ignored until exit
                 signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
-        self.progress.close()
-        self.metrics.close()
+        self.telemetry.close()
         self.folder.close()
         if self.plugin is not None:
             self.plugin.remove_hooks()
 
     def _checkpoint_fields(self) -> dict:
-        """What each checkpoint's megatron_jreg.json keeps of this loop: --metrics-file's open window, so a run resumed
-        from it writes the rows the uninterrupted run would have."""
-        return {"metrics_window": {"iteration": self._iteration, **self.window.state()}}
+        """What each checkpoint's megatron_jreg.json keeps of this loop (metrics.Telemetry.checkpoint_fields)."""
+        return self.telemetry.checkpoint_fields(self._iteration)
 
     # -- Ctrl-C ---------------------------------------------------------------------------------------------
     def _on_sigint(self, signum: int, frame: object) -> None:
@@ -172,10 +159,7 @@ class JregLoop:
         self._record = self._records(iteration or 0)
         if self.first_step:
             self.start = self._iteration = iteration or 0
-            self.progress.start(self.start)
-            saved = self.folder.base.get("metrics_window") or {}
-            if self.start and saved.get("iteration") == self.start:  # the window the checkpoint was saved in
-                self.window = LossWindow.restore(saved)
+            self.telemetry.begin(self.start, self.folder.base)
         self.plugin.start_step(get_num_microbatches(), record=self._record)
 
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
@@ -236,65 +220,12 @@ class JregLoop:
                      f"checkpoint: {last}; {advice}")
 
     def on_log_start(self, log: Mapping[str, Any]) -> str | None:
-        """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line, if
-        it prints one with JREG statistics. Adds the iteration to --metrics-file's window and reads the line's
-        iteration count before training_log resets it."""
-        iteration, total = log["iteration"], log["total_loss_dict"]
-        self.window.add(log["loss_dict"].get("lm loss"), bool(log["skipped_iter"]))
-        on_grid = iteration % self.args.log_interval == 0
-        logging_now = on_grid or log["is_first_iteration"]  # Megatron-LM prints a line then
-        stats = self.stats if logging_now else None
-        self._line = {
-            "logging_now": logging_now, "stats": stats,
-            # --metrics-file: one row per --log-interval iterations (and a fresh run's first), whatever the resumes
-            "row": on_grid or (log["is_first_iteration"] and not self.start), "on_grid": on_grid,
-            "iterations": total.get(_ADVANCED, 0) + total.get(_SKIPPED, 0) + 1,  # in its window
-        }
-        return console_suffix(stats) if stats is not None else None
+        """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line."""
+        return self.telemetry.on_log_start(log, self.stats)
 
     def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
-        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line (the
-        seconds it divides by the window's iterations), None when it printed none."""
-        line, iteration = self._line, log["iteration"]
-        seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
-        if line["row"]:
-            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], seconds, log)
-            if line["on_grid"]:
-                self.window = LossWindow()
-        self.progress.update(iteration, seconds)
-
-    def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, seconds: float | None,
-                    log_kwargs: dict) -> None:
-        """One --metrics-file record: lm_loss over the window's advanced iterations (null when all were skipped),
-        the console line's elapsed time; tokens/s and TFLOP/s follow from that time as Megatron-LM's throughput
-        does."""
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.training.training import num_floating_point_operations
-
-        args = self.args
-        batch = (args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
-                 * get_num_microbatches())
-        flops = num_floating_point_operations(
-            args, batch, seqlen_squared_sum_in_batch=log_kwargs.get("seqlen_squared_sum_in_batch"),
-            total_real_tokens_in_batch=log_kwargs.get("total_real_tokens_in_batch"))
-        timed = seconds is not None and seconds > 0
-        record = {
-            "iteration": iteration, "consumed_samples": args.consumed_train_samples, "lm_loss": self.window.mean(),
-            "lr": lr, "grad_norm": grad_norm, "iteration_ms": 1000 * seconds if seconds is not None else None,
-            "tokens_per_sec": batch * args.seq_length / seconds if timed else None,
-            "tflops_per_rank": flops / seconds / 1e12 / args.world_size if timed else None,
-        }
-        if self.window.skipped:
-            record["skipped_iterations"] = self.window.skipped
-        if stats is not None:
-            record.update(jreg_fields(stats))
-            write_scalars(stats, iteration, "jreg")
-        self._write(record)
-
-    def _write(self, record: dict) -> None:
-        if not self.metrics.opened:
-            self.metrics.open(getattr(self.args, "iteration", 0) or 0)
-        self.metrics.write(record)
+        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line."""
+        self.telemetry.on_log(log, window_seconds)
 
     def on_eval_start(self, eval_iters: int | None) -> None:
         """Before Megatron-LM's evaluate of `eval_iters` iterations (None: --eval-iters)."""
@@ -318,23 +249,7 @@ class JregLoop:
         self.evaluations = []
 
     def on_eval_report_end(self, prefix: str, iteration: int) -> None:
-        """One record per evaluation: Megatron-LM evaluates every --eval-interval (`prefix` "iteration N") and once
-        more after training on further batches at the same iteration ("iteration N on validation set" / "on test
-        set": `final`), each validation set in turn with --multiple-validation-sets."""
-        from megatron.training import print_rank_last
-
-        split = "test" if "on test set" in str(prefix) else "valid"
-        final = "on validation set" in str(prefix) or split == "test"
-        several = getattr(self.args, "multiple_validation_sets", False)
-        names = getattr(self.args, "validation_set_names", None) or [str(i) for i in range(len(self.evaluations))]
-        for index, (stats, val_loss) in enumerate(self.evaluations):
-            name = names[index] if several else None
-            print_rank_last(f" validation{f'-{name}' if name else ''} JREG at {prefix} |{console_suffix(stats)}")
-            self._write({"iteration": iteration, "split": split, "final": final,
-                                **({"set": name} if name else {}), "val_loss": val_loss, **jreg_fields(stats)})
-            # W&B keeps one value per key and step: the post-training validation gets keys of its own
-            group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
-            write_scalars(stats, iteration, f"{group}-{name}" if name else group)
+        self.telemetry.evaluation_records(prefix, iteration, self.evaluations)
         self.evaluations = []
 
 
@@ -436,4 +351,3 @@ def _named(function: str, names: tuple[str, ...], result: tuple) -> dict[str, An
     return dict(zip(names, result, strict=True))
 
 
-_ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM's training_log counters

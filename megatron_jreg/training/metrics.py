@@ -28,15 +28,18 @@ A value that is NaN/Inf is written as null and its key listed in the record's `n
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
-import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+from megatron_jreg.fileio import atomic_write
 
 if TYPE_CHECKING:
     from megatron_jreg.plugin import JregStats
@@ -142,9 +145,8 @@ class MetricsFile:
             if later:
                 with open(f"{self.path}.replaced", "ab") as f:
                     f.writelines(later)
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_bytes(b"".join(line for line in lines if _iteration(line) <= start))
-                os.replace(tmp, self.path)
+                with atomic_write(self.path, "wb") as f:
+                    f.writelines(line for line in lines if _iteration(line) <= start)
                 print(f"megatron-jreg: --metrics-file {self.path}: {len(later)} row(s) after iteration {start} (not "
                       f"in the checkpoint this run starts from) moved to {self.path}.replaced", flush=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -277,3 +279,119 @@ class Progress:
             if isinstance(stream, _AboveBar):
                 stream.release()
         sys.stdout, sys.stderr = self._streams
+
+
+_ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM's training_log counters
+
+
+class Telemetry:
+    """One run's --metrics-file, TensorBoard/W&B scalars and progress bar, fed by training/loop.py's events (its
+    JregLoop holds the plugin, Ctrl-C and the divergence lines; this holds what is written)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        is_logging_rank = args.rank == args.world_size - 1  # Megatron-LM prints its log on the last rank
+        self.metrics = MetricsFile(args.metrics_file, is_logging_rank)
+        self.window = LossWindow()  # --metrics-file's lm loss since its last row
+        self.progress = Progress(args.progress if is_logging_rank else False, args.train_iters, args.log_interval)
+        self.start = 0  # the iteration this run's steps count from
+        self._line: dict = {}  # what on_log_start read for the line training_log is making
+
+    def begin(self, start: int, sidecar: dict) -> None:
+        """At the run's first step: the bar from `start`, and the window of the checkpoint it resumes (its
+        megatron_jreg.json `sidecar`) when saved at `start`."""
+        self.start = start
+        self.progress.start(start)
+        saved = sidecar.get("metrics_window") or {}
+        if start and saved.get("iteration") == start:  # the window the checkpoint was saved in
+            self.window = LossWindow.restore(saved)
+
+    def checkpoint_fields(self, iteration: int) -> dict:
+        """What each checkpoint's megatron_jreg.json keeps: --metrics-file's open window, so a run resumed from it
+        writes the rows the uninterrupted run would have."""
+        return {"metrics_window": {"iteration": iteration, **self.window.state()}}
+
+    def on_log_start(self, log: Mapping[str, Any], stats: JregStats | None) -> str | None:
+        """Before Megatron-LM's training_log: the suffix for its console line, if it prints one with JREG statistics
+        (`stats`: the last recorded step's). Adds the iteration to --metrics-file's window and reads the line's
+        iteration count before training_log resets it."""
+        iteration, total = log["iteration"], log["total_loss_dict"]
+        self.window.add(log["loss_dict"].get("lm loss"), bool(log["skipped_iter"]))
+        on_grid = iteration % self.args.log_interval == 0
+        logging_now = on_grid or log["is_first_iteration"]  # Megatron-LM prints a line then
+        stats = stats if logging_now else None
+        self._line = {
+            "logging_now": logging_now, "stats": stats,
+            # --metrics-file: one row per --log-interval iterations (and a fresh run's first), whatever the resumes
+            "row": on_grid or (log["is_first_iteration"] and not self.start), "on_grid": on_grid,
+            "iterations": total.get(_ADVANCED, 0) + total.get(_SKIPPED, 0) + 1,  # in its window
+        }
+        return console_suffix(stats) if stats is not None else None
+
+    def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
+        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line (the
+        seconds it divides by the window's iterations), None when it printed none."""
+        line, iteration = self._line, log["iteration"]
+        seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
+        if line["row"]:
+            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], seconds, log)
+            if line["on_grid"]:
+                self.window = LossWindow()
+        self.progress.update(iteration, seconds)
+
+    def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, seconds: float | None,  # noqa: ANN001
+                    log_kwargs: Mapping[str, Any]) -> None:
+        """One --metrics-file record: lm_loss over the window's advanced iterations (null when all were skipped),
+        the console line's elapsed time; tokens/s and TFLOP/s follow from that time as Megatron-LM's throughput
+        does."""
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training.training import num_floating_point_operations
+
+        args = self.args
+        batch = (args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
+                 * get_num_microbatches())
+        flops = num_floating_point_operations(
+            args, batch, seqlen_squared_sum_in_batch=log_kwargs.get("seqlen_squared_sum_in_batch"),
+            total_real_tokens_in_batch=log_kwargs.get("total_real_tokens_in_batch"))
+        timed = seconds is not None and seconds > 0
+        record = {
+            "iteration": iteration, "consumed_samples": args.consumed_train_samples, "lm_loss": self.window.mean(),
+            "lr": lr, "grad_norm": grad_norm, "iteration_ms": 1000 * seconds if seconds is not None else None,
+            "tokens_per_sec": batch * args.seq_length / seconds if timed else None,
+            "tflops_per_rank": flops / seconds / 1e12 / args.world_size if timed else None,
+        }
+        if self.window.skipped:
+            record["skipped_iterations"] = self.window.skipped
+        if stats is not None:
+            record.update(jreg_fields(stats))
+            write_scalars(stats, iteration, "jreg")
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        if not self.metrics.opened:
+            self.metrics.open(getattr(self.args, "iteration", 0) or 0)
+        self.metrics.write(record)
+
+    def evaluation_records(self, prefix: str, iteration: int,
+                           evaluations: list[tuple[JregStats, float | None]]) -> None:
+        """One record per evaluation: Megatron-LM evaluates every --eval-interval (`prefix` "iteration N") and once
+        more after training on further batches at the same iteration ("iteration N on validation set" / "on test
+        set": `final`), each validation set in turn with --multiple-validation-sets."""
+        from megatron.training import print_rank_last
+
+        split = "test" if "on test set" in str(prefix) else "valid"
+        final = "on validation set" in str(prefix) or split == "test"
+        several = getattr(self.args, "multiple_validation_sets", False)
+        names = getattr(self.args, "validation_set_names", None) or [str(i) for i in range(len(evaluations))]
+        for index, (stats, val_loss) in enumerate(evaluations):
+            name = names[index] if several else None
+            print_rank_last(f" validation{f'-{name}' if name else ''} JREG at {prefix} |{console_suffix(stats)}")
+            self._write({"iteration": iteration, "split": split, "final": final,
+                         **({"set": name} if name else {}), "val_loss": val_loss, **jreg_fields(stats)})
+            # W&B keeps one value per key and step: the post-training validation gets keys of its own
+            group = "jreg-test" if split == "test" else "jreg-validation-final" if final else "jreg-validation"
+            write_scalars(stats, iteration, f"{group}-{name}" if name else group)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
