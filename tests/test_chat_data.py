@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_jreg.data.chat import MARKER, SIMPLE_TEMPLATE, ChatConfig, main, prepare_chat
+from megatron_jreg.data.chat import MARKER, SIMPLE_TEMPLATE
 from megatron_jreg.data.checks import DataError
+from megatron_jreg.data.prepare_chat import ChatConfig, main, prepare_chat
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / "examples" / "data" / "wikitext-2" / "valid.txt"
