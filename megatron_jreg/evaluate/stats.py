@@ -1,25 +1,11 @@
-"""The significance test of the paper's Appendix G: a paired t-test over training seeds, read on both tails.
+"""The significance test of the paper's Appendix G: scipy's paired t-test (`ttest_rel`) over training seeds,
+JREG - baseline per seed, read on both tails: p (JREG better, by the metric's direction), p_worse, two-sided p,
+and the one-sided confidence bound on the mean difference on JREG's side (significant exactly when it is past 0).
 
-With per-seed scores b_i (baseline) and j_i (JREG) of the same seed i, d_i = j_i - b_i, n seeds:
-    mean = (1/n) sum d_i,  s = sqrt(sum (d_i - mean)^2 / (n - 1)),  se = s / sqrt(n),  t = mean / se
-    higher is better:  p = P(T_{n-1} >= t)  (H0: mean <= 0, H1: JREG better),  p_worse = P(T_{n-1} <= t)
-    lower is better:   p = P(T_{n-1} <= t)  (H1: JREG better, i.e. lower),   p_worse = P(T_{n-1} >= t)
-    p_two_sided = 2 P(T_{n-1} >= |t|)       (H1: the arms differ, either way)
-    bound = mean -+ t_{n-1, confidence} se  (one-sided confidence bound on the JREG side: a lower bound on
-                                             mean when higher is better, an upper bound when lower is)
-JREG is better at level 1 - confidence exactly when p < 1 - confidence, i.e. when the bound is past 0 on
-JREG's side; it is significantly worse when p_worse < 1 - confidence.
-
-The test is undefined when the differences have no spread (s = 0, or s within float rounding of 0, e.g.
-0.4 - 0.3 vs 0.3 - 0.2): t would be +-inf and p 0 whatever n, a "significant" result from two seeds
-that happen to move by the same amount. Such a test reports t, p and bound as NaN and is never
-significant either way.
-
-Multiplicity: every test here is at level 1 - confidence on its own. Testing several α values, metrics
-or tasks at 5% each gives a family-wise chance of a false "better" well above 5% (about 1 - 0.95^k for
-k independent tests). Either fix one primary endpoint before the runs, or judge the family with
-`holm(p_values)` (Holm-Bonferroni: controls the family-wise error at the nominal level under any
-dependence between the tests).
+Differences with no spread (s = 0, or within float rounding of 0: 0.4 - 0.3 vs 0.3 - 0.2) make t +-inf and p 0
+whatever n, a "significant" result from two seeds that moved by the same amount; such a test is NaN, never
+significant. Each test is at level 1 - confidence on its own: k tests at 5% give a family-wise false "better"
+near 1 - 0.95^k, so fix one endpoint before the runs or judge the family with `holm`.
 """
 
 from __future__ import annotations
@@ -84,7 +70,7 @@ def _check_scores(name: str, values: Sequence[float]) -> None:
 def paired_one_sided(
     jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95, higher_is_better: bool = True
 ) -> PairedTest:
-    """Paired t-test of JREG against the baseline over paired seeds (formulas in the module docstring).
+    """Paired t-test of JREG against the baseline over paired seeds (the module docstring).
 
     Refuses (ValueError) arms of different lengths, fewer than 2 pairs, a NaN/infinite/boolean score and a
     confidence outside (0, 1): each would give a p-value that means nothing.
@@ -105,16 +91,13 @@ def paired_one_sided(
     if sd <= TIE_RTOL * scale:
         nan = math.nan
         return PairedTest(n, mean, sd, nan, nan, nan, nan, nan, confidence, higher_is_better)
-    se = sd / math.sqrt(n)
-    t = mean / se
-    df = n - 1
-    upper_tail, lower_tail = float(stats.t.sf(t, df)), float(stats.t.cdf(t, df))
-    p_two = min(1.0, 2.0 * float(stats.t.sf(abs(t), df)))
-    margin = float(stats.t.ppf(confidence, df)) * se
-    if higher_is_better:
-        p, p_worse, bound = upper_tail, lower_tail, mean - margin
-    else:
-        p, p_worse, bound = lower_tail, upper_tail, mean + margin
+    better, worse = ("greater", "less") if higher_is_better else ("less", "greater")
+    test = stats.ttest_rel(jreg, baseline, alternative=better)
+    t, p = float(test.statistic), float(test.pvalue)
+    p_worse = float(stats.ttest_rel(jreg, baseline, alternative=worse).pvalue)
+    p_two = min(1.0, 2.0 * min(p, p_worse))
+    interval = test.confidence_interval(confidence)
+    bound = float(interval.low if higher_is_better else interval.high)
     return PairedTest(n, mean, sd, t, p, p_worse, p_two, bound, confidence, higher_is_better)
 
 
