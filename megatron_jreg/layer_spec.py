@@ -14,6 +14,7 @@ full-size tensor); the local spec only, where the norms are modules of their own
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -118,6 +119,14 @@ def layer_spec(model_config, vp_stage: int | None = None, layernorm_scaling: boo
 def model_layer_spec(layernorm_scaling: bool):
     """The spec callable a GPTModelConfig takes (`transformer_layer_spec`), with or without LayerNorm Scaling."""
     return functools.partial(layer_spec, layernorm_scaling=True) if layernorm_scaling else layer_spec
+
+
+def add_flag(group: argparse._ArgumentGroup) -> None:
+    """`--layernorm-scaling`, kept in a checkpoint's args (the model it builds depends on it)."""
+    group.add_argument("--layernorm-scaling", action="store_true",
+                       help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
+                            "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl "
+                            "local)")
 
 
 def have_transformer_engine() -> bool:

@@ -34,7 +34,7 @@ def _single_process_env() -> None:
 
 
 # The files that shape `train --help` besides megatron-core itself (its version is part of the cache key).
-_HELP_SOURCES = ("training/flags.py", "checkpoints/args.py", "plugin.py", "usage.py", "train.py")
+_HELP_SOURCES = ("training/flags.py", "checkpoints/args.py", "plugin.py", "layer_spec.py", "usage.py", "train.py")
 
 
 def _help_cache() -> Path:

@@ -2,8 +2,8 @@
 
 A checkpoint stores the `args` it was trained with, and every command rebuilds its model from them; an import
 (convert) makes such args from flags alone (`model_args`). The flags that change what a checkpoint holds or means
-(`add_model_flags`: --layernorm-scaling and JREG's settings) are added here, and `megatron-jreg train`'s parser
-adds them from here too (training/flags.py).
+(`add_model_flags`: JREG's settings and --layernorm-scaling, each defined beside what it configures) are added
+here as `megatron-jreg train`'s parser adds them (training/flags.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_jreg import layer_spec
 from megatron_jreg.errors import UsageError
 from megatron_jreg.plugin import JregConfig
 
@@ -26,10 +27,7 @@ def flag(name: str) -> str:
 def add_model_flags(group: argparse._ArgumentGroup) -> None:
     """The flags of ours a checkpoint's args keep: JREG's settings (recorded) and --layernorm-scaling (the model)."""
     JregConfig.add_flags(group)
-    group.add_argument("--layernorm-scaling", action="store_true",
-                       help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
-                            "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl "
-                            "local)")
+    layer_spec.add_flag(group)
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,10 @@ import argparse
 import collections
 import re
 
-from megatron_jreg.checkpoints.args import add_model_flags, megatron_parse, one_line_errors
+from megatron_jreg import layer_spec
+from megatron_jreg.checkpoints.args import megatron_parse, one_line_errors
 from megatron_jreg.errors import UsageError
+from megatron_jreg.plugin import JregConfig
 
 PROG = "megatron-jreg train"
 
@@ -85,7 +87,8 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     one_line_errors(parser)
     g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
-    add_model_flags(g)  # --jreg-*, --layernorm-scaling: what a checkpoint's args keep (checkpoints/args.py)
+    JregConfig.add_flags(g)  # with --layernorm-scaling, what a checkpoint's args keep (checkpoints/args.py)
+    layer_spec.add_flag(g)
     g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="the paper's architectures (Llama-3.2 proportions) as flags; explicit flags override")
     g.add_argument("--metrics-file", default=None,
