@@ -1,13 +1,10 @@
 """Triton kernels of the fused per-token displacement (CUDA; with TRITON_INTERPRET=1 set before this module is
 imported they run on CPU tensors, which is how the tests check them).
 
-The math, its notation and its edge cases are `jreg_kernels`' docstring. Each program holds BLOCK_T rows whole in
-registers (BLOCK_H = the next power of two ≥ h, at most MAX_WIDTH), so each kernel reads its [T, h] operands once
-and writes its [T, h] result once: `forward` reads a and b and writes [3, T]; `grad_b` reads a, b and b's incoming
-gradient and writes that gradient plus ∂/∂b (into the same memory when the caller owns it) and five per-row
-figures; `grad_a` reads a, b, the figures and a's incoming gradient and writes it plus ∂/∂a. One launch each, and
-the scalar glue of the layer's term (its weight, scale, token mask and count) comes in as their arguments: a
-training step that does not log launches two kernels per layer call. Wider rows take jreg_kernels' eager path.
+The entry points, math, notation and edge cases are `jreg_kernels`' docstring. Each program holds BLOCK_T rows whole
+in registers (BLOCK_H = the next power of two ≥ h, at most MAX_WIDTH), so each kernel reads its [T, h] operands once
+and writes its [T, h] result once, in one launch, with the layer term's scalar glue (weight, scale, token mask and
+count) as its arguments. Wider rows take jreg_kernels' eager path.
 """
 
 from __future__ import annotations

@@ -1,34 +1,25 @@
-"""What megatron-jreg adds to Megatron-LM's checkpointing when training (the format stays Megatron-LM's).
+"""What megatron-jreg adds to Megatron-LM's checkpointing when training (the format stays Megatron-LM's; where a run
+starts, the --save lock and what a checkpoint means across resumes: run_folder.py).
 
-- The checkpoint a run starts from, the `--save` lock and what a checkpoint means across resumes:
-  run_folder.py, whose `Start` reaches the load wrapper here.
 - Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; off with
   `--no-verify-integrity`) before the tracker names it, each rank digesting the files it wrote, in threads
-  (`checkpoints.files.share`), where Megatron-LM's --verify-integrity has rank 0 hash the whole checkpoint
-  while the others wait (again at load). It wraps `dist_checkpointing.save` (for --async-save in the request's
+  (`checkpoints.files.share`), where Megatron-LM's --verify-integrity has rank 0 hash the whole checkpoint while
+  the others wait (again at load). It wraps `dist_checkpointing.save` (for --async-save in the request's
   finalization) and, for the legacy `--ckpt-format torch` that Megatron-LM's manifest refuses, save_checkpoint.
-  Loads verify it the same way (`_load_checkpoint`), so Megatron-LM's own flag stays off.
-- `patch_makers` wraps `megatron.training.training.load_checkpoint` (the name `setup_model_and_optimizer`
-  calls): the manifest is verified first when the checkpoint has one (Megatron-LM's own check would refuse
-  checkpoints saved without it, e.g. by Megatron-LM's defaults), and the loaded checkpoint is reported.
+  `patch_makers` wraps `megatron.training.training.load_checkpoint`: the manifest is verified first when the
+  checkpoint has one (Megatron-LM's own check refuses checkpoints saved without it, as by its defaults).
 - Saves: megatron_jreg.json is written after the save's files, before the manifest (which covers it) and the
-  tracker; a save whose weights or optimizer state (main parameters, Adam's moments) hold NaN/Inf is not
-  written (one line; the tracker keeps naming the last finite checkpoint, which a NaN stop's "resume with
-  --load" then loads); without --save, Megatron-LM's exit paths that save have nothing to do.
-- A save that fails (a full disk: the writer's OSError reaches Megatron-LM only as "Worker failure ...
-  <class 'OSError'>") stops the run with one line naming the folder, the space free and the space a
-  checkpoint needs (the last complete one's size, else this run's parameters and optimizer state); the
-  partial iteration folder is removed, and the tracker, which Megatron-LM writes only after a complete
-  save, still names the previous checkpoint. Exit 1 (`SaveError`).
-- Without apex or Transformer Engine (CPU, plain PyTorch images) megatron-core's DistributedOptimizer
-  keeps torch Adam's `step` in torch's per-parameter state, which exists only after a first step:
-  describing the state for loading then fails (`assert len(steps) == 1`), and the load gives every
-  parameter one shared `step` tensor that Adam then increments once per parameter, breaking its bias
-  correction after a resume; its dp_reshardable format does not store the count either (the loaded
-  value is the pre-load one). The wrappers give an unstepped optimizer its state first (megatron's own
-  zero-gradient helper; the load overwrites what it touches), record the count at save in
-  `iter_*/megatron_jreg.json` (with the run's settings, see run_folder.py), and put it back after the load,
-  one tensor per parameter.
+  tracker; a save whose weights or optimizer state hold NaN/Inf is not written (one line; the tracker keeps naming
+  the last finite checkpoint, which a NaN stop's "resume with --load" then loads).
+- A save that fails (a full disk reaches Megatron-LM only as "Worker failure ... <class 'OSError'>") stops the run
+  with one line naming the folder, the space free and the space a checkpoint needs; the partial iteration folder
+  is removed and the tracker still names the previous checkpoint. Exit 1 (`SaveError`).
+- Without apex or Transformer Engine, megatron-core's DistributedOptimizer keeps torch Adam's `step` in torch's
+  per-parameter state, which exists only after a first step: describing the state for loading then fails
+  (`assert len(steps) == 1`), the load gives every parameter one shared `step` tensor that Adam increments once
+  per parameter (breaking its bias correction after a resume), and dp_reshardable does not store the count. The
+  wrappers give an unstepped optimizer its state first (megatron's zero-gradient helper), record the count in
+  `iter_*/megatron_jreg.json` and put it back after the load, one tensor per parameter.
 """
 
 from __future__ import annotations

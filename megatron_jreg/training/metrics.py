@@ -1,29 +1,12 @@
 """Where JREG's numbers go besides Megatron-LM's console line: `--metrics-file`, TensorBoard, W&B, progress.
 
-Megatron-LM's own writers are used (its TensorBoard writer on the last rank, its W&B run); this module
-adds JREG's scalars to them, writes `--metrics-file` (one JSON object per record; fields below) and a
-progress bar on terminals.
-
-Training records: one per --log-interval iterations (iteration a multiple of it), plus a fresh run's first
-iteration: iteration, consumed_samples, lm_loss (the mean over the record's window — the iterations since the
-previous multiple of --log-interval, where Megatron-LM sums its console's `lm loss` the same way — over the
-iterations that advanced; null when every one was skipped, with skipped_iterations counting them),
-iteration_ms (the console's `elapsed time per iteration`), jreg_loss (L_cos = Σ w_ℓ Ψ_ℓ under the training
-distance, before λ), psi [Ψ_1..Ψ_L] (angular), zeta_L, zeta_L-1, zeta_L-2, lr, grad_norm, tokens_per_sec,
-tflops_per_rank (from iteration_ms, as Megatron-LM's throughput), and first_nonfinite_layer (ℓ where Ψ
-first is NaN: non-finite hidden states start there) when there is one. Ψ and ζ are measured on the logged
-iteration's batch. The windows do not depend on where a run was interrupted: a checkpoint keeps the open
-window (`LossWindow.state`, in its megatron_jreg.json), a resumed run starts from it, and rows of iterations
-after the checkpoint it resumes from (lost work, about to be replayed) move to `PATH.replaced` — the file
-holds one row per iteration, equal to the uninterrupted run's. Megatron-LM's console differs after its first
-line, which it does not reset, and after a resume (its window then restarts).
-
-Validation records, one per evaluation: iteration, split ("valid" | "test"), final (false for the evaluations
-every --eval-interval; true for the ones Megatron-LM runs after training, "at iteration N on validation/test
-set", on further batches at the same iteration), set (with --multiple-validation-sets: the set's name),
-val_loss, jreg_loss, psi, zeta_*.
-
-A value that is NaN/Inf is written as null and its key listed in the record's `nonfinite`.
+Megatron-LM's own writers are used (its TensorBoard writer on the last rank, its W&B run). The records' fields
+are in docs/training.md. A window's lm_loss is Megatron-LM's sum over the iterations since the previous multiple
+of --log-interval, kept by us so that it does not depend on where a run was interrupted: a checkpoint keeps the
+open window (`LossWindow.state`), a resumed run starts from it, and rows after the checkpoint it resumes from
+(lost work, about to be replayed) move to `PATH.replaced`, so the file equals the uninterrupted run's (Megatron-LM's
+console differs after its first line, which it does not reset, and after a resume). JSON has no NaN/Inf: such a
+value is written as null and its key listed in the record's `nonfinite`.
 """
 
 from __future__ import annotations
