@@ -1,48 +1,41 @@
 """JREG on megatron-core: collect (h_in, h_out) of every decoder layer and add λ·Σ w_ℓ Ψ_ℓ to backward.
 
 How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
-- Forward hooks on each decoder `TransformerLayer` this rank owns see the layer's input and output.
-  With grad enabled the layer's term λ·w_ℓ·Ψ_ℓ enters backward through `jreg.LayerPenalty`: a pre-hook
-  passes the input through an identity and the post-hook the output, and their backwards add the term's
-  gradients into the gradients h_in and h_out receive anyway, on the stage that owns layer ℓ, flowing on
-  into the activations received from the previous pipeline stage. Nothing is computed in forward on a step
-  that does not log; Ψ's value is computed (without autograd) only on steps that record it.
-- Which layers: exactly the decoder's L layers, `decoder.layers` of each model chunk, numbered by their
-  place in the decoder: ℓ = the chunk's layer offset (`get_transformer_layer_offset`, which knows pipeline
-  and virtual stages, uneven first/last stages and `--pipeline-model-parallel-layout`) + position + 1.
-  Not `layer_number`: a multi-token-prediction block holds TransformerLayers of its own (layer_number 1),
-  which are not among the decoder's L layers and are not hooked (Ψ, ζ and the penalty exclude them).
-- Per microbatch: what the hook needs about its microbatch (which tokens are real, how many real and
-  loss tokens it has, the step's scale) is captured when the model chunk's forward starts
-  (`set_token_mask` before it) and travels with that microbatch. A layer whose forward is checkpointed
-  (full recompute) runs once without grad and again in backward: the first pass only queues its
-  microbatch on the layer, and the recompute — outside any chunk forward, in backward — takes the
-  oldest queued one. Megatron's schedules (no pipelining, 1F1B, interleaved) run each chunk's backwards
-  in the order of its forwards, so in any schedule the recompute sees the mask of the microbatch it
-  recomputes, and Ψ is recorded once (in the pass that computes it).
-- Scaling follows megatron's main loss: ×loss-scale of the optimizer; without per-token loss
-  /num_microbatches ×CP size (DDP averages gradients over DP×CP).
-- Normalisation: Ψ_ℓ of a microbatch is a mean over its *real* tokens (SFT: all but the end padding),
-  whatever the loss mask. Each microbatch's term is weighted across microbatches exactly like its
-  cross-entropy: equally without `calculate_per_token_loss` (megatron averages per-microbatch means),
-  and by its loss-token count N_loss with it — the term is λ·w_ℓ·Ψ_ℓ·N_loss, which megatron's final
-  division by the step's global loss-token count turns into λ·Σ_ℓ w_ℓ Ψ_ℓ with Ψ_ℓ the loss-token
-  weighted mean of the microbatches' real-token means (as megatron-core scales its MTP loss). The
-  gradient is thus λ·Σ w_ℓ ∇Ψ_ℓ in both modes, never inflated by N_real/N_loss; with one microbatch, or
-  microbatches of equal loss-token counts, both modes give the same penalty. Unmasked pretraining
-  batches (every token real and a loss token) make it the global token mean. `set_token_mask(...,
-  loss_tokens=N)` gives N; without it N_loss = N_real. The logged Ψ is the plain mean over microbatches.
-- Tokens: with sequence or context parallelism a rank holds a slice of the tokens. Each rank attaches
-  S_local/N where N is the real-token count of the whole (unsplit) microbatch, so the gradient of each
-  slice is exactly its share of ∂Ψ/∂h. Without sequence parallelism hidden states are replicated over TP
-  and every TP rank computes the same full term (as megatron does for the cross-entropy).
-- Logging: on steps that record Ψ, per-layer shares (angular Ψ, cosine Ψ and the share of real tokens whose
-  state is the zero vector) are summed over the microbatches and reduced with ONE all-reduce of an [L, 3]
-  array over all ranks per step, so every rank reports the same Ψ, ζ and L_cos. A zero vector reads as
-  orthogonal (Ψ 0.5): `JregStats.zero_fraction` says where, and ζ is not computed then (NaN, never a jump).
-- λ = 0: no hooks are installed except on steps that record Ψ for logging (detached, no graph).
-- Not seen: schedules that call a layer's parts instead of its forward (`--overlap-moe-expert-parallel-comm`)
-  and CUDA-graph replays run no forward hooks; `megatron-jreg train` refuses them.
+- Forward hooks on each decoder `TransformerLayer` this rank owns see the layer's input and output. With grad
+  enabled the term λ·w_ℓ·Ψ_ℓ enters backward through `jreg.LayerPenalty`: a pre-hook passes the input through an
+  identity and the post-hook the output, and their backwards add the term's gradients into the gradients h_in and
+  h_out receive anyway, on the stage that owns layer ℓ (flowing on to the previous stage). Nothing is computed in
+  forward on a step that does not log; Ψ's value is computed (without autograd) only on steps that record it.
+- Which layers: the decoder's L layers, `decoder.layers` of each model chunk, ℓ = the chunk's layer offset
+  (`get_transformer_layer_offset`: pipeline and virtual stages, uneven stages, `--pipeline-model-parallel-layout`)
+  + position + 1. Not `layer_number`: a multi-token-prediction block holds TransformerLayers of its own
+  (layer_number 1), which are not among the L layers and are not hooked.
+- Per microbatch: which tokens are real, how many real and loss tokens it has and the step's scale are captured
+  when the chunk's forward starts (`set_token_mask` before it) and travel with that microbatch. A checkpointed
+  layer (full recompute) runs once without grad and again in backward: the first pass only queues its
+  microbatch, and the recompute — outside any chunk forward — takes the oldest queued one. Megatron's schedules
+  (no pipelining, 1F1B, interleaved) run each chunk's backwards in the order of its forwards, so the recompute
+  sees the mask of the microbatch it recomputes, and Ψ is recorded once.
+- Scaling follows megatron's main loss: ×loss-scale of the optimizer; without per-token loss /num_microbatches
+  ×CP size (DDP averages gradients over DP×CP).
+- Normalisation: Ψ_ℓ of a microbatch is a mean over its *real* tokens (SFT: all but the end padding), whatever
+  the loss mask; microbatches are weighted like the cross-entropy: equally without `calculate_per_token_loss`,
+  by their loss-token count N_loss with it (the term λ·w_ℓ·Ψ_ℓ·N_loss, which megatron's division by the step's
+  loss-token count turns into λ·Σ_ℓ w_ℓ Ψ_ℓ, as megatron-core scales its MTP loss). The gradient is λ·Σ w_ℓ ∇Ψ_ℓ
+  in both modes, never inflated by N_real/N_loss (the modes agree with one microbatch or equal loss-token counts;
+  unmasked batches give the global token mean). `set_token_mask(..., loss_tokens=N)` gives N; without it
+  N_loss = N_real. The logged Ψ is the plain mean over microbatches.
+- Tokens: with sequence or context parallelism a rank holds a slice of the tokens and attaches S_local/N, N the
+  real-token count of the whole microbatch, so each slice's gradient is its share of ∂Ψ/∂h. Without sequence
+  parallelism hidden states are replicated over TP and every TP rank computes the same full term (as megatron
+  does for the cross-entropy).
+- Logging: on steps that record Ψ, per-layer shares (angular Ψ, cosine Ψ, the share of real tokens whose state is
+  the zero vector) are summed over the microbatches and reduced with ONE all-reduce of an [L, 3] array per step,
+  so every rank reports the same Ψ, ζ and L_cos. A zero vector reads as orthogonal (Ψ 0.5):
+  `JregStats.zero_fraction` says where, and ζ is then NaN, never a jump.
+- λ = 0: no hooks except on steps that record Ψ for logging (detached, no graph).
+- Not seen: schedules that call a layer's parts instead of its forward (`--overlap-moe-expert-parallel-comm`) and
+  CUDA-graph replays run no forward hooks; `megatron-jreg train` refuses them.
 """
 
 from __future__ import annotations
