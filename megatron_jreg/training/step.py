@@ -1,16 +1,14 @@
 """The forward step and loss handed to Megatron-LM's `pretrain`, as `pretrain_gpt.py` defines them.
 
-The batch comes from TP rank 0's data iterator and is broadcast over TP, packed sequences (SFT) are
-flattened, and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order,
-with multi-token prediction's stages (`mtp_on_this_rank`) getting tokens as Megatron-LM decides. The loss
-is Megatron-LM's three-tuple (sum over loss tokens, token count, report), with its NaN/Inf and spiky-loss
-checks through the rerun state machine; an MTP loss is added inside the model, as in Megatron-LM. Each
-block restated from Megatron-LM names its source: `pretrain_gpt.py` at tag core_v0.19.0, lines a-b.
-
-JREG needs little here: its penalty enters backward through hooks on the layers (plugin.py). The forward
-step tells the plugin, per microbatch, which tokens of a packed SFT batch are real and, under per-token
-loss, how many loss tokens the microbatch has; packed batches become a block-diagonal attention mask where
-the local spec cannot take packed sequences (sft.py).
+The batch comes from TP rank 0's data iterator and is broadcast over TP, packed sequences (SFT) are flattened
+and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order, with multi-token
+prediction's stages (`mtp_on_this_rank`) getting tokens as Megatron-LM decides. The loss is Megatron-LM's
+three-tuple (sum over loss tokens, token count, report) with its NaN/Inf and spiky-loss checks through the rerun
+state machine; an MTP loss is added inside the model, as in Megatron-LM. Each block restated from
+Megatron-LM names its source: `pretrain_gpt.py` at tag core_v0.19.0, lines a-b. JREG's penalty enters backward
+through hooks on the layers (plugin.py); the forward step only tells the plugin which tokens of a packed SFT batch
+are real and, under per-token loss, how many loss tokens the microbatch has (packed batches become a
+block-diagonal attention mask where the local spec cannot take packed sequences: sft.py).
 
 What `pretrain_gpt.py` reads and how megatron-jreg treats it (flags of its forward step, loss, dataset
 providers, embedding ranks and entry; megatron-jreg train refuses the rest in one line,
