@@ -1,29 +1,27 @@
 """One run's `--save` folder: one writer at a time, and what a checkpoint means kept across resumes.
 
-Megatron-LM writes into `--save` whatever else is there: two runs started on one folder mix their `iter_*`
-folders, and a new run without `--load` overwrites a finished run's checkpoints and moves its tracker. A
-resume takes the flags of the new command: a changed vocabulary loads the embedding partly (megatron-core
-allows that shape mismatch), a changed global batch ends the run with samples never trained, a changed
-sequence length or JREG setting leaves no trace. Before any work, `find_start(args)` resolves the checkpoint
-the run starts from once (`Start`: --load, or --pretrained-checkpoint while --load holds none; refusals in one
-line), and `RunFolder.open(args, jreg, start)`:
+Megatron-LM writes into `--save` whatever else is there (two runs on one folder mix their `iter_*` folders; a new
+run without `--load` overwrites a finished run's checkpoints and moves its tracker), and a resume takes the new
+command's flags (a changed vocabulary loads the embedding partly, a changed global batch ends the run with samples
+never trained, a changed sequence length or JREG setting leaves no trace). Before any work, `find_start(args)`
+resolves the checkpoint the run starts from once (`Start`: --load, or --pretrained-checkpoint while --load holds
+none), and `RunFolder.open(args, jreg, start)`:
 
-- locks `--save` for the run (`SaveLock`, released at the end; kill -9 leaves no stale lock) and refuses,
-  in one line naming the holder's host and pid, a second run on it;
+- locks `--save` for the run (`SaveLock`; kill -9 leaves no stale lock) and refuses a second run on it, naming the
+  holder's host and pid;
 - refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder; with
   `--overwrite-save` it moves them (every iter_* folder and the tracker) into `--save`/overwritten-DATE/ first,
-  so that no reader (a resume, `analyze --checkpoints`) mixes two runs' iterations;
-- compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args
-  saved with it: a torch_dist common state, or a legacy `--ckpt-format torch` file read weights-only) with
-  this run: a changed vocabulary or tokenizer is refused, and on a resume
-  (not --finetune / --pretrained-checkpoint) a changed global batch, batch ramp-up or sequence length too,
-  in one line naming the flag, the checkpoint's value and this run's; what may legitimately change
-  (JREG's settings, the seed; batch and length when fine-tuning) is printed and appended to the sidecar's
-  `history` with the iteration it took effect and the checkpoint it started from.
+  so that no reader mixes two runs' iterations;
+- compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args saved with
+  it, a legacy `--ckpt-format torch` file read weights-only) with this run: a changed vocabulary or tokenizer is
+  refused, and on a resume (not --finetune / --pretrained-checkpoint) a changed global batch, batch ramp-up or
+  sequence length too, in one line naming the flag and both values; what may change (every JREG setting, the
+  seed; batch and length when fine-tuning) is printed and appended to the sidecar's `history` with the iteration
+  it took effect and the checkpoint it started from.
 
-Every save then writes `sidecar(...)` into `iter_*/megatron_jreg.json`: Adam's step count (see
-checkpointing.py), the JREG settings, `run` (this run's settings), `history` and what the training loop
-adds (its metrics window, so a resumed run's --metrics-file continues the same windows).
+Every save then writes `sidecar(...)` into `iter_*/megatron_jreg.json` (checkpoints.files.write_sidecar): Adam's
+step count (checkpointing.py), the JREG settings, `run` (this run's settings), `history` and the training loop's
+metrics window (a resumed run's --metrics-file continues the same windows).
 """
 
 from __future__ import annotations
