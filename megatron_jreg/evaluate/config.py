@@ -21,6 +21,17 @@ class ConfigError(JregError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 
+def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None) -> None:
+    """The model flags evaluate and generate share: exactly one of --hf and --load; --iteration with --load."""
+    if (hf is None) == (load is None):
+        raise ConfigError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM or "
+                          "megatron-jreg checkpoint)")
+    if load is not None and not Path(load).is_dir():
+        raise ConfigError(f"--load {load}: no such checkpoint folder")
+    if iteration is not None and load is None:
+        raise ConfigError("--iteration selects a checkpoint of --load; use it with --load")
+
+
 @dataclass(frozen=True)
 class EvaluateConfig:
     """What to evaluate and how.
@@ -49,11 +60,7 @@ class EvaluateConfig:
     progress: bool | None = None  # bars on stderr; None: when stderr is a terminal
 
     def __post_init__(self) -> None:
-        if (self.hf is None) == (self.load is None):
-            raise ConfigError(
-                "give exactly one model: --hf DIR (a Hugging Face folder) "
-                "or --load CKPT (a megatron-jreg checkpoint)"
-            )
+        check_model_flags(self.hf, self.load, self.iteration)
         if self.hf is not None:
             try:
                 object.__setattr__(self, "hf", hub.resolve(self.hf, "--hf"))  # a hub id: its cached snapshot
@@ -65,10 +72,6 @@ class EvaluateConfig:
                 read_config(Path(self.hf), "--hf")
             except BadConfigError as e:
                 raise ConfigError(str(e)) from None
-        if self.load is not None and not Path(self.load).exists():
-            raise ConfigError(f"--load {self.load}: no such checkpoint directory")
-        if self.iteration is not None and self.load is None:
-            raise ConfigError("--iteration selects a megatron checkpoint; use it with --load")
         if not self.tasks or len(set(self.tasks)) != len(self.tasks) or "" in self.tasks:
             raise ConfigError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
         if "lambada" in self.tasks and not Path(self.lambada_file).is_file():
@@ -98,7 +101,7 @@ class EvaluateConfig:
                 raise ConfigError(f"--device {self.device}: not a torch device; use cpu, cuda or cuda:N") from None
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ConfigError(f"--device {self.device}: no CUDA device here; use --device cpu")
-        if self.output is not None:
+        if self.output is not None:  # not created here: a failed run writes nothing
             out = Path(self.output)
             if out.is_dir():
                 raise ConfigError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_jreg.data.checks import DataError, check_output_folder
-from megatron_jreg.errors import JregError
+from megatron_jreg.evaluate.config import ConfigError, check_model_flags
 from megatron_jreg.evaluate.models import DTYPES
 
-
-class ConfigError(JregError, ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
+__all__ = ["ConfigError", "GenerateConfig"]  # ConfigError: generate's runner raises it too
 
 
 @dataclass(frozen=True)
@@ -38,15 +36,9 @@ class GenerateConfig:
     progress: bool | None = None  # None: when stderr is a terminal
 
     def __post_init__(self) -> None:
-        if (self.hf is None) == (self.load is None):
-            raise ConfigError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM "
-                              "or megatron-jreg checkpoint)")
+        check_model_flags(self.hf, self.load, self.iteration)
         if self.hf is not None and not (Path(self.hf) / "config.json").is_file():
             raise ConfigError(f"--hf {self.hf}: no config.json there; pass the folder save_pretrained wrote")
-        if self.load is not None and not Path(self.load).is_dir():
-            raise ConfigError(f"--load {self.load}: no such checkpoint folder")
-        if self.iteration is not None and self.load is None:
-            raise ConfigError("--iteration selects a checkpoint of --load; use it with --load")
         if self.tokenizer is not None:
             if self.load is None:
                 raise ConfigError("--tokenizer replaces a checkpoint's tokenizer: use it with --load (an --hf folder "
@@ -69,9 +61,6 @@ class GenerateConfig:
             raise ConfigError("--model-id must not be empty (FastChat's judge names the model by it)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
-        self._check_output()
-
-    def _check_output(self) -> None:
         out = Path(self.output)
         if str(self.output).endswith(("/", os.sep)) or out.is_dir():
             raise ConfigError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
