@@ -12,7 +12,6 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from megatron_jreg import layer_spec
@@ -30,29 +29,13 @@ def add_model_flags(group: argparse._ArgumentGroup) -> None:
     layer_spec.add_flag(group)
 
 
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """argparse's errors as a UsageError (it would print Megatron-LM's 800-flag usage first)."""
+def _model_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's parser with `add_model_flags`; its errors a UsageError (not its 800-flag usage)."""
 
     def error(message: str) -> None:
         raise UsageError(message)
 
     parser.error = error  # type: ignore[method-assign]
-
-
-def megatron_parse(argv: list[str], extra_args_provider: Callable) -> argparse.Namespace:
-    """Megatron-LM's parse_args on `argv` (it reads sys.argv) with `extra_args_provider`; raises UsageError."""
-    from megatron.training import arguments
-
-    saved = sys.argv
-    sys.argv = ["megatron-jreg", *argv]
-    try:
-        return arguments.parse_args(extra_args_provider=extra_args_provider)
-    finally:
-        sys.argv = saved
-
-
-def _model_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    one_line_errors(parser)
     add_model_flags(parser.add_argument_group("megatron-jreg"))
     return parser
 
@@ -108,8 +91,10 @@ def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argpars
     try:
         with mock.patch.dict(os.environ, launch):
             # Megatron-LM's validation asks for a micro-batch size even when nothing trains.
-            args = megatron_parse(["--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
-                                   "--transformer-impl", "local"], _model_parser)
+            argv = ["megatron-jreg", "--micro-batch-size", "1", *argv, "--vocab-size", str(vocab_size),
+                    "--transformer-impl", "local"]
+            with mock.patch.object(sys, "argv", argv):  # Megatron-LM's parse_args reads sys.argv
+                args = arguments.parse_args(extra_args_provider=_model_parser)
             if not torch.cuda.is_available():
                 apply_cpu_training_compat(args)
             with contextlib.redirect_stdout(io.StringIO()):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
+from unittest import mock
 
 from megatron_jreg import layer_spec
-from megatron_jreg.checkpoints.args import megatron_parse, one_line_errors
 from megatron_jreg.errors import UsageError
 from megatron_jreg.plugin import JregConfig
 
@@ -85,7 +86,11 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for key, value in example(EXAMPLE).items():
         setattr(parser, key, value)
 
-    one_line_errors(parser)
+
+    def error(message: str) -> None:  # argparse would print Megatron-LM's 800-flag usage first
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
     g = parser.add_argument_group("megatron-jreg", "JREG and what megatron-jreg adds to Megatron-LM")
     JregConfig.add_flags(g)  # with --layernorm-scaling, what a checkpoint's args keep (checkpoints/args.py)
     layer_spec.add_flag(g)
@@ -122,4 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = expand_preset(list(argv))
     if any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in argv):  # Megatron-LM loads it while parsing
         raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")
-    return megatron_parse(argv, add_jreg_args)
+    from megatron.training import arguments
+
+    with mock.patch.object(sys, "argv", [PROG, *argv]):  # Megatron-LM's parse_args reads sys.argv
+        return arguments.parse_args(extra_args_provider=add_jreg_args)
