@@ -168,15 +168,15 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
 
 
 def args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
-    """--use-checkpoint-args: Megatron-LM's loadargs_from_checkpoint on the checkpoint the run starts from (already
+    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the checkpoint the run starts from (already
     checked by run_folder.find_start)."""
-    from megatron.training.checkpointing import loadargs_from_checkpoint
+    from megatron.training.checkpointing import load_args_from_checkpoint
 
     if start is None:
         raise UsageError("--use-checkpoint-args needs a checkpoint in --load (or --pretrained-checkpoint) to read the "
                          "model from")
     try:
-        loadargs_from_checkpoint(args, load_arg=start.option[2:].replace("-", "_"))
+        load_args_from_checkpoint(args, load_arg=start.option[2:].replace("-", "_"))
     except (AssertionError, ValueError, KeyError, OSError) as e:
         raise UsageError(f"--use-checkpoint-args: cannot read the args of {start.root} "
                          f"({assertion_text(e)})") from None
