@@ -3,13 +3,9 @@
     megatron-jreg compare --baseline base-s1.json base-s2.json base-s3.json \\
                           --jreg jreg-s1.json jreg-s2.json jreg-s3.json
 
-Inputs are `evaluate --output` files or lm-eval's own results files. Runs are paired by their "seed" field;
-a file without one is refused unless --pair-by-order says the two arms list their seeds in the same order.
-With one file per arm the table shows the two scores side by side and no test ("n/a": a t-test needs two
-seeds per arm).
-Each task's score is one metric ("acc" unless --metric / --task-metric say otherwise), better higher or
-lower as lm-eval's `higher_is_better` in the files says, else as its name says (perplexity, loss, bits per
-byte: lower). The "average" row is the paired t-test (stats.py) on each seed's mean over the compared tasks.
+Inputs: `evaluate --output` files or lm-eval's results files, paired by their "seed" (--pair-by-order: by
+position). Each task's score is one metric (--metric, --task-metric), its direction from the files' lm-eval
+`higher_is_better`, else its name; "average" is the paired t-test (stats.py) on each seed's mean over the tasks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""lm-evaluation-harness on any `CausalLM`: the adapter and one call that runs tasks through lm-eval.
-
-`HarnessLM` answers lm-eval's three request types with the computations in `scoring`, so lm-eval's
-task configs, prompts, metrics and aggregation run unchanged ("default settings as in the paper") on a
-Hugging Face folder or on a megatron checkpoint without converting it.
-"""
+"""lm-evaluation-harness on any `CausalLM`: lm-eval's task configs, prompts, metrics and aggregation unchanged
+("default settings as in the paper") on a Hugging Face folder or a megatron checkpoint without converting it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Built-in LAMBADA: the paper's next-token metric, top-1 accuracy, plus target perplexity.
+"""Built-in LAMBADA (the paper's next-token metric): top-1 accuracy and target perplexity, lm-eval's
+"lambada_openai" computed without lm-eval, the same for a Hugging Face folder and a megatron checkpoint.
 
-The standard lm-eval "lambada_openai" form, computed without lm-eval so a plain install can run it and
-so it is the same computation for a Hugging Face folder and a megatron checkpoint:
-- context = the passage without its last word, target = " " + last word (`split_passage`);
-- correct when greedy decoding after the context reproduces every target token;
-- perplexity = exp(mean over passages of the target's negative log-likelihood, summed over its tokens),
-  lm-eval's "perplexity" aggregation of per-passage log-likelihoods (not a per-token perplexity).
-Standard errors: accuracy as lm-eval's `mean_stderr` (sample std / sqrt(n)); perplexity by the delta
-method, perplexity * (sample std of the per-passage NLL) / sqrt(n), where lm-eval bootstraps.
+Correct when greedy decoding after the context reproduces every target token; perplexity is lm-eval's aggregation
+(exp of the mean per-passage NLL), its standard error by the delta method where lm-eval bootstraps (docs/evaluate.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """`megatron-jreg` as an lm-eval model: `--model megatron-jreg --model_args load=CKPT` in lm-eval's own CLI.
 
-lm-eval 0.4.13 finds a model named by `--model` only in its registry (`@register_model` in modules that have been
-imported, plus its built-in list), never through entry points; so the registration below takes effect in any
-process that imports this module: `python -m megatron_jreg.evaluate.lm_eval_model` is lm-eval's whole CLI with it
-imported (and offline), and `import megatron_jreg.evaluate.lm_eval_model` before `lm_eval.simple_evaluate(
-model="megatron-jreg", ...)` does the same from Python (usage and model_args: docs/evaluate.md).
-
-`pretrained=PATH` is load= or hf= by what PATH holds, because lm-eval names its `--output_path` folders after
-`pretrained=` only. Requests are answered by `harness.HarnessLM`, the adapter `megatron-jreg evaluate` uses, so
-both give the same numbers.
+lm-eval 0.4.13 finds models only in its registry (`@register_model` in imported modules), never through entry
+points, so this module must be imported: `python -m megatron_jreg.evaluate.lm_eval_model` is lm-eval's CLI with it
+(offline); usage: docs/evaluate.md. `pretrained=PATH` is load= or hf= by what PATH holds (lm-eval names its
+--output_path folders after `pretrained=` only). Requests go to `harness.HarnessLM`, as in `evaluate`: same numbers.
 """
 
 # ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it

@@ -1,9 +1,7 @@
-"""The one model interface both evaluators use: `CausalLM`, text <-> token ids -> next-token logits.
+"""`CausalLM`, the one model interface of evaluate and generate: text <-> token ids -> logits, and a KV-cache decoder.
 
-The built-in LAMBADA evaluator and the lm-eval adapter only ever call `encode`, `decode` and `logits`, so
-a new backend is one class: `HFCausalLM` here, and a megatron-core model run in-process (any TP/PP layout)
-behind `load_megatron_lm`. Keeping tokenization inside the model object matters because both the
-LAMBADA target split and lm-eval's context/continuation split depend on the model's own tokenizer.
+A backend is one class (`HFCausalLM`, `MegatronCausalLM`). Tokenization lives in the model object because the
+LAMBADA target split and lm-eval's context/continuation split both depend on the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -42,22 +40,12 @@ def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> 
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A causal language model as the evaluators see it.
+    """A causal language model as the evaluators see it."""
 
-    Attributes:
-        eod: end-of-document token id; greedy generation stops when the model predicts it.
-        prefix_token: the token a sequence is conditioned on when it has no text before it (an empty
-            lm-eval context, the first window of a rolling log-likelihood): lm-eval's `prefix_token_id`,
-            i.e. BOS when the tokenizer has one, else `eod`.
-        vocab_size: number of real tokens; logits columns at or beyond it (megatron pads its output
-            layer to a multiple of 128) are ignored, so a padded column can never win an argmax.
-        max_length: longest input `logits` accepts; callers left-truncate longer inputs to it.
-    """
-
-    eod: int
-    prefix_token: int
-    vocab_size: int
-    max_length: int
+    eod: int  # end of document: generation stops when the model predicts it
+    prefix_token: int  # what text-less input is conditioned on (lm-eval's prefix_token_id): BOS if any, else eod
+    vocab_size: int  # real tokens: logit columns past it (megatron's padded output layer) never win an argmax
+    max_length: int  # longest input `logits` accepts; callers left-truncate to it
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; `special=True` adds what the tokenizer puts around a document by default
@@ -134,14 +122,9 @@ def default_device() -> str:
 def load_hf_lm(
     path: str | Path, device: str | None = None, dtype: str = "auto", max_length: int | None = None
 ) -> HFCausalLM:
-    """Load a Hugging Face folder (or a hub id in the local cache) for evaluation, never touching the network.
-
-    dtype "auto" keeps the checkpoint's dtype on GPU and uses float32 on CPU (CPU half precision is
-    slow and lossy); max_length None takes the model's own context window. The folder is checked before
-    anything loads (`model_files.check_model_folder`); one whose weights do not all load (missing or unused
-    tensors) is refused with errors.IncompleteWeightsError, and every other problem with the files is a
-    one-line ModelFileError.
-    """
+    """A Hugging Face folder (or a hub id in the local cache), offline, checked before anything loads; every problem
+    with its files is one ModelFileError line. dtype "auto": the checkpoint's on GPU, float32 on CPU (CPU half
+    precision is slow and lossy); max_length None: the model's own context window."""
     from transformers import AutoTokenizer
 
     path = hub.resolve(path, "--hf")
@@ -198,11 +181,8 @@ def _note_big_tokenizer(path: Path) -> None:
 
 
 class MegatronCausalLM:
-    """A megatron-jreg checkpoint (megatron-core GPTModel, TP=1/PP=1 in this process) as a `CausalLM`.
-
-    The run's own tokenizer encodes the text the way preprocess_data.py did for training: no BOS, EOD
-    between documents; an empty context is conditioned on EOD.
-    """
+    """A megatron-jreg checkpoint (megatron-core GPTModel, TP=1/PP=1 in this process) as a `CausalLM`; the run's
+    tokenizer encodes as preprocess_data.py did for training (no BOS, EOD between documents)."""
 
     def __init__(self, loaded) -> None:
         if loaded.tokenizer is None:
@@ -232,10 +212,7 @@ class MegatronCausalLM:
 
 
 def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM:
-    """A megatron-jreg checkpoint (any TP/PP layout) as a `CausalLM`, run in-process on megatron-core.
-
-    The hook for `evaluate --load`: everything downstream (LAMBADA, lm-eval) works on the returned object.
-    """
+    """A megatron-jreg checkpoint (any saved TP/PP layout) as a `CausalLM`, run in-process on megatron-core."""
     from megatron_jreg.checkpoints import load_megatron_model
 
     return MegatronCausalLM(load_megatron_model(path, iteration))

@@ -1,15 +1,9 @@
-"""The results format every evaluation writes, so any two runs can be compared.
+"""The results format every evaluation writes (the fields of `EvalResults`), so any two runs can be compared.
 
-    {"results": {task: {metric: value, metric_stderr: value | null}},
-     "samples": {task: n}, "model": {...}, "seed": int | null, "config": {...},
-     "skipped": {task: {reason: n}}}   (examples of the input not scored, and why)
-
-Built-in tasks and lm-eval tasks land in the same shape: lm-eval's "acc,none" / "acc_stderr,none" keys
-become "acc" / "acc_stderr" (a filter other than "none" stays as "acc,filter"), and its "N/A" stderr
-becomes null. What lm-eval knows about its tasks is kept beside them, so that `compare` can use it:
-    "higher_is_better": {task: {metric: bool}}, "n_shot": {task: k}, "groups": {group: [subtask, ...]}
-`EvalResults.read` also reads lm-eval's own results files (`lm_eval --output_path`, results_*.json) into
-this shape; they carry no training seed unless one is added as a top-level "seed".
+Built-in and lm-eval tasks land in one shape: lm-eval's "acc,none" / "acc_stderr,none" become "acc" / "acc_stderr"
+(another filter stays "acc,filter"), its "N/A" stderr null; its metric directions, few-shot counts and groups are
+kept for `compare`. `EvalResults.read` also reads lm-eval's own results_*.json (no training seed unless one is
+added as a top-level "seed").
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ _NOT_METRICS = ("alias", "name", "sample_len", "samples")
 
 @dataclass
 class EvalResults:
-    results: dict[str, Metrics] = field(default_factory=dict)
-    samples: dict[str, int] = field(default_factory=dict)
+    results: dict[str, Metrics] = field(default_factory=dict)  # task -> {metric: value, metric_stderr: value|None}
+    samples: dict[str, int] = field(default_factory=dict)  # task -> examples scored
     model: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     config: dict[str, Any] = field(default_factory=dict)

@@ -1,11 +1,8 @@
 """lm-eval tasks: which configs to run, and whether their datasets are on this machine.
 
-lm-eval 0.4 builds each task from its YAML config and loads the data in the task's constructor with
-`datasets.load_dataset(dataset_path, dataset_name, **dataset_kwargs)`. Offline, `datasets` answers a Hub
-name from its cache (HF_DATASETS_CACHE, e.g. ~/.cache/huggingface/datasets/allenai___sciq/...) and a
-local folder or packaged builder ("json", "parquet") from disk. `check_datasets` makes exactly that call
-for every requested task before any model is loaded, so a missing dataset is reported for all tasks at
-once with the fix, instead of as a traceback after the first tasks have run.
+`check_datasets` makes the call lm-eval's task constructor makes (`datasets.load_dataset(dataset_path, ...)`,
+offline: the cache or a local folder) for every task before any model loads, so a missing dataset is one report
+for all tasks with the fix, not a traceback after the first tasks ran.
 """
 
 from __future__ import annotations

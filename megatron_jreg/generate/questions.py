@@ -1,13 +1,7 @@
-"""Question files in, answer files out: FastChat's MT-bench formats, read strictly and written atomically.
+"""Question files in, answer files out: FastChat's MT-bench formats (docs/sft.md), read strictly, written atomically.
 
-A question file (FastChat `fastchat/llm_judge/data/<bench>/question.jsonl`) has one JSON object a line:
-`{"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]}`. An answer
-file (`data/<bench>/model_answer/<model_id>.jsonl`, what `gen_model_answer.py` writes and `gen_judgment.py`
-reads) has one line per question: `{"question_id", "answer_id", "model_id", "choices": [{"index": 0,
-"turns": [answer to turn 1, answer to turn 2, ...]}], "tstamp"}`.
-
-The answer file is rewritten whole after every batch (fileio.atomic_write), so it always holds complete lines
-only, and a run started again skips the question ids it already holds.
+The answer file is rewritten whole after every batch (fileio.atomic_write), so it holds complete lines only, and a
+run started again skips the question ids it already holds.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The generate run: a model and its chat tokenizer, then every question answered turn by turn.
+"""The generate run: a model (evaluate's `CausalLM`, decoded with its KV cache) and its chat tokenizer, then every
+question answered turn by turn, as FastChat's gen_model_answer.py (answer k joins the conversation before turn k+1).
 
-Both model kinds go through the evaluator's `CausalLM` (megatron_jreg.evaluate.models): `load_hf_lm` for a
-Hugging Face folder, `MegatronCausalLM` over `load_megatron_model` for a checkpoint (any saved layout, run
-at TP=1/PP=1 in this process); answers are decoded with each one's own KV cache (evaluate/decoding.py).
-The chat side is always a Hugging Face tokenizer — the folder's own, or the run's `--tokenizer-model`
-(HuggingFaceTokenizer or SFTTokenizer runs; Megatron-LM's SFTTokenizer renders
-conversations with it too) — so a conversation is tokenized the way `--sft` trained on it:
-`apply_chat_template(messages, add_generation_prompt=True)`, what SFTTokenizer's inference path calls.
-
-Multi-turn as FastChat's gen_model_answer.py: the answer to turn k (its text) joins the conversation before
-turn k + 1 is asked.
+The chat side is always a Hugging Face tokenizer (the folder's own, or the run's `--tokenizer-model`), so a
+conversation is tokenized as `--sft` trained on it: `apply_chat_template(..., add_generation_prompt=True)`, what
+Megatron-LM's SFTTokenizer's inference path calls.
 """
 
 from __future__ import annotations
