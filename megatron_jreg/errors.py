@@ -1,17 +1,9 @@
-"""Every command's errors: one base class, one exit-code convention, one way to print them.
+"""Every command's errors: one base class, one exit-code convention (2: bad input, argparse's; 1: the run or the
+machine failed; 130: Ctrl-C), one line naming the flag or file and the fix, printed by `report` alone.
 
-Bad input (a flag, a file, a model folder, a checkpoint) raises a `JregError` whose message is one line naming
-the flag or file and the fix; `exit_code` is 2 for usage and input errors (argparse's convention, in every
-command) and 1 when the run or the machine failed (a full disk, a lost rank). `error_line` formats any error
-the same way, and `report` (through `run_command`, or the train entry's per-rank handler) is the one place where
-a command turns them into that line and its exit code.
-
-A stdout or stderr that fails is not an error of the run (`keep_output`, installed where every command starts,
-`output_code` where it ends): a pipe whose reader went away (`| head -1`), a full disk or a file size limit
-(`> /dev/full`, `ulimit -f`) points that stream at /dev/null and the command finishes its work, its files
-complete. A closed pipe is the reader's choice and stays quiet; any other failure of stdout is one line on stderr
-when it happens and exit 1 at the end (what the command printed is lost, its files are not).
-The layer below every other module: it imports nothing from megatron_jreg.
+A failing stdout or stderr (`| head -1`, `> /dev/full`, `ulimit -f`) is not an error of the run: `keep_output`
+points it at /dev/null and the command finishes its files; a closed pipe stays quiet, any other failure of stdout
+is one stderr line and exit 1 (`output_code`). The bottom layer: it imports nothing from megatron_jreg.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """`megatron-jreg prepare-chat`: chat JSONL checked and cleaned for Megatron-LM's SFTDataset, and a chat template.
 
-Megatron-LM's `--sft` reads JSONL lines `{"messages": [{"role", "content"}, ...]}` and renders each conversation
-with the Hugging Face tokenizer's own `chat_template`, checking nothing: a record without an assistant turn trains
-on nothing, an unknown role or a non-string content fails deep in a data loader worker, a `system` turn in the
-middle starts a new conversation there (SFTDataset splits packs at system turns), and a field that differs in type
-between lines breaks `datasets`' schema. `prepare_chat` checks every record and writes the good ones as
-`{"messages": [...]}` only, in input order; bad ones are counted by reason and skipped, as `preprocess` does (the
-reasons: docs/sft.md). With `--tokenizer DIR` each conversation is also tokenized exactly as `--sft` does
-(`chat_targets.ChatTargets`), and a tokenizer without a chat template gets a copy with one.
+Megatron-LM's `--sft` checks nothing: a record without an assistant turn trains on nothing, a bad role or content
+fails deep in a data loader worker, a mid-conversation `system` turn splits a pack, a field whose type differs
+between lines breaks `datasets`' schema. Good records are written as `{"messages": [...]}` in input order, bad ones
+counted by reason (docs/sft.md) and skipped; `--tokenizer DIR` also tokenizes each as `--sft` does.
 """
 
 from __future__ import annotations
