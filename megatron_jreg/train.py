@@ -2,9 +2,10 @@
 
 Megatron-LM's own parser, validation, model builder, datasets, training loop, checkpoints and logs
 (`megatron.training.pretrain`); megatron-jreg hands it four providers — model config (training/model.py),
-datasets (training/data.py), forward step and loss (training/step.py) — and adds its flags, JREG's
-telemetry (training/loop.py) and checkpoint safety (training/checkpointing.py). Launch with torchrun or
-Slurm exactly like pretrain_gpt.py; a plain single process also works.
+datasets (training/data.py), forward step and loss (training/step.py) — and adds its flags (training/flags.py),
+JREG's loop events (training/loop.py), telemetry (training/metrics.py) and checkpoint safety
+(training/checkpointing.py). Launch with torchrun or Slurm exactly like pretrain_gpt.py; a plain single process
+also works.
 
 A bad flag or input is one line, `megatron-jreg train: error: …` (exit 2; a failed checkpoint save: exit 1),
 printed by rank 0 only; a rank that died mid-collective is one line from each survivor naming the checkpoint
