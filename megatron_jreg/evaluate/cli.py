@@ -64,27 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None) -> EvaluateConfig:
-    args = build_parser().parse_args(argv)
-    return EvaluateConfig(
-        hf=args.hf,
-        load=args.load,
-        iteration=args.iteration,
-        tasks=tuple(t.strip() for t in args.tasks.split(",")),
-        lambada_file=args.lambada_file,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        device=args.device,
-        dtype=args.dtype,
-        output=args.output,
-        task_data={task: Path(path) for task, path in
-                   task_pairs(args.task_data, "--task-data", "PATH", "arc_easy=data/ai2_arc").items()},
-        include_path=tuple(args.include_path),
-        seed=args.seed,
-        bootstrap_iters=args.bootstrap_iters,
-        num_fewshot=args.num_fewshot,
-        progress=args.progress,
-    )
+    args = vars(build_parser().parse_args(argv))  # one config field per flag
+    args["tasks"] = tuple(t.strip() for t in args["tasks"].split(","))
+    args["task_data"] = {task: Path(path) for task, path in
+                         task_pairs(args["task_data"], "--task-data", "PATH", "arc_easy=data/ai2_arc").items()}
+    args["include_path"] = tuple(args["include_path"])
+    return EvaluateConfig(**args)
 
 
 def main(argv: list[str] | None = None) -> int:
