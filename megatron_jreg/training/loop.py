@@ -20,10 +20,8 @@ Megatron-LM has no step-begin/step-end callback, so the adapter wraps four modul
 - `evaluate_and_print_results`: `on_eval_report_start` / `on_eval_report_end` report it, one record per
   evaluation.
 
-The adapter reads arguments by name (`inspect.signature(original).bind`) and results by the names of
-Megatron-LM core_v0.19.0's return statements; `megatron_jreg.patches` refuses to install it on a function
-whose parameters differ from those it was written for. Every wrapper calls Megatron-LM's function with the
-arguments it got; nothing else changes.
+Every wrapper calls Megatron-LM's function with the arguments it got (read by name; results by the names of its
+return statements: `MegatronLoopAdapter`); nothing else changes.
 """
 
 from __future__ import annotations
@@ -270,9 +268,10 @@ def zero_state_warning(stats: JregStats) -> str:
 
 
 class MegatronLoopAdapter:
-    """Megatron-LM's loop functions → `JregLoop`'s events. The only place that knows their argument order
-    (read by name through their signatures, checked by megatron_jreg.patches against PATCHES' `params`
-    before installing) and their return tuples (TRAIN_STEP_RESULT, EVALUATE_RESULT)."""
+    """Megatron-LM's loop functions → `JregLoop`'s events. The only place that knows their argument order (read by
+    name, `inspect.signature(original).bind`; megatron_jreg.patches refuses to install it on a function whose
+    parameters differ from PATCHES' `params`) and their return tuples (core_v0.19.0's TRAIN_STEP_RESULT,
+    EVALUATE_RESULT)."""
 
     def __init__(self, events: JregLoop) -> None:
         self.events = events
