@@ -188,7 +188,7 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
 
 def describe(path: Path) -> str | None:
     """`org/name@<commit>` for a path inside a hub-cache snapshot, else None (for result records)."""
-    parts = Path(path).resolve().parts if Path(path).exists() else Path(path).parts
+    parts = Path(path).resolve().parts
     for i in range(len(parts) - 2):
         if parts[i].startswith("models--") and parts[i + 1] == "snapshots" and _HASH.match(parts[i + 2]):
             return parts[i][len("models--") :].replace("--", "/") + "@" + parts[i + 2]

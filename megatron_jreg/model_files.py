@@ -151,6 +151,14 @@ def open_regular(path: str | Path) -> IO[bytes]:
         raise
 
 
+def is_gguf_file(path: Path) -> bool:
+    """A GGUF file: by its magic bytes, so a renamed file still counts."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def check_entries(folder: Path, flag: str) -> None:
     """Every entry of `folder` (not recursive: what transformers reads) is a regular file or a folder;
     a dangling symlink is left to whoever reads it (the hub cache reports those)."""

@@ -113,7 +113,7 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
     import torch
 
     from megatron_jreg.analysis import loading, megatron_source
-    from megatron_jreg.analysis.config import checkpoint_step, resolve_models
+    from megatron_jreg.analysis.loading import checkpoint_step, resolve_models
 
     run = tmp_path / "run"
     (run / "iter_0000200").mkdir(parents=True)
@@ -121,8 +121,8 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
     (run / "latest_checkpointed_iteration.txt").write_text("200")
     bare = tmp_path / "bare"
     (bare / "iter_0000005").mkdir(parents=True)
-    assert loading.identify(run) == loading.identify(bare) == ("megatron", None)
-    assert loading.identify(run / "iter_0000010") == ("megatron", None)
+    assert loading.identify(run) == loading.identify(bare) == ("megatron", None, None)
+    assert loading.identify(run / "iter_0000010") == ("megatron", None, None)
 
     specs = resolve_models([], str(run / "iter_*"))
     assert [s.step for s in specs] == [10, 200] and {s.kind for s in specs} == {"megatron"}

@@ -13,7 +13,7 @@ def test_zeta_series_of_zeros_shows_every_curve(tmp_path):
     from matplotlib.image import imread
 
     from megatron_jreg.analysis.measure import ModelResult
-    from megatron_jreg.analysis.plot import plot_zeta_series
+    from megatron_jreg.analysis.report import plot_zeta_series
 
     falling = [0.3, 0.2, 0.1, 0.05]  # Ψ never rises: every ζ is 0
     results = [ModelResult(label=f"iter_{s}", path="", kind="megatron", model_class="", convention="hooks", step=s,
@@ -32,7 +32,7 @@ def test_layer_distance_heatmaps_fit_any_number_of_models(tmp_path, models):
     from matplotlib.image import imread
 
     from megatron_jreg.analysis.measure import ModelResult
-    from megatron_jreg.analysis.plot import MAX_HEATMAPS, _shown, plot_layer_distances
+    from megatron_jreg.analysis.report import MAX_HEATMAPS, _shown, plot_layer_distances
 
     size = 4
     results = [ModelResult(label=f"m{i}", path="", kind="hf", model_class="", convention="hooks", step=i,
@@ -48,7 +48,7 @@ def test_layer_distance_heatmaps_fit_any_number_of_models(tmp_path, models):
 
 def test_two_runs_at_the_same_step_are_two_models_not_a_series():
     from megatron_jreg.analysis.measure import ModelResult
-    from megatron_jreg.analysis.plot import _colors, _is_series
+    from megatron_jreg.analysis.report import _colors, _is_series
 
     def result(label: str, step: int | None) -> ModelResult:
         return ModelResult(label=label, path="", kind="megatron", model_class="", convention="hooks", step=step,
@@ -68,7 +68,7 @@ def test_heatmap_title_fits_one_panel_with_positions_last(tmp_path):
     from matplotlib.image import imread
 
     from megatron_jreg.analysis.measure import ModelResult
-    from megatron_jreg.analysis.plot import plot_layer_distances
+    from megatron_jreg.analysis.report import plot_layer_distances
 
     size = 4
     result = ModelResult(label="m", path="", kind="hf", model_class="", convention="hooks", step=None,

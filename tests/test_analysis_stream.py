@@ -163,8 +163,7 @@ def test_streaming_final_norm_and_bfloat16(tokenizer, texts, tmp_path):
 def test_one_layer_in_memory_at_a_time(tokenizer, texts, tmp_path, monkeypatch):
     """Every read is one layer's tensors (or the embedding rows in use), and no two decoder layers ever
     hold real tensors at the same time."""
-    from megatron_jreg.analysis.stream_source import StreamingSource, load_stream_source
-    from megatron_jreg.analysis.weights import SafetensorsFolder
+    from megatron_jreg.analysis.stream_source import SafetensorsFolder, StreamingSource, load_stream_source
 
     folder = _save_sharded(_config("llama"), tmp_path / "m", tokenizer)
     source = load_stream_source(folder, label="m")
@@ -192,7 +191,7 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from megatron_jreg.analysis.weights import SafetensorsFolder
+    from megatron_jreg.analysis.stream_source import SafetensorsFolder
     from tests._toy import save_random_model
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
@@ -205,14 +204,14 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
 
 
 def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypatch, capsys):
-    from megatron_jreg.analysis import stream_source
+    from megatron_jreg.analysis import loading
     from megatron_jreg.analysis.cli import main
     from tests._toy import save_random_model
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)
     argv = ["--model", str(folder), "--num-samples", "3", "--max-length", "40", "--no-progress"]
     assert main([*argv, "--output", str(tmp_path / "mem")]) == 0
-    monkeypatch.setattr(stream_source, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(loading, "available_bytes", lambda device: 1000)
     assert main([*argv, "--output", str(tmp_path / "auto")]) == 0
     err = capsys.readouterr().err
     assert "in memory: the weights need" in err and "streaming layer by layer" in err
@@ -227,10 +226,9 @@ def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch,
     import torch
     from safetensors.torch import load_file, save_file
 
-    from megatron_jreg.analysis import stream_source
+    from megatron_jreg.analysis import loading
     from megatron_jreg.analysis.source import AnalysisError
-    from megatron_jreg.analysis.stream_source import load_stream_source
-    from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
+    from megatron_jreg.analysis.stream_source import SafetensorsFolder, WeightsError, load_stream_source
     from tests._toy import save_random_model
 
     quantized = save_random_model(_config("llama"), tmp_path / "quantized", tokenizer)
@@ -238,8 +236,9 @@ def test_streaming_refuses_what_it_cannot_read(tokenizer, tmp_path, monkeypatch,
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(AnalysisError, match=r"--stream cannot read this model: quantized weights \(awq\)"):
         load_stream_source(quantized, label="q")
-    monkeypatch.setattr(stream_source, "available_bytes", lambda device: 1000)
-    stream, why = stream_source.should_stream(quantized, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(loading, "available_bytes", lambda device: 1000)
+    spec = loading.resolve_models([str(quantized)], None)[0]  # its headers read once, carried in the spec
+    stream, why = loading.should_stream(spec, torch.float32, torch.device("cpu"))
     assert not stream and "in memory although the weights need" in why and "quantized weights (awq)" in why
 
     folder = save_random_model(_config("llama"), tmp_path / "m", tokenizer)

@@ -149,29 +149,31 @@ def test_analyze_and_evaluate_take_hub_ids(model_folder, cache, tmp_path, capsys
 
 
 def test_a_folder_is_checked_once_per_load(model_folder, tmp_path, monkeypatch):
-    """analyze and evaluate check a Hugging Face folder (model_files.check_model_folder: every safetensors header
-    read) once per load: load_causal_lm(checked=True) skips the check its caller made (was twice each)."""
+    """analyze and evaluate check a Hugging Face folder (model_files.inspect_model_folder) and read each
+    safetensors header once per load: the spec carries the headers to the stream decision and the loader,
+    load_causal_lm(checked=True) skips the check its caller made (were up to three reads in analyze)."""
     import megatron_jreg.model_files as model_files
     from megatron_jreg.analysis.cli import main as analyze
     from megatron_jreg.evaluate import cli as evaluate_cli
 
-    real = model_files.check_model_folder
     calls: list[Path] = []
+    for name in ("inspect_model_folder", "read_safetensors_header"):
+        real = getattr(model_files, name)
 
-    def counted(folder, *args, **kwargs):
-        calls.append(Path(folder))
-        return real(folder, *args, **kwargs)
+        def counted(path, *args, real=real, **kwargs):
+            calls.append(Path(path))
+            return real(path, *args, **kwargs)
 
-    for module in [m for name, m in sys.modules.items() if name.startswith("megatron_jreg")]:
-        if getattr(module, "check_model_folder", None) is real:  # every module that imported it by name
-            monkeypatch.setattr(module, "check_model_folder", counted)
+        for module in [m for key, m in sys.modules.items() if key.startswith("megatron_jreg")]:
+            if getattr(module, name, None) is real:  # every module that imported it by name
+                monkeypatch.setattr(module, name, counted)
     common = ["--num-samples", "3", "--max-length", "40", "--no-progress"]
     assert analyze(["--model", str(model_folder), "--output", str(tmp_path / "a"), *common]) == 0
-    assert calls == [model_folder]
+    assert calls == [model_folder, model_folder / "model.safetensors"]
     calls.clear()
     argv = ["--hf", str(model_folder), "--tasks", "lambada", "--limit", "2", "--output", str(tmp_path / "e.json")]
     assert evaluate_cli.main(argv) == 0
-    assert calls == [model_folder]
+    assert calls == [model_folder, model_folder / "model.safetensors"]
 
 
 def test_load_shows_no_weight_bar_in_a_log(model_folder, capfd):

@@ -5,16 +5,13 @@ Every check names the flag it is about and says how to fix it, so the CLI only p
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from megatron_jreg import hub, jreg
-from megatron_jreg.analysis.loading import ModelSpec, identify
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.data import text
 from megatron_jreg.dtypes import torch_dtype
@@ -23,8 +20,6 @@ DTYPES = ("float32", "bfloat16")  # of dtypes.WEIGHT_DTYPES: float16 overflows i
 DATA_FORMATS = ("lambada", "wikitext", "jsonl", "text")
 PADDING_SIDES = ("right", "left")
 POSITIONS = ("all", "last")
-_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
-_STEP = re.compile(r"(?:^|[^a-z])(?:step|iter|iteration|checkpoint|ckpt)[-_]?(\d+)", re.IGNORECASE)
 
 
 @dataclass
@@ -52,7 +47,7 @@ class AnalyzeConfig:
     padding_side: str = "right"
     stream: bool | None = None
     """--stream / --no-stream: layer-by-layer from safetensors (any family), or in memory; None: stream
-    only the models whose weights do not fit in free memory (`stream_source.should_stream`)."""
+    only the models whose weights do not fit in free memory (`loading.should_stream`)."""
     progress: bool | None = None
     """--progress / --no-progress: bars on stderr; None: when stderr is a terminal (`progress.show_progress`)."""
     remove_layers: bool = False
@@ -184,69 +179,3 @@ def load_texts(spec: str, num_samples: int | None) -> list[str]:
     if not texts:
         raise AnalysisError(f"--data {spec!r}: no non-empty samples in {path}; pass a file that holds text")
     return texts
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The training step in a checkpoint's name: its last number (iter_0001000 → 1000, step-20 → 20)."""
-    match = _LAST_NUMBER.search(path.name)
-    return int(match.group(1)) if match else None
-
-
-def named_step(name: str) -> int | None:
-    """The step a checkpoint or revision name states (step143000, iter_0001000, checkpoint-20,
-    stage1-step1000-tokens4B → 1000), or None when it names none."""
-    match = _STEP.search(name)
-    return int(match.group(1)) if match else None
-
-
-def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None) -> list[ModelSpec]:
-    """`--model` paths (or hub ids, resolved from the local cache; each at every `--revision`) in the order
-    given, then `--checkpoints` matches ordered by step.
-
-    Labels are the path's last component (a hub id's repo name, with @REVISION), lengthened with parent
-    folders (the organisation) until they are unique. Steps come from the revision or checkpoint name
-    (`named_step`) where it states one; a megatron checkpoint's own iteration replaces it when it is loaded.
-    """
-    given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
-    entries: list[tuple[Path, str, int | None]] = []
-    for spec, revision in given:
-        path = hub.resolve(spec, "--model")
-        entries.append((path, "--model", named_step(revision) if revision else named_step(Path(spec).name)))
-    shown = [Path(m) if hub.describe(p) else p for (m, _), (p, _, _) in zip(given, entries)]  # hub ids by name
-    if checkpoints:
-        matches = [Path(p) for p in glob.glob(checkpoints)]
-        if not matches:
-            raise AnalysisError(f"--checkpoints {checkpoints!r} matches nothing")
-        stepped = []
-        for p in matches:
-            step = checkpoint_step(p)
-            if step is None:
-                raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
-            stepped.append((step, p))
-        entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
-    kinds = [_identify(p, flag) for p, flag, _ in entries]
-    labels = _unique_labels(shown + [p for p, _, _ in entries[len(given) :]])
-    revs = [r for _, r in given] + [None] * (len(entries) - len(given))
-    return [ModelSpec(p, label, kind, step, rev, flag, config)
-            for (p, flag, step), label, (kind, config), rev in zip(entries, labels, kinds, revs)]
-
-
-def _identify(path: Path, flag: str) -> tuple[str, object]:
-    """`loading.identify`; for a --checkpoints match that is not (yet) a readable model, ("unreadable: <why>",
-    None), so that the series skips it in one line instead of stopping (an iteration still being written)."""
-    try:
-        return identify(path, flag)
-    except AnalysisError as e:
-        if flag != "--checkpoints":
-            raise
-        return f"unreadable: {e}", None
-
-
-def _unique_labels(paths: list[Path]) -> list[str]:
-    parts = [(p.resolve() if p.exists() else p).parts for p in paths]
-    depth = 1
-    while True:
-        labels = ["/".join(ps[-depth:]) for ps in parts]
-        if len(set(labels)) == len(labels) or depth >= max(len(ps) for ps in parts):
-            return labels
-        depth += 1

@@ -55,14 +55,6 @@ class GgufPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def is_gguf_file(path: Path) -> bool:
-    """A GGUF file: by its magic bytes, so a renamed file still counts."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def read_gguf(path: Path) -> Any:
     """A GGUF file's reader, with its header, metadata and tensor table parsed and every tensor's bytes checked to
     be in the file, so a truncated or corrupt download is one line naming the file instead of a parser traceback."""

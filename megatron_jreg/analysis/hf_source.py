@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megatron_jreg.analysis.gguf_model import apply_rope_freqs, is_gguf_file, plan_gguf
+from megatron_jreg.analysis.gguf_model import apply_rope_freqs, plan_gguf
 from megatron_jreg.analysis.source import (
     FINAL_NORM,
     LAYER_IO,
@@ -31,7 +31,13 @@ from megatron_jreg.analysis.source import (
 )
 from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.hub import load_causal_lm
-from megatron_jreg.model_files import check_entries, declared_context, read_safetensors_folder, refuse_custom_code
+from megatron_jreg.model_files import (
+    check_entries,
+    declared_context,
+    is_gguf_file,
+    read_safetensors_folder,
+    refuse_custom_code,
+)
 
 HEAD = "lm_head."  # the LM head: never run by the analysis, so it may be absent from the files
 
@@ -245,13 +251,15 @@ def load_hf_source(
     tokenizer: str | None = None,
     with_tokenizer: bool = True,
     config: Any = None,
+    tensors: dict[str, Any] | None = None,
 ) -> HFSource:
     """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source.
 
     Refuses a model whose files lack weights of its architecture, or hold ones it does not use
     (`hub.load_causal_lm`); the LM head is exempt, since Ψ never runs it (`HFSource.head_missing` says
     when it was absent: layer removal needs it). with_tokenizer=False: token ids come from the caller.
-    config: the folder's transformers config when the caller has read it (`loading.identify`).
+    config, tensors: the folder's transformers config and safetensors headers when the caller has read them
+    (`loading.identify`).
     """
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
@@ -278,7 +286,7 @@ def load_hf_source(
     model.to(device)
     tok = load_tokenizer(folder, gguf_file, tokenizer, None if gguf_file else config) if with_tokenizer else None
     source = HFSource(model, tok, label, include_final_norm)
-    source.head_missing = head_missing(model, path, plan.tensor_names if plan else None)
+    source.head_missing = head_missing(model, path, plan.tensor_names if plan else None, tensors)
     source.notes = plan.notes if plan else []
     if towers:
         parts = ", ".join(t.rstrip(".") for t in towers if not t.startswith("model."))
@@ -286,10 +294,12 @@ def load_hf_source(
     return source
 
 
-def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = None) -> str | None:
+def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = None,
+                 tensors: dict[str, Any] | None = None) -> str | None:
     """Why the causal LM's head was not loaded from the files (None when it was, or is tied to the
     embeddings): the loaders let an `lm_head.*` tensor be absent, since Ψ never runs the head.
-    gguf_tensors: the tensor names of a GGUF file (`GgufPlan.tensor_names`); else `path` is a folder."""
+    gguf_tensors: the tensor names of a GGUF file (`GgufPlan.tensor_names`); else `path` is a folder, whose
+    safetensors headers are `tensors` when the caller has read them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     head = model.get_output_embeddings()
@@ -297,7 +307,7 @@ def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = N
         return None
     if gguf_tensors is not None:
         return None if "output.weight" in gguf_tensors else f"{path} holds no output.weight (the LM head)"
-    names = list(read_safetensors_folder(path))
+    names = list(tensors or read_safetensors_folder(path))
     if any(f".{HEAD}" in f".{name}" for name in names):
         return None
     head_key = next(f"{n}.weight" for n, m in model.named_modules() if m is head)

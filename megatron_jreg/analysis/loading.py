@@ -1,22 +1,32 @@
-"""What a `--model` path is, and the hidden-state source that measures it.
+"""What a `--model` is, and the source that measures it: the one place that answers both.
 
-A path is identified once (`identify`): a Hugging Face folder is checked here (`model_files.check_model_folder`:
-config values, safetensors headers, no pickles or custom code) and its transformers config read, and both travel
-with the `ModelSpec` to the stream decision and the loader, so nothing re-reads them.
+`resolve_models` turns `--model`/`--revision`/`--checkpoints` into `ModelSpec`s: a hub id is resolved from the local
+cache (`hub.resolve`), a Hugging Face folder is checked once (`model_files.inspect_model_folder`: config values,
+safetensors headers, no pickles or custom code) and its transformers config read, and both travel in the spec, so
+nothing re-reads them. `load_source` decides whether a folder streams (its size from the carried headers against
+free memory) and builds the loader it chose.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_jreg.analysis.gguf_model import is_gguf_file
+from megatron_jreg import hub
 from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource
 from megatron_jreg.checkpoints.files import is_checkpoint
-from megatron_jreg.model_files import check_model_folder
+from megatron_jreg.model_files import ModelFolder, inspect_model_folder, is_gguf_file
+
+HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+_STEP = re.compile(r"(?:^|[^a-z])(?:step|iter|iteration|checkpoint|ckpt)[-_]?(\d+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -33,26 +43,153 @@ class ModelSpec:
     """The flag that named it: "--model" or "--checkpoints" (a series, whose unreadable members are skipped)."""
     config: Any = field(default=None, compare=False, repr=False)
     """A Hugging Face folder's transformers config, read by `identify` after the folder was checked."""
+    files: ModelFolder | None = field(default=None, compare=False, repr=False)
+    """A Hugging Face folder's checked config.json and safetensors headers (`inspect_model_folder`)."""
 
 
-def identify(path: Path, flag: str = "--model") -> tuple[str, Any]:
-    """(kind, config) of a path given to `flag`: ("hf", its transformers config), ("gguf", None) or
-    ("megatron", None); an AnalysisError says what was expected."""
-    if not path.exists():
-        raise AnalysisError(f"{flag} {path}: no such file or directory")
+def identify(path: Path, flag: str = "--model") -> tuple[str, Any, ModelFolder | None]:
+    """(kind, transformers config, checked files) of a path given to `flag`: ("hf", config, files),
+    ("gguf", None, None) or ("megatron", None, None); an AnalysisError says what was expected."""
     if is_gguf_file(path):
-        return "gguf", None
+        return "gguf", None, None
     if path.is_dir() and (path / "config.json").exists():
         from megatron_jreg.analysis.hf_source import auto_config
 
-        check_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here, before any load
-        return "hf", auto_config(path)
+        files = inspect_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here
+        return "hf", auto_config(path), files
     if is_checkpoint(path):
-        return "megatron", None
+        return "megatron", None, None
+    if not path.exists():  # asked only here: `hub.resolve` already looked for it
+        raise AnalysisError(f"{flag} {path}: no such file or directory")
     raise AnalysisError(
         f"{flag} {path}: not a Hugging Face model folder (no config.json), a GGUF file, or a megatron-jreg "
         "checkpoint directory (latest_checkpointed_iteration.txt or iter_*/ folders); point it at one of these"
     )
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The training step in a checkpoint's name: its last number (iter_0001000 → 1000, step-20 → 20)."""
+    match = _LAST_NUMBER.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def named_step(name: str) -> int | None:
+    """The step a checkpoint or revision name states (step143000, iter_0001000, checkpoint-20,
+    stage1-step1000-tokens4B → 1000), or None when it names none."""
+    match = _STEP.search(name)
+    return int(match.group(1)) if match else None
+
+
+def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None,
+                   stream: bool | None = None) -> list[ModelSpec]:
+    """`--model` paths (or hub ids, resolved from the local cache; each at every `--revision`) in the order
+    given, then `--checkpoints` matches ordered by step; with stream=True, a model --stream cannot read is
+    refused here, before any is measured.
+
+    Labels are the path's last component (a hub id's repo name, with @REVISION), lengthened with parent
+    folders (the organisation) until they are unique. Steps come from the revision or checkpoint name
+    (`named_step`) where it states one; a megatron checkpoint's own iteration replaces it when it is loaded.
+    """
+    given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
+    entries: list[tuple[Path, str, int | None]] = []
+    for spec, revision in given:
+        path = hub.resolve(spec, "--model")
+        entries.append((path, "--model", named_step(revision) if revision else named_step(Path(spec).name)))
+    shown = [Path(m) if hub.describe(p) else p.resolve() for (m, _), (p, _, _) in zip(given, entries)]  # ids by name
+    if checkpoints:
+        matches = [Path(p) for p in glob.glob(checkpoints)]
+        if not matches:
+            raise AnalysisError(f"--checkpoints {checkpoints!r} matches nothing")
+        stepped = []
+        for p in matches:
+            step = checkpoint_step(p)
+            if step is None:
+                raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
+            stepped.append((step, p))
+        entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
+    kinds = [_identify(p, flag) for p, flag, _ in entries]
+    labels = _unique_labels(shown + [p.resolve() for p, _, _ in entries[len(given) :]])
+    revs = [r for _, r in given] + [None] * (len(entries) - len(given))
+    specs = [ModelSpec(p, label, kind, step, rev, flag, config, files)
+             for (p, flag, step), label, (kind, config, files), rev in zip(entries, labels, kinds, revs)]
+    for spec in specs if stream else ():
+        if not spec.kind.startswith("unreadable"):
+            from megatron_jreg.analysis.stream_source import not_streamable
+
+            reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path, spec.config)
+            if reason:
+                raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
+    return specs
+
+
+def _identify(path: Path, flag: str) -> tuple[str, Any, ModelFolder | None]:
+    """`identify`; for a --checkpoints match that is not (yet) a readable model, ("unreadable: <why>", None,
+    None), so that the series skips it in one line instead of stopping (an iteration still being written)."""
+    try:
+        return identify(path, flag)
+    except AnalysisError as e:
+        if flag != "--checkpoints":
+            raise
+        return f"unreadable: {e}", None, None
+
+
+def _unique_labels(paths: list[Path]) -> list[str]:
+    parts = [p.parts for p in paths]
+    depth = 1
+    while True:
+        labels = ["/".join(ps[-depth:]) for ps in parts]
+        if len(set(labels)) == len(labels) or depth >= max(len(ps) for ps in parts):
+            return labels
+        depth += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The loader, streaming or not.
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory where the model would live: the GPU's free memory, or the host's available memory
+    (MemAvailable, capped by a cgroup limit when the process runs in a container)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def should_stream(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """(stream?, why) for `--stream` left to auto: stream when the weights in `dtype` (sized from the headers
+    the spec carries), with headroom for activations, exceed the free memory of `device` and the model can be
+    streamed; a model that would need streaming but cannot be is said so, with the reason, before it loads."""
+    from megatron_jreg.analysis.stream_source import not_streamable
+
+    gib = 2**30
+    tensors = spec.files.tensors if spec.files is not None else {}
+    if not tensors:
+        return False, "in memory (no readable *.safetensors to size the weights from)"
+    need = sum(t.numel for t in tensors.values()) * dtype.itemsize
+    free = available_bytes(device)
+    sizes = f"the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
+    if need * HEADROOM <= free:
+        return False, f"in memory: {sizes}"
+    reason = not_streamable(spec.path, spec.config)
+    if reason is not None:
+        return False, f"in memory although {sizes}, because --stream cannot read this model: {reason}"
+    return True, f"streaming layer by layer: {sizes}"
 
 
 def load_source(
@@ -62,14 +199,23 @@ def load_source(
     device: torch.device,
     include_final_norm: bool = False,
     tokenizer: str | None = None,
-    stream: bool = False,
+    stream: bool | None = False,
     with_tokenizer: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> HiddenStateSource:
-    """Build the source for one model; framework imports happen here, lazily. `stream`: read a Hugging
-    Face folder one layer at a time (`stream_source.py`) instead of loading it; with_tokenizer=False: token
-    ids come from the caller."""
+    """Build the source for one model; framework imports happen here, lazily. `stream`: read a Hugging Face
+    folder one layer at a time (`stream_source.py`) instead of loading it; None: when it does not fit
+    (`should_stream`, its reason given to `log`). with_tokenizer=False: token ids come from the caller."""
+    if stream is None:
+        stream = False
+        if spec.kind == "hf":
+            stream, why = should_stream(spec, dtype, device)
+            if log:
+                log(f"{spec.path} ({spec.kind}): {why}")
     if stream and spec.kind != "hf":
         raise AnalysisError(f"--stream: {spec.path} is a {spec.kind} model; streaming reads Hugging Face folders")
+    if log:
+        log(f"{'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
     common = dict(label=spec.label, dtype=dtype, device=device, include_final_norm=include_final_norm,
                   tokenizer=tokenizer, with_tokenizer=with_tokenizer)
     if spec.kind == "megatron":
@@ -80,4 +226,5 @@ def load_source(
         from megatron_jreg.analysis.stream_source import load_stream_source as load
     else:
         from megatron_jreg.analysis.hf_source import load_hf_source as load
-    return load(spec.path, config=spec.config, **common)
+    tensors = spec.files.tensors if spec.files is not None else None
+    return load(spec.path, config=spec.config, tensors=tensors, **common)

@@ -9,9 +9,11 @@ not depend on the batching because padded positions never enter the sums.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -47,7 +49,7 @@ class ModelResult:
     streamed: bool = False
     """Measured layer by layer from safetensors (`stream_source.py`) rather than loaded whole."""
     peak_memory_bytes: int | None = None
-    """Peak memory while loading and measuring this model (`memory.PeakMemory`), when measured."""
+    """Peak memory while loading and measuring this model (`PeakMemory`), when measured."""
     distance: str = "angular"
     """d: "angular" (arccos(cos)/π, the paper's Ψ) or "cosine" (1 − cos)."""
     positions: str = "all"
@@ -248,3 +250,53 @@ def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tens
         raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
                             "needs samples of two tokens or more")
     return removal_figures(source, with_targets, top_k, label, progress)
+
+
+# --------------------------------------------------------------------------------------------------
+# Peak memory of a block of work: what `analyze` reports per model, and what the benchmarks compare. On the CPU,
+# the kernel's resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs when the block starts:
+# it counts everything the process touched, which is what decides whether a model fits. On CUDA, the caching
+# allocator's `max_memory_allocated`. Where neither is available (not Linux) the peak is None.
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        match = re.search(rf"{key}:\s+(\d+) kB", _STATUS.read_text())
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as m: ...` → m.peak (bytes at the high point, the process's whole
+    resident set on the CPU or allocated GPU memory), m.above (bytes above the level at entry)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.peak: int | None = None
+        self.above: int | None = None
+        self._base: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            except OSError:
+                pass
+            self._base = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = _status_bytes("VmHWM")
+        if self.peak is not None and self._base is not None:
+            self.above = self.peak - self._base

@@ -221,10 +221,10 @@ def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None
     progress: transformers' own loading bars too (`progress.library_bars`)."""
     if isinstance(model, (str, Path)):
         path = Path(model)
-        kind, config = identify(path, "model")
+        kind, config, files = identify(path, "model")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         with library_bars(progress):
-            return load_source(ModelSpec(path, path.name, kind, config=config), dtype=dtype, device=device,
+            return load_source(ModelSpec(path, path.name, kind, config=config, files=files), dtype=dtype, device=device,
                                stream=stream and kind != "megatron", with_tokenizer=False), True
     if hasattr(model, "layers") and (hasattr(model, "logits") or hasattr(model, "stream_removal")):
         return model, False

@@ -11,15 +11,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_jreg.analysis.config import AnalyzeConfig, load_texts, resolve_models
-from megatron_jreg.analysis.loading import ModelSpec, load_source
-from megatron_jreg.analysis.measure import ModelResult, measure
-from megatron_jreg.analysis.memory import PeakMemory
-from megatron_jreg.analysis.plot import write_plots
+from megatron_jreg.analysis.config import AnalyzeConfig, load_texts
+from megatron_jreg.analysis.loading import ModelSpec, load_source, resolve_models
+from megatron_jreg.analysis.measure import ModelResult, PeakMemory, measure
 from megatron_jreg.analysis.removal import TOP_K, default_top_k
 from megatron_jreg.analysis.report import format_table, write_results
 from megatron_jreg.analysis.source import AnalysisError
-from megatron_jreg.analysis.stream_source import not_streamable, should_stream
 from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.progress import library_bars, show_progress
 
@@ -64,14 +61,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
     memory of one model only. A `--checkpoints` match that cannot be read (an iteration still being
     written) is skipped in one line; Ctrl-C writes the models measured so far and raises `Interrupted`.
     """
-    specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions)
-    if cfg.stream:
-        for spec in specs:
-            if spec.kind.startswith("unreadable"):
-                continue
-            reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path, spec.config)
-            if reason:
-                raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
+    specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions, cfg.stream)
     texts = load_texts(cfg.data, cfg.num_samples)
     log(
         f"analyze: {len(specs)} model(s), {len(texts)} samples of {cfg.data}, distance {cfg.distance}, "
@@ -102,17 +92,12 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
 
 
 def _write(results: list[ModelResult], cfg: AnalyzeConfig) -> list[Path]:
-    return write_results(results, cfg.settings(), cfg.output) + write_plots(results, cfg.output)
+    return write_results(results, cfg.settings(), cfg.output)
 
 
 def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str, log: Callable[[str], None]
                  ) -> ModelResult:
     """Load, measure and release one model; checks its figures (finite, hidden states not all zero)."""
-    stream = cfg.stream
-    if stream is None and spec.kind == "hf":
-        stream, why = should_stream(spec.path, cfg.torch_dtype, cfg.torch_device, spec.config)
-        log(f"{tag} {spec.path} ({spec.kind}): {why}")
-    log(f"{tag} {'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
     progress = show_progress(cfg.progress)
     with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
         with library_bars(progress):  # transformers' loading and GGUF de-quantizing bars follow --progress too
@@ -122,8 +107,10 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
                 device=cfg.torch_device,
                 include_final_norm=cfg.include_final_norm,
                 tokenizer=cfg.tokenizer,
-                stream=bool(stream),
+                stream=cfg.stream,
+                log=lambda line: log(f"{tag} {line}"),
             )
+        stream = source.streamed
         for note in getattr(source, "notes", ()):
             log(f"    note: {note}")
         try:

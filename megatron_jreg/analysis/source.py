@@ -2,7 +2,7 @@
 
 A source turns a batch of token ids into per-layer displacement sums. Hugging Face / GGUF models
 (`hf_source.py`, `stream_source.py`) and megatron-jreg checkpoints (`megatron_source.py`) implement the same
-protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.py`, `plot.py`) never see the
+protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.py`) never see the
 framework; `loading.py` picks the source for a path.
 
 What the sources share lives here: forward hooks on the decoder layers themselves that reduce each layer's
@@ -48,6 +48,7 @@ class HiddenStateSource(Protocol):
         pad_id: a token id used for padding (any valid id; padded positions are masked everywhere).
         convention: `LAYER_IO` or `FINAL_NORM`, how h_ℓ is defined.
         model_class: the class name of the model, for the report.
+        streamed: read layer by layer from safetensors (`StreamingSource`) rather than loaded whole.
     """
 
     label: str
@@ -56,6 +57,7 @@ class HiddenStateSource(Protocol):
     pad_id: int
     convention: str
     model_class: str
+    streamed: bool = False
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text as the model normally sees it (special tokens included), untruncated."""

@@ -4,7 +4,7 @@
 the meta device (its buffers, such as rotary frequencies, filled by transformers' own `_init_weights`), the
 small parts outside the decoder layers (norms, position embeddings, projections) are read once, and of the
 input embedding only the rows of the tokens in use. Then, layer-major: for layer ℓ its tensors are read
-into the family's own decoder-layer module (`weights.py`, through transformers' own checkpoint renamings
+into the family's own decoder-layer module (`SafetensorsFolder`, through transformers' own checkpoint renamings
 and conversions, e.g. per-expert MoE tensors fused), and every batch runs through the family's own base
 model forward: its embeddings, rotary embedding, causal/sliding-window masks and whatever it does between
 layers, with the layers before ℓ replaced by their recorded outputs and the forward stopped after layer ℓ.
@@ -24,11 +24,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +43,6 @@ from megatron_jreg.analysis.hf_source import (
     run_forward,
     weight_targets,
 )
-from megatron_jreg.analysis.memory import return_large_blocks_to_the_os
 from megatron_jreg.analysis.source import (
     AnalysisError,
     UnsupportedArchitectureError,
@@ -57,13 +55,15 @@ from megatron_jreg.analysis.source import (
     state_totals,
     with_hidden,
 )
-from megatron_jreg.analysis.weights import SafetensorsFolder, WeightsError
+from megatron_jreg.dtypes import SAFETENSORS
 from megatron_jreg.errors import IncompleteWeightsError
 from megatron_jreg.hub import check_loading_info
+from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder, safetensors_sources
 from megatron_jreg.progress import library_bars
 
-HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
-
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, (t, _) in SAFETENSORS.items() if t}
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+MMAP_THRESHOLD = 1 << 20
 
 class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the forward stops after layer ℓ
     pass
@@ -140,47 +140,107 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
     return None
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free memory where the model would live: the GPU's free memory, or the host's available memory
-    (MemAvailable, capped by a cgroup limit when the process runs in a container)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return available
+# ----------------------------------------------------------------------------------------------- the files
+# Tensors are read with plain `readinto` into fresh tensors, not through a memory map (safe_open's): a mapped
+# shard stays in the resident set while open, which would hide what streaming saves, and a short read is an
+# error naming the file (a truncated download) instead of a bus error.
 
 
-def should_stream(folder: Path, dtype: torch.dtype, device: torch.device, config: Any = None) -> tuple[bool, str]:
-    """(stream?, why) for `--stream` left to auto: stream when the weights in `dtype`, with headroom for
-    activations, exceed the free memory of `device` and the model can be streamed; a model that would
-    need streaming but cannot be streamed is said so, with the reason, before it is loaded whole."""
-    gib = 2**30
+def _streamable(entry: TensorEntry) -> TensorEntry:
+    if entry.dtype not in DTYPES:
+        raise WeightsError(f"{entry.file}: dtype {entry.dtype} cannot be streamed (supported: {', '.join(DTYPES)}); "
+                           "analyze the model without --stream")
+    return entry
+
+
+class SafetensorsFolder:
+    """Every tensor of a model folder: `model.safetensors.index.json` with its shards, or the
+    `*.safetensors` files themselves when there is no index (headers and index names checked by
+    `model_files.read_safetensors_folder`)."""
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorEntry] | None = None):
+        self.folder = Path(folder)
+        if not tensors and not safetensors_sources(self.folder)[2]:
+            raise WeightsError(
+                f"{self.folder}: no *.safetensors weights (layer streaming reads safetensors only); convert the "
+                "model with `save_pretrained(..., safe_serialization=True)` or analyze it without --stream"
+            )
+        tensors = tensors or read_safetensors_folder(self.folder)  # headers read by `inspect_model_folder`
+        self.tensors = {name: _streamable(entry) for name, entry in tensors.items()}
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of all tensors, as stored or converted to `dtype`."""
+        return sum(t.numel * (dtype or DTYPES[t.dtype]).itemsize for t in self.tensors.values())
+
+    @staticmethod
+    def _read(f: BinaryIO, info: TensorEntry, start: int, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        f.seek(start)
+        if f.readinto(buf.numpy()) != nbytes:
+            raise WeightsError(f"{info.file}: ended early while reading at byte {start}; download it again")
+        return buf
+
+    def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, in their stored dtype; each file is opened once and read in offset order."""
+        wanted = sorted((self.tensors[n].file, self.tensors[n].start, n) for n in names)
+        out: dict[str, torch.Tensor] = {}
+        current, f = None, None
+        try:
+            for path, _, name in wanted:
+                if path != current:
+                    if f is not None:
+                        f.close()
+                    current, f = path, open(path, "rb")
+                info = self.tensors[name]
+                buf = self._read(f, info, info.start, info.end - info.start)
+                out[name] = buf.view(DTYPES[info.dtype]).reshape(info.shape)
+        finally:
+            if f is not None:
+                f.close()
+        return out
+
+    def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
+        """Rows `ids` (sorted, distinct) of a 2-D tensor, e.g. the embeddings of the tokens in use,
+        read in contiguous runs: [len(ids), width] in the stored dtype."""
+        info = self.tensors[name]
+        dtype, width = DTYPES[info.dtype], info.shape[1]
+        row_bytes = width * dtype.itemsize
+        out = torch.empty((len(ids), width), dtype=dtype)
+        with open(info.file, "rb") as f:
+            i = 0
+            while i < len(ids):
+                j = i
+                while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+                    j += 1
+                start = info.start + ids[i] * row_bytes
+                buf = self._read(f, info, start, (j - i + 1) * row_bytes)
+                out[i : j + 1] = buf.view(dtype).reshape(j - i + 1, width)
+                i = j + 1
+        return out
+
+
+def return_large_blocks_to_the_os(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc serve every allocation of `threshold` bytes or more with its own mmap, so freeing it
+    gives the memory back to the OS at once. True when set (glibc), False elsewhere.
+
+    Why: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after
+    which blocks of that size come from the heap, where freed ones stay in the resident set. Layer
+    streaming frees a layer's weights and the activations of every batch over and over; without a
+    fixed threshold the resident set creeps up by most of a layer per layer on models whose tensors
+    are under 32 MiB, and the peak stops meaning "one layer". Fixing it is process-wide, and costs a
+    system call per large allocation, which is small next to the matrix products those blocks feed.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
     try:
-        need = SafetensorsFolder(folder).nbytes(dtype)
-    except WeightsError:
-        return False, "in memory (no readable *.safetensors to size the weights from)"
-    free = available_bytes(device)
-    sizes = f"the weights need {need / gib:.1f} GiB, {free / gib:.1f} GiB free"
-    if need * HEADROOM <= free:
-        return False, f"in memory: {sizes}"
-    reason = not_streamable(folder, config)
-    if reason is not None:
-        return False, f"in memory although {sizes}, because --stream cannot read this model: {reason}"
-    return True, f"streaming layer by layer: {sizes}"
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
 
 
 class StreamingSource(HFSource):
@@ -189,6 +249,8 @@ class StreamingSource(HFSource):
     An `HFSource` whose parameters stay on the meta device until their layer is read: it measures all batches
     through one layer at a time (`stream_stats`, `stream_removal`) rather than one batch through all layers.
     """
+
+    streamed = True
 
     def __init__(
         self,
@@ -200,17 +262,18 @@ class StreamingSource(HFSource):
         device: torch.device | str = "cpu",
         include_final_norm: bool = False,
         config: Any = None,
+        tensors: dict[str, TensorEntry] | None = None,
     ):
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        return_large_blocks_to_the_os()  # a dropped layer leaves the resident set (see memory.py)
+        return_large_blocks_to_the_os()  # a dropped layer leaves the resident set
         self.folder = Path(folder)
         config = config or auto_config(self.folder)
         reason = not_streamable(self.folder, config)
         if reason is not None:
             raise AnalysisError(f"--model {folder}: --stream cannot read this model: {reason}; drop --stream")
         try:
-            self.weights = SafetensorsFolder(self.folder)
+            self.weights = SafetensorsFolder(self.folder, tensors)
         except WeightsError as e:
             raise AnalysisError(f"--model {folder}: {e}") from None
         self.dtype = dtype
@@ -220,7 +283,7 @@ class StreamingSource(HFSource):
         self._towers = other_towers(config)  # a multimodal checkpoint's vision/audio parts: not read
         self._mapping = get_model_conversion_mapping(self.model)
         self._base_prefix = next(n for n, m in self.model.named_modules() if m is self.base)
-        self.head_missing = head_missing(self.model, self.folder)
+        self.head_missing = head_missing(self.model, self.folder, None, self.weights.tensors)
         self._groups, self._embedding = self._plan()
         self._load(self._groups["rest"], "the modules outside the decoder layers")
 
@@ -498,9 +561,10 @@ class StreamingSource(HFSource):
 
 
 def load_stream_source(path: Path, *, tokenizer: str | None = None, with_tokenizer: bool = True, config: Any = None,
-                       **options: Any) -> StreamingSource:
+                       tensors: dict[str, TensorEntry] | None = None, **options: Any) -> StreamingSource:
     """`hf_source.load_hf_source` for layer streaming: a local Hugging Face folder (never downloads) read by a
-    `StreamingSource`, which takes `options` (label, dtype, device, include_final_norm)."""
+    `StreamingSource`, which takes `options` (label, dtype, device, include_final_norm); config and tensors:
+    what `loading.identify` read."""
     config = config or auto_config(Path(path))
     tok = load_tokenizer(Path(path), None, tokenizer, config) if with_tokenizer else None
-    return StreamingSource(Path(path), tok, config=config, **options)
+    return StreamingSource(Path(path), tok, config=config, tensors=tensors, **options)
