@@ -104,6 +104,21 @@ def test_greedy_equals_step_by_step_argmax_and_fastchat_format(hf_model, tmp_pat
     assert any(t for turns in turns_of(out).values() for t in turns)  # not all empty: a real comparison
 
 
+def test_generation_config_eos_ends_answers_too(hf_model, tmp_path):
+    """A Hugging Face folder's generation_config.json may list more end tokens (Llama-3's <|eot_id|>): each stops."""
+    import shutil
+
+    from megatron_jreg.generate.config import GenerateConfig
+    from megatron_jreg.generate.runner import load_chat_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    cfg = GenerateConfig(prompts=write_questions(tmp_path / "q.jsonl"), output=tmp_path / "a.jsonl", hf=folder)
+    model = load_chat_model(cfg)
+    assert {7, 9, model.tokenizer.eos_token_id} <= model.stop_ids
+
+
 def test_answer_file_is_readable_by_others_and_no_deprecation_is_printed(hf_model, tmp_path, capfd):
     """The answer file gets the mode the umask gives (0644 under 022; was mkstemp's 0600, unreadable by a judge
     job's account on a shared disk), and transformers' cache-name deprecation line is gone (generate read the

@@ -74,19 +74,6 @@ def _template(cfg: GenerateConfig, tokenizer) -> tuple[str | None, str, tuple[st
     return text, name, SIMPLE_STOP_TEXTS if rendered == SIMPLE_TEMPLATE else ()
 
 
-def _generation_eos(folder: Path) -> set[int]:
-    """eos_token_id(s) of a Hugging Face folder's generation_config.json (e.g. Llama-3's <|eot_id|>)."""
-    import json
-
-    path = folder / "generation_config.json"
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return set()
-    values = value if isinstance(value, list) else [value]
-    return {int(v) for v in values if isinstance(v, int)}
-
-
 def load_chat_model(cfg: GenerateConfig) -> ChatModel:
     """The model and chat tokenizer of `cfg` (--hf or --load), ready to answer."""
     from megatron_jreg.data.chat import load_hf_tokenizer
@@ -96,7 +83,8 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
 
         lm = load_hf_lm(cfg.hf, cfg.device, cfg.dtype)
         tokenizer = lm.tokenizer
-        stop = {lm.eod} | _generation_eos(Path(cfg.hf))
+        eos = lm.model.generation_config.eos_token_id  # generation_config.json's too (e.g. Llama-3's <|eot_id|>)
+        stop = {lm.eod, *(eos if isinstance(eos, list) else [] if eos is None else [eos])}
     else:
         from megatron_jreg.checkpoints import load_megatron_model
         from megatron_jreg.data.tokenizers import build_tokenizer
