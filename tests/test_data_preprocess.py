@@ -528,10 +528,12 @@ def test_a_tokenizer_without_a_fast_path_says_so_once_in_the_progress_line(bpe, 
 
 def test_the_throughput_benchmark_the_docs_quote_reads_its_flags():
     """docs/data.md quotes `python benchmarks/preprocess_throughput.py --input SAMPLE.jsonl --tokenizer-model TOK
-    --megatron-lm PATH` and `... --megatron-lm PATH`: the flags parse, and without a Megatron-LM checkout it says so
-    and exits 0 (it measures nothing here); an unknown --kinds is a usage error."""
+    --megatron-lm PATH`, `... --megatron-lm PATH` and the recorded `--kinds sentencepiece,smollm2,llama3`: the flags
+    parse, and without a Megatron-LM checkout it says so and exits 0 (it measures nothing here); an unknown --kinds
+    is a usage error."""
     bench = [sys.executable, str(ROOT / "benchmarks" / "preprocess_throughput.py")]
-    for extra in (["--input", "SAMPLE.jsonl", "--tokenizer-model", "TOK"], []):
+    recorded = ["--kinds", "sentencepiece,smollm2,llama3"]
+    for extra in (["--input", "SAMPLE.jsonl", "--tokenizer-model", "TOK"], [], recorded):
         proc = subprocess.run([*bench, *extra, "--megatron-lm", "PATH"], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0 and proc.stdout.startswith("skipped: no Megatron-LM checkout"), proc.stderr
     proc = subprocess.run([*bench, "--kinds", "gpt2,bert"], cwd=ROOT, capture_output=True, text=True)
