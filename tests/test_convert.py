@@ -260,7 +260,7 @@ def layout_logits(ckpt: str, tp: int, pp: int) -> torch.Tensor | None:
     from megatron.training.models.gpt import GPTModelBuilder
 
     from megatron_jreg.checkpoints import read_args, resolve
-    from megatron_jreg.training.model import layer_spec
+    from megatron_jreg.layer_spec import layer_spec
 
     path, _ = resolve(ckpt)
     args = copy.deepcopy(read_args(path))
