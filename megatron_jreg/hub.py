@@ -1,21 +1,13 @@
 """Hugging Face models on this machine, offline: hub ids resolved from the local cache, complete loads only.
 
-`analyze --model`, `evaluate --hf` and `convert` take either a local path or a hub id (`org/name`,
-`org/name@REVISION`, `org/name/sub/file.gguf`). A hub id is answered from the cache that `hf download`
-and `from_pretrained` fill, by huggingface_hub itself (`snapshot_download` with `local_files_only=True`: its
-cache folder, refs and completeness check; it never downloads then). The cache is laid out as
+`analyze --model`, `evaluate --hf` and `convert` take a local path or a hub id (`org/name`, `org/name@REVISION`,
+`org/name/sub/file.gguf`), answered by huggingface_hub itself from the cache `hf download` fills
+(`snapshot_download(local_files_only=True)`; `force_offline` sets its offline mode, HF_HUB_OFFLINE). Added by
+hand, because the library lacks them: a commit-hash prefix as revision, a cache copied without refs/, a missing
+blob named, and a model not there as one line naming the cache searched, what it holds, and the fix.
 
-    <cache>/models--org--name/refs/main             the commit hash the branch points to
-    <cache>/models--org--name/snapshots/<hash>/...  the files of that commit (symlinks into blobs/)
-
-What huggingface_hub does not do is added: a revision may be a commit-hash prefix, a cache copied without
-refs/ whose one snapshot is unambiguous is used, a snapshot file whose blob is missing is named, and a
-model that is not there is one error line naming the cache folder searched, what it holds, and the fix.
-
-`load_causal_lm` is the one place where a Hugging Face folder becomes a model: transformers only logs
-weights that are missing from the files (and initialises them randomly) or present but unused, so a
-Mixtral folder without its expert weights would be measured and scored as a random model. It refuses
-such a folder instead, naming the keys.
+`load_causal_lm` is the one place a folder becomes a model: transformers only logs missing weights (initialised
+randomly) or unused ones, so a Mixtral without its experts would be scored as a random model; it is refused here.
 """
 
 from __future__ import annotations
@@ -199,7 +191,8 @@ def describe(path: Path) -> str | None:
 # Loading a folder, refusing one whose weights do not all load.
 
 
-def _named(keys: Iterable[str]) -> str:
+def named_keys(keys: Iterable[str]) -> str:
+    """The first SHOWN_KEYS of `keys`, sorted, then "and N more": how an error line names many weights."""
     keys = sorted(keys)
     shown = ", ".join(keys[:SHOWN_KEYS])
     return shown + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")
@@ -218,7 +211,7 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
         keys = [k if isinstance(k, str) else str(k[0]) for k in info.get(field) or ()]
         keys = [k for k in keys if not (skip and k.startswith(skip))]
         if keys:
-            problems.append(f"{len(keys)} weight(s) {what}: {_named(keys)}")
+            problems.append(f"{len(keys)} weight(s) {what}: {named_keys(keys)}")
     if problems:
         raise IncompleteWeightsError(
             f"{where}: the weights do not match {model_class}: {'; '.join(problems)}. The files are incomplete "

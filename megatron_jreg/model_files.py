@@ -1,8 +1,7 @@
 """A Hugging Face model folder checked before anything reads its tensors or allocates its model.
 
-`analyze`, `evaluate` and `convert` call `check_model_folder` first; it refuses, in one line naming the
-file and the key, what would otherwise hang, exhaust memory, end in a library traceback or run a file's
-code:
+`analyze`, `evaluate` and `convert` call `inspect_model_folder` first; it refuses, in one line naming the
+file and the key, what would otherwise hang, exhaust memory, end in a library traceback or run a file's code:
 
 - config.json: counts and sizes that are not positive integers (`num_attention_heads: 0`,
   `num_hidden_layers: "twelve"`, `hidden_size: 1e9`), norm epsilons and RoPE bases that are not positive

@@ -32,9 +32,9 @@ from torch import nn
 
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.errors import one_line
+from megatron_jreg.hub import named_keys
 
 IGNORED_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.", "GGUF.")
-SHOWN = 3
 # llama.cpp's layer counts of the 27B layouts, whose attention scale is 1/sqrt(hidden/heads).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BIAS_TENSORS = {
@@ -77,11 +77,6 @@ def read_gguf(path: Path) -> Any:
             f"--model {path}: the GGUF file is truncated ({size} of {end} bytes); download or convert it again"
         )
     return reader
-
-
-def _named(keys: list[str]) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:SHOWN]) + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
 
 
 def _fields(reader: Any) -> dict[str, Any]:
@@ -226,7 +221,7 @@ def plan_gguf(path: Path, where: str) -> GgufPlan:
         unused = _unused_tensors(config, arch, names)
     unused = [n for n in unused if n != "rope_freqs.weight"]
     if unused:
-        refused.append(f"{len(unused)} tensor(s) {_named(unused)} (no parameter of transformers' "
+        refused.append(f"{len(unused)} tensor(s) {named_keys(unused)} (no parameter of transformers' "
                        f"{config.model_type} model takes them)")
     if refused:
         raise AnalysisError(

@@ -6,15 +6,9 @@ For a model with decoder layers ℓ = 1..L, "skipping" layer ℓ makes its outpu
     ΔCE_ℓ     = CE(model without layer ℓ) − CE(model)                    ℓ = 1..L
     ΔCE_top k = CE(model without layers L−k+1..L) − CE(model)            k in top_k
 
-CE is the mean next-token cross-entropy in nats per predicted token over the same tokens for every
-variant (summed exactly over batches, then divided). Layer removal is the measure of ShortGPT (Men et
-al. 2024, "ShortGPT: Layers in Large Language Models are More Redundant Than You Expect") and Gromov et
-al. 2024 ("The Unreasonable Ineffectiveness of the Deeper Layers"), who prune layers and read the loss.
-
-Cost: the variant without layer ℓ reuses the unchanged layers 1..ℓ−1 of the full model's forward pass
-(their recorded outputs answer in their place) and computes layers ℓ+1..L, so one batch costs
-L + L(L−1)/2 layer passes and L + 1 + len(top_k) LM-head passes — about L/2 forward passes of the whole
-model. Memory: the outputs of all L layers for one batch (streamed models: for all samples, `stream_source`).
+CE is the mean next-token cross-entropy in nats per predicted token over the same tokens for every variant
+(ShortGPT, Men et al. 2024; Gromov et al. 2024). The variant without layer ℓ reuses the full pass's outputs of
+layers 1..ℓ−1, so a batch costs about L/2 forward passes and the outputs of all L layers in memory.
 
 `layer_removal` is the library entry (pre-tokenized windows, any model); `removal_totals` is what
 `analyze --remove-layers` runs on its padded text batches.

@@ -5,11 +5,9 @@ A source turns a batch of token ids into per-layer displacement sums. Hugging Fa
 protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.py`) never see the
 framework; `loading.py` picks the source for a path.
 
-What the sources share lives here: forward hooks on the decoder layers themselves that reduce each layer's
-(h_in, h_out) to (Σ_t d(t), #tokens) with `jreg.displacement_sum` while the forward pass runs, so no more than
-one layer's input and output are alive at a time for the measurement, and keep the hidden states h_0..h_L at
-the measured tokens (`LayerDisplacementHooks`); and layers told to answer with recorded outputs instead of
-computing (`planned_layers`, for layer streaming and layer removal).
+What they share lives here: hooks on the decoder layers that reduce each (h_in, h_out) to (Σ_t d(t), #tokens)
+during the forward pass, so only one layer's input and output are alive for the measurement
+(`LayerDisplacementHooks`), and layers that answer with recorded outputs (`planned_layers`: streaming, removal).
 """
 
 from __future__ import annotations

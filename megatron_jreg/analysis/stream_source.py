@@ -10,8 +10,7 @@ model forward: its embeddings, rotary embedding, causal/sliding-window masks and
 layers, with the layers before ℓ replaced by their recorded outputs and the forward stopped after layer ℓ.
 A hook on layer ℓ reduces (h_{ℓ−1}, h_ℓ) to Σ d, exactly as the in-memory hooks do (`hf_source.py`); the
 layer is dropped before the next one is read. Memory: one layer, the parts outside the layers, plus the
-hidden states of all samples (tokens × hidden × dtype size, twice for the batch in flight) — a 70B Llama in
-bf16 needs ~1.7 GB per layer and ~0.16 GB per 10k tokens, against ~140 GB in memory.
+hidden states of all samples (docs/analysis.md works it out; docs/results/analyze_stream.txt measures it).
 
 Refused, with the reason (`not_streamable`): folders without safetensors, quantized checkpoints, models
 whose decoder layers share weights with each other or with the rest of the model, and what transformers
@@ -220,16 +219,9 @@ class SafetensorsFolder:
 
 
 def return_large_blocks_to_the_os(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Make glibc serve every allocation of `threshold` bytes or more with its own mmap, so freeing it
-    gives the memory back to the OS at once. True when set (glibc), False elsewhere.
-
-    Why: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after
-    which blocks of that size come from the heap, where freed ones stay in the resident set. Layer
-    streaming frees a layer's weights and the activations of every batch over and over; without a
-    fixed threshold the resident set creeps up by most of a layer per layer on models whose tensors
-    are under 32 MiB, and the peak stops meaning "one layer". Fixing it is process-wide, and costs a
-    system call per large allocation, which is small next to the matrix products those blocks feed.
-    """
+    """Make glibc serve every allocation of `threshold` bytes or more with its own mmap, so freeing it gives the
+    memory back to the OS at once (True when set). glibc otherwise raises its threshold to each large block freed
+    (up to 32 MiB), and streaming's freed layers would stay resident: the peak would stop meaning "one layer"."""
     import ctypes
     import ctypes.util
 

@@ -1,14 +1,10 @@
 """Hugging Face Llama folder → Megatron-LM checkpoint, for `megatron-jreg train --load OUT ...` (continued
 pretraining with JREG), Megatron-LM's own `pretrain_gpt.py --load OUT`, `analyze` and `evaluate`.
 
-The checkpoint is Megatron-LM's release format (`OUT/release/` with the tracker saying `release`): model
-weights and the `args` Megatron-LM would have for this model — built from the architecture's Megatron-LM
-flags by Megatron-LM's own parser and validation — and no optimizer, RNG or iteration, so training
-starts from these weights at iteration 0. dist_checkpointing stores every tensor by global key and
-shape, so the checkpoint is written once, by this process, from a TP=1/PP=1 GPTModel and loads at the
-requested TP/PP (the vocabulary is padded for it, as Megatron-LM pads it at training time). Its
-`integrity.json` (SHA-256 of every file, Megatron-LM's `--verify-integrity` manifest) is written as a
-training save's is, so the first load verifies it like any checkpoint of the project.
+The checkpoint is Megatron-LM's release format (`OUT/release/`): the weights and the `args` Megatron-LM's own
+parser builds from the architecture's flags, no optimizer, RNG or iteration, so training starts at iteration 0.
+dist_checkpointing stores tensors by global key, so one TP=1/PP=1 write loads at any TP/PP (the vocabulary padded
+for the requested one); its `integrity.json` is written as a training save's, so the first load verifies it.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from megatron_jreg.convert.verify import (
     single_process,
     staged_output,
 )
+from megatron_jreg.dtypes import precision_flags
 
 
 @dataclasses.dataclass
@@ -133,7 +130,7 @@ def hf_to_mcore(
     state = hf_io.load_weights(folder)
     check_finite_weights(state.items(), f"--hf {folder}")
     dtype = hf_io.checkpoint_dtype(hf_cfg, state)
-    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    args.bf16, args.fp16 = precision_flags(dtype)
     mapped = llama.hf_to_megatron(state, arch, args.padded_vocab_size)
     del state
     if not arch.untie_embeddings_and_output_weights:

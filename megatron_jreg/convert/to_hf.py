@@ -26,7 +26,7 @@ from megatron_jreg.convert.verify import (
     single_process,
     staged_output,
 )
-from megatron_jreg.dtypes import torch_dtype
+from megatron_jreg.dtypes import run_dtype, torch_dtype
 
 
 @dataclasses.dataclass
@@ -41,9 +41,7 @@ class ExportResult:
 
 def export_dtype(name: str | None, args) -> torch.dtype:  # noqa: ANN001 - Megatron-LM's args namespace
     """--dtype, or by default the precision the checkpoint was trained in (--bf16/--fp16, else float32)."""
-    if name is not None:
-        return torch_dtype(name)
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return torch_dtype(name if name is not None else run_dtype(args))
 
 
 def mcore_to_hf(

@@ -1,21 +1,17 @@
 """What makes a conversion trustworthy: the converted model computes the same logits as the source, and a
 failed conversion leaves nothing behind.
 
-The check runs one fixed token batch through the megatron-core model and the transformers model, both in
-float32 and holding the same weights (those written to disk), and takes the largest absolute logit
-difference. In float32 the two implementations agree to ~1e-6, so a mapping error (swapped q/k/v heads
-or groups, gate/up halves, a wrong RoPE base, a lost tie, a misplaced norm) shows far above the 1e-4
-threshold. (A norm epsilon barely moves the logits; it is copied field to field and tested as such.)
-An export to a narrower dtype (float32 training → bfloat16 files) rounds the weights: the check then
-compares against the megatron model with its weights rounded the same way, and reports the rounding's
-own effect on the logits separately (a property of the chosen dtype, not of the conversion).
+One fixed token batch runs through both models in float32 with the weights written to disk, and the
+largest |logit difference| must stay under a rounding budget (`default_threshold`), far below what a mapping
+error (swapped heads, gate/up halves, a RoPE base, a lost tie) causes; a norm epsilon barely moves logits, so it
+is copied field to field and tested as such. An export to a narrower dtype compares against the megatron model
+rounded the same way and reports the rounding's own effect apart (docs/results/convert_logits.txt).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +20,7 @@ import torch
 
 from megatron_jreg.convert.hf_io import ConversionError
 from megatron_jreg.errors import FAILED, JregError
+from megatron_jreg.fileio import atomic_folder
 
 THRESHOLD = 1e-4  # float32 arithmetic, same weights on both sides (the floor of default_threshold)
 EPS32 = torch.finfo(torch.float32).eps
@@ -32,18 +29,9 @@ ROUNDING_BUDGET = 16  # see default_threshold
 
 def default_threshold(depth: int, max_abs_logit: float) -> float:
     """The largest |logit difference| two float32 implementations of the same weights may show:
-    max(THRESHOLD, ROUNDING_BUDGET · ε₃₂ · (depth + 1) · max|logit|).
-
-    Why this form: the implementations round differently (fused vs separate projections, another attention
-    kernel), each layer adding a relative error of a few ε₃₂ to the residual stream; the final norm removes
-    the stream's size, so a logit moves by a relative error times its own size. Measured
-    (benchmarks/convert_logit_rounding.py, random Llamas of 2-32 layers, |logit| 0.7-150): the difference is
-    3-5 ε₃₂·max|logit| and proportional to the logits' size; it does not grow with depth at random
-    initialisation, but trained stacks do (issue 21: 8.5e-5 for a 30-layer 135M model, at the old fixed
-    1e-4), so the budget grows with depth too. 16 is more than 10× the largest measured
-    diff / (ε₃₂·(L+1)·max|logit|) (1.36). A mapping error (a swapped head, a lost tie, a wrong RoPE base)
-    moves logits by a sizeable fraction of their size, far above this budget (1.5e-4 relative at 80 layers).
-    """
+    max(THRESHOLD, ROUNDING_BUDGET · ε₃₂ · (depth + 1) · max|logit|). Each layer adds a few ε₃₂ of relative
+    rounding error and trained stacks grow it with depth, while a mapping error moves logits by a sizeable
+    fraction of their size; the measured margins are in docs/results/convert_logit_rounding.txt."""
     return max(THRESHOLD, ROUNDING_BUDGET * EPS32 * (depth + 1) * max_abs_logit)
 
 
@@ -149,20 +137,11 @@ def single_process() -> None:
 
 @contextlib.contextmanager
 def staged_output(output: Path) -> Iterator[Path]:
-    """A temporary sibling folder to write into; renamed to `output` only when the block succeeds, deleted
-    when it fails. `output` must not exist, or be an empty folder."""
+    """A temporary sibling folder to write into (`fileio.atomic_folder`): renamed to `output` only when the block
+    succeeds, deleted when it fails. `output` must not exist, or be an empty folder."""
     output = Path(output).absolute()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConversionError(f"--output {output} exists and is not empty: remove it or choose another folder")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_folder(output) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if output.exists():
-        output.rmdir()
-    os.replace(tmp, output)
