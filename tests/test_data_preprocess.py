@@ -538,3 +538,28 @@ def test_the_throughput_benchmark_the_docs_quote_reads_its_flags():
         assert proc.returncode == 0 and proc.stdout.startswith("skipped: no Megatron-LM checkout"), proc.stderr
     proc = subprocess.run([*bench, "--kinds", "gpt2,bert"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "--kinds: choose from gpt2, smollm2, llama3, sentencepiece, nfkc" in proc.stderr
+
+
+def _record(signum, frame) -> None:  # a handler that only records, as a training run's save-on-SIGTERM one does
+    pass
+
+
+def test_workers_die_on_sigterm_whatever_handler_the_parent_has(monkeypatch):
+    """pool.terminate() must end every worker: one stuck before its first line (a lock inherited from the
+    parent's threads at the fork) never runs a Python handler, so a worker inherits SIGTERM's default action
+    (the suite hung in terminate() waiting on such a worker); the parent keeps its own handler."""
+    import signal
+
+    from megatron_jreg.data.preprocess import driver
+
+    previous = signal.signal(signal.SIGTERM, _record)
+    try:
+        pool = driver._start_pool(PreprocessConfig(input=["x"], output_prefix="y", tokenizer_type="NullTokenizer",
+                                                   workers=2))
+        try:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+        finally:
+            pool.terminate()
+        assert signal.getsignal(signal.SIGTERM) is _record
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -16,7 +16,9 @@ import concurrent.futures as cf
 import gc
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,9 +141,16 @@ def _start_pool(cfg: PreprocessConfig) -> Any:
     # The parent's objects (torch, megatron-core, the tokenizer) out of the collector's reach: a collection in a
     # worker would otherwise touch them and copy their pages (0.8 s -> 1.4 s on 16 MB, preprocess_throughput.txt).
     gc.freeze()  # the workers inherit the frozen state; this process collects as before
+    # The workers get SIGTERM's default action, not a handler this process may have (one that only records it):
+    # pool.terminate() then ends even a worker stuck before its first line (seen in a pytest process whose gloo
+    # threads held a lock at the fork), where a Python handler never runs and terminate() waited forever.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
     try:
         return multiprocessing.get_context("fork").Pool(cfg.workers, initializer=worker.ignore_sigint)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         gc.unfreeze()
 
 
