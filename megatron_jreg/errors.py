@@ -13,6 +13,7 @@ import io
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 USAGE = 2  # bad flag or input: the message names it and the fix
 FAILED = 1  # the run or the machine failed (full disk, a lost rank, a verification that did not pass)
@@ -44,6 +45,23 @@ def ignore_further_interrupts() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not getattr(sys.excepthook, "quiet_resource_sharer", False):
+        sys.excepthook = _quiet_resource_sharer(sys.excepthook)
+
+
+def _quiet_resource_sharer(previous: Any) -> Any:
+    """sys.excepthook without multiprocessing's resource-sharer thread reporting a data worker that ended mid-way
+    through handing over a shared tensor while the command stops (a ConnectionResetError traceback after the
+    command's own line; the batch it carried is not needed)."""
+    import traceback
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        sharer = any(f.filename.endswith("resource_sharer.py") for f in traceback.extract_tb(tb))
+        if not (sharer and issubclass(kind, ConnectionError | EOFError)):
+            previous(kind, value, tb)
+
+    hook.quiet_resource_sharer = True  # type: ignore[attr-defined]
+    return hook
 
 
 class ModelFileError(JregError, ValueError):

@@ -210,3 +210,29 @@ def test_mistyped_command_gets_did_you_mean(capsys, typo, meant):
     assert cli.main([typo, "--help"]) == 2
     first = capsys.readouterr().err.splitlines()[0]
     assert first == f"megatron-jreg: unknown command {typo!r}; did you mean {meant!r}?"
+
+
+def test_a_data_worker_ending_mid_handover_while_stopping_is_no_traceback(capsys, monkeypatch):
+    """Once a command stops (Ctrl-C), a data worker that ends mid-way through handing a shared tensor to the main
+    process makes multiprocessing's resource-sharer thread report a ConnectionResetError through sys.excepthook
+    (a traceback after the command's one line: seen with Ctrl-C pressed on); it is dropped, other errors are not."""
+    import signal
+
+    from megatron_jreg.errors import ignore_further_interrupts
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        ignore_further_interrupts()
+        ignore_further_interrupts()  # wrapped once
+        for code, name in (("raise ConnectionResetError(104, 'reset')", "multiprocessing/resource_sharer.py"),
+                           ("raise ConnectionResetError(104, 'elsewhere')", "elsewhere.py"),
+                           ("raise ValueError('not a connection')", "multiprocessing/resource_sharer.py")):
+            try:
+                exec(compile(code, name, "exec"))
+            except Exception:  # noqa: BLE001
+                sys.excepthook(*sys.exc_info())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert "reset" not in err and "elsewhere" in err and "not a connection" in err, err
