@@ -4,7 +4,8 @@
 `org/name/sub/file.gguf`), answered by huggingface_hub itself from the cache `hf download` fills
 (huggingface_hub's snapshot download with `local_files_only=True`, never a download; `force_offline` sets its
 offline mode, HF_HUB_OFFLINE). Added by hand, because the library lacks them: a commit-hash prefix as
-revision, a cache copied without refs/, a missing blob named, and a model not there as one line naming the cache searched, what it holds, and the fix.
+revision, a cache copied without refs/, a missing blob named, and a model not there as one line naming the
+cache searched, what it holds, and the fix.
 
 `load_causal_lm` is the one place a folder becomes a model: transformers only logs missing weights (initialised
 randomly) or unused ones, so a Mixtral without its experts would be scored as a random model; it is refused here.
