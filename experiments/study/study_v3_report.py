@@ -336,24 +336,27 @@ def report_text(raw: Path, folder: Path, plots: bool = True) -> tuple[str, dict]
     return "\n".join(lines).rstrip() + "\n", results
 
 
-def write_report(raw: Path, report: Path, plots: bool = True) -> dict:
-    text, results = report_text(raw, report.parent, plots)
+def write_report(raw: Path, report: Path, plots: bool = True, text_of=None) -> dict:  # noqa: ANN001
+    """The report and its results JSON beside it; `text_of`: a design's report_text (v3's by default)."""
+    text, results = (text_of or report_text)(raw, report.parent, plots)
     report.write_text(text, encoding="utf-8")
     (report.parent / f"{report.stem}_results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--raw", type=Path, required=True, help="study v3's raw results (experiments/study/raw_v3)")
-    p.add_argument("--report", type=Path, required=True, help="the markdown report; its plot is written beside it")
+def main(argv: list[str] | None = None, design: str = "v3", doc: str = __doc__, text_of=None) -> int:  # noqa: ANN001
+    """The command line of study_{design}_report.py (v4's reuses it with its own report_text)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--raw", type=Path, required=True,
+                   help=f"study {design}'s raw results (experiments/study/raw_{design})")
+    p.add_argument("--report", type=Path, required=True, help="the markdown report; its plots are written beside it")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     args = p.parse_args(argv)
     if not (args.raw / "study.json").is_file():
-        print(f"study_v3_report.py: error: --raw {args.raw}: no study.json there (run experiments/study/study.py "
-              "--design v3 first)", file=sys.stderr)
+        print(f"study_{design}_report.py: error: --raw {args.raw}: no study.json there (run experiments/study/study.py "
+              f"--design {design} first)", file=sys.stderr)
         return 2
-    write_report(args.raw.resolve(), args.report, plots=not args.no_plots)
+    write_report(args.raw.resolve(), args.report, plots=not args.no_plots, text_of=text_of)
     print(f"[study] report: {args.report}")
     return 0
 

@@ -8,7 +8,6 @@ tests/test_study_v4.py regenerates the committed report from the committed raw f
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -455,25 +454,11 @@ def report_text(raw: Path, folder: Path, plots: bool = True) -> tuple[str, dict]
 
 
 def write_report(raw: Path, report: Path, plots: bool = True) -> dict:
-    text, results = report_text(raw, report.parent, plots)
-    report.write_text(text, encoding="utf-8")
-    (report.parent / f"{report.stem}_results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    return results
+    return V3.write_report(raw, report, plots, text_of=report_text)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--raw", type=Path, required=True, help="study v4's raw results (experiments/study/raw_v4)")
-    p.add_argument("--report", type=Path, required=True, help="the markdown report; its plots are written beside it")
-    p.add_argument("--no-plots", action="store_true", help="tables only")
-    args = p.parse_args(argv)
-    if not (args.raw / "study.json").is_file():
-        print(f"study_v4_report.py: error: --raw {args.raw}: no study.json there (run experiments/study/study.py "
-              "--design v4 first)", file=sys.stderr)
-        return 2
-    write_report(args.raw.resolve(), args.report, plots=not args.no_plots)
-    print(f"[study] report: {args.report}")
-    return 0
+    return V3.main(argv, design="v4", doc=__doc__, text_of=report_text)
 
 
 if __name__ == "__main__":
