@@ -63,7 +63,12 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
 
 
 class JsonlError(ValueError):
-    """A line of a JSONL file that is not a JSON object: the message names the file and the line number."""
+    """A line of a JSONL file that is not a JSON object: the message names the file and the line number; `path`,
+    `line` and `reason` let a caller word its own one-line error."""
+
+    def __init__(self, path: Path, line: int, reason: str) -> None:
+        super().__init__(f"{path}: line {line} {reason}")
+        self.path, self.line, self.reason = path, line, reason
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
@@ -77,7 +82,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             try:
                 obj = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise JsonlError(f"{path}: line {number} is not a JSON line ({e})") from None
+                raise JsonlError(path, number, f"is not a JSON line ({e})") from None
             if not isinstance(obj, dict):
-                raise JsonlError(f"{path}: line {number} is a JSON {type(obj).__name__}, not an object")
+                raise JsonlError(path, number, f"is a JSON {type(obj).__name__}, not an object")
             yield number, obj
