@@ -1,13 +1,5 @@
-"""The chat format --sft trains on: record checks, chat templates and a tokenizer copy carrying one.
-
-Shared by `prepare-chat` (data/prepare_chat.py) and `generate`. `simple`, the default template, is plain text
-and adds no token (the checkpoint's embedding stays as it is):
-
-    <|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{answer}<EOS><|user|>\\n ...
-
-Every turn ends at a newline or at the EOS, so tokenizing the whole conversation equals tokenizing its prefixes one
-after another (what assistant-only targets rely on); the answers sit in `{% generation %}` tags, so transformers'
-`return_assistant_tokens_mask` marks the same tokens.
+"""The chat format --sft trains on, one place for `prepare-chat` and `generate`: record checks, chat templates
+and a tokenizer copy carrying one (the default template, `simple`, is plain text: no new embedding rows).
 """
 
 from __future__ import annotations
@@ -24,6 +16,9 @@ ROLES = ("system", "user", "assistant")
 PAD_NAMES = ("<|pad|>", "<pad>")  # reserved pad tokens picked up when the tokenizer sets none
 MARKER = "prepare_chat.json"  # in a tokenizer folder written here (so a rerun may replace it)
 
+# `<|system|>\n{system}\n<|user|>\n{user}\n<|assistant|>\n{answer}<EOS>...`: every turn ends at a newline or
+# the EOS, so the whole conversation tokenizes as its prefixes do (assistant-only targets rely on it); answers
+# sit in `{% generation %}` tags, so transformers' `return_assistant_tokens_mask` marks the same tokens.
 SIMPLE_TEMPLATE = (
     "{{- bos_token if bos_token else '' -}}"
     "{%- for message in messages -%}"
@@ -132,10 +127,8 @@ def own_template(tokenizer) -> str | None:  # noqa: ANN001
 
 
 def tokenizer_files(folder: Path, tokenizer) -> list[str]:  # noqa: ANN001 - a transformers tokenizer
-    """The files of `folder` that make up `tokenizer` (loaded from it), by the names its class reads and
-    `save_pretrained` writes: tokenizer.json, tokenizer_config.json, special_tokens_map.json, added_tokens.json
-    and the class's own vocabulary files (tokenizer.model, vocab.json, merges.txt, ...), never the model's
-    weights or config. Chat templates are left out (the copy gets its own)."""
+    """The files of `folder` that make up `tokenizer`, by the names its class reads and `save_pretrained`
+    writes: never the model's weights or config, nor chat templates (the copy gets its own)."""
     from transformers.tokenization_utils_base import (
         ADDED_TOKENS_FILE,
         FULL_TOKENIZER_FILE,
@@ -150,10 +143,8 @@ def tokenizer_files(folder: Path, tokenizer) -> list[str]:  # noqa: ANN001 - a t
 
 def write_tokenizer_with_template(source: Path, output: Path, tokenizer, template: str,  # noqa: ANN001
                                   pad_token: str | None = None) -> Path:
-    """A copy of the tokenizer `tokenizer` (loaded from the folder `source`: only its files, `tokenizer_files`) at
-    `output` whose chat template is `template` (and pad token `pad_token`, when given), written whole or
-    not at all (fileio.atomic_folder). Other templates of the source (`additional_chat_templates/`, a `chat_template`
-    entry in tokenizer_config.json) are left out, so the copy has one."""
+    """A copy of `tokenizer` (loaded from `source`) at `output` with `template` as its one chat template (and
+    `pad_token`, when given), written whole or not at all; the source's other templates are left out."""
     from transformers.utils.hub import CHAT_TEMPLATE_FILE
 
     if output.exists():

@@ -1,11 +1,5 @@
-"""Targets on assistant tokens only: what `--sft` trains on and `prepare-chat` checks the data against.
-
-With `--sft-tokenizer-prompt-format default` (the tokenizer's own chat template) Megatron-LM's SFTTokenizer
-puts the loss on *every* token. `ChatTargets` wraps the run's tokenizer so that only the assistant turns are
-targets: it renders the conversation up to each assistant turn (with the assistant header,
-`add_generation_prompt=True`) and up to its end, and keeps the tokens between the two, which works for any
-template that renders prefixes consistently (checked per conversation). Training installs it around
-Megatron-LM's tokenizer (training/sft.py); prepare-chat tokenizes with it to check the data.
+"""Targets on assistant tokens only, what `--sft` trains on and `prepare-chat` checks against: with the
+tokenizer's own template (`--sft-tokenizer-prompt-format default`) Megatron-LM's SFTTokenizer targets every token.
 """
 
 from __future__ import annotations
@@ -16,7 +10,8 @@ IGNORE_INDEX = -100  # Megatron-LM's SFTDataset masks targets equal to it
 
 
 class ChatTargets:
-    """Megatron-LM's tokenizer with `tokenize_conversation` giving targets on assistant tokens only."""
+    """Megatron-LM's tokenizer whose `tokenize_conversation` targets the tokens between each assistant turn's
+    prompt (`add_generation_prompt=True`) and its end: any template that renders prefixes consistently."""
 
     def __init__(self, tokenizer) -> None:  # noqa: ANN001 - Megatron-LM's tokenizer object
         self._inner = tokenizer

@@ -1,12 +1,5 @@
-"""Bad input ends in one line: the checks and the error handling the data commands share.
-
-preprocess, train-tokenizer, merge-datasets and prepare-chat answer bad input with one line on stderr that
-names the file or flag and the fix, and exit status 2 (as argparse for a bad flag), never a traceback; a
-failure of the machine rather than the input (a full disk, an I/O error) exits 1. They check what they can
-(flags, the output folder) before any work. `DataError` is what the library raises for such input (the
-line and exit code come from megatron_jreg.errors, the parser from megatron_jreg.usage), and
-`check_output_prefix` / `check_positive` are the shared up-front checks, `describe_skips` / `skip_counts` the
-shared lines about skipped records.
+"""Bad input ends in one line naming the file or flag and the fix, before any work where possible: the error
+type, up-front checks and skip summaries the data commands share (the exit codes: megatron_jreg.errors).
 """
 
 from __future__ import annotations
@@ -75,10 +68,8 @@ def skip_counts(skipped: dict[str, int]) -> str:
 
 @functools.cache
 def megatron_package() -> Any:
-    """The `megatron` package with the parts the data commands use (megatron-core's tokenizers and indexed
-    datasets; Megatron-LM's tokenizer flags are a table, tokenizer_flags.py), imported once without the notices
-    megatron-core gives on a machine without CUDA, Transformer Engine or Apex (fallbacks that do not concern
-    data): a command's output, an error's one line included, stays its own."""
+    """The `megatron` package (megatron-core's tokenizers and indexed datasets), imported once without the
+    notices megatron-core gives without CUDA, Transformer Engine or Apex: a command's output stays its own."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)  # a line per index read
     warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)  # a lone process: rank 0, rightly

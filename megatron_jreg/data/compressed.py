@@ -1,12 +1,5 @@
-"""Reading .gz / .zst streams so that damage costs only what follows it.
-
-`gzip.GzipFile.read(n)` raises on a truncated or corrupt stream and drops the bytes it had already
-decompressed within that call, so a small truncated `.jsonl.gz` lost every line. `iter_decompressed`
-yields decompressed pieces as they come and raises `StreamDamaged` only after the last good piece: a gzip
-chunk that holds the damage is replayed byte by byte from a copy of the decompressor, so every byte that
-decompresses before the damage is delivered (a bit flip that still decodes is only caught by the CRC at
-the end: the text before it may hold the flip). A zstd frame cut short raises nothing in `zstandard`'s
-stream reader (it just ends); here an unfinished frame is damage too, and zstd delivers whole blocks.
+"""Reading .gz / .zst so that damage costs only what follows it: `gzip` drops what it had decompressed in the
+failing read (a small truncated .jsonl.gz lost every line), and `zstandard` ends a cut frame without a word.
 """
 
 from __future__ import annotations
@@ -100,10 +93,8 @@ def _zstd_pieces(raw: BinaryIO) -> Iterator[bytes]:
 
 
 def iter_decompressed(raw: BinaryIO, compression: str | None) -> Iterator[bytes]:
-    """Decompressed pieces of `raw` in order; raises `StreamDamaged` after the last good piece.
-
-    An empty file is an empty stream, as for `gzip.open`.
-    """
+    """Decompressed pieces of `raw` in order, `StreamDamaged` after the last good one (an empty file is an empty
+    stream, as for `gzip.open`)."""
     if compression is None:
         yield from iter(lambda: raw.read(READ_BYTES), b"")
     elif compression == "gzip":

@@ -1,10 +1,6 @@
-"""megatron-core's indexed datasets (`PREFIX.bin` + `PREFIX.idx`): written by the wheel's IndexedDatasetBuilder,
-atomically, and checked before use.
-
-What the wheel lacks and is added here: `Builder` writes under `.partial` names and renames the pair into place
-when complete (.bin first, then .idx), so an interrupted run never leaves a pair that looks finished (resume
-relies on it); `verify_dataset` checks what a reader relies on (header, sizes, pointers, document boundaries,
-the .bin's length) and names the damaged file in one line, where the wheel's reader asserts or reads garbage.
+"""megatron-core's indexed datasets (`PREFIX.bin` + `.idx`) written atomically and checked before use: an
+interrupted run must never leave a pair that looks finished (resume relies on it), and where the wheel's reader
+asserts or reads garbage, `verify_dataset` names the damaged file in one line.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Manifests next to each output dataset (`PREFIX.manifest.json`), and atomic JSON writes.
-
-A manifest says what a `.bin/.idx` pair holds and how it was made: inputs with sizes and sha256,
-tokenizer identity, document/sequence/token counts, filters, and documents skipped by reason. It is written
-last, so its presence (with a matching fingerprint and file sizes) is what marks a shard as finished
-when a run is repeated.
+"""Manifests beside each dataset (`PREFIX.manifest.json`): what a `.bin/.idx` pair holds and how it was made.
+Written last, so one with a matching fingerprint and file sizes is what marks a shard finished on a rerun.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`megatron-jreg merge-datasets`: concatenate indexed-dataset shards into one `.bin/.idx` pair.
 
-Inputs are prefixes, directories (every finished pair inside, sorted by name, as Megatron-LM's
-tools/merge_datasets.py does) or globs. Shards must share the token dtype and, where they have manifests,
-the tokenizer; where some have none, the token their documents end with (`_check_document_ends`). The merged
-manifest lists each input with its sizes and sha256 and sums the counts.
-Every input is checked before anything is written (index size and consistency, .bin size, manifest), so a
-damaged shard is named instead of being copied into the merge.
+Every input is checked before anything is written, so a damaged shard, or one made by another tokenizer, is
+named instead of being copied into the merge.
 """
 
 from __future__ import annotations
@@ -74,10 +70,8 @@ def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[st
 
 
 def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
-    """Merge datasets in the given order into `output_prefix`; returns the merged manifest.
-
-    An identical earlier merge (same inputs, sizes and mtimes) is kept and not redone.
-    """
+    """Merge datasets in the given order into `output_prefix`; returns the merged manifest. An identical earlier
+    merge (same inputs, sizes and mtimes) is kept, not redone."""
     check_output_prefix(output_prefix)
     prefixes = resolve_prefixes(inputs, exclude=output_prefix)
     if not prefixes:
@@ -152,10 +146,8 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
 
 
 def _check_document_ends(prefixes: list[str]) -> None:
-    """Shards without a manifest (Megatron-LM's own tools write none) have no recorded tokenizer; what they still
-    tell is the token every document ends with (a tokenizer's end-of-document id, with --append-eod). Two shards
-    whose documents end with two different tokens were made by two tokenizers, or one with --append-eod and one
-    without: refused, naming both."""
+    """Shards without a manifest (Megatron-LM's tools write none) still tell the token every document ends with
+    (the eod, with --append-eod): two shards ending with different ones were made differently, refused."""
     ends = [(p, end) for p in prefixes if (end := document_end_token(p)) is not None]
     for p, end in ends[1:]:
         if end != ends[0][1]:

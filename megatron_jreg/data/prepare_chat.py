@@ -1,9 +1,7 @@
 """`megatron-jreg prepare-chat`: chat JSONL checked and cleaned for Megatron-LM's SFTDataset, and a chat template.
 
-Megatron-LM's `--sft` checks nothing: a record without an assistant turn trains on nothing, a bad role or content
-fails deep in a data loader worker, a mid-conversation `system` turn splits a pack, a field whose type differs
-between lines breaks `datasets`' schema. Good records are written as `{"messages": [...]}` in input order, bad ones
-counted by reason (docs/sft.md) and skipped; `--tokenizer DIR` also tokenizes each as `--sft` does.
+Megatron-LM's `--sft` checks nothing: a bad record trains on nothing, fails deep in a data loader worker or breaks
+`datasets`' schema. Here each is counted by reason (docs/sft.md) and skipped before training.
 """
 
 from __future__ import annotations

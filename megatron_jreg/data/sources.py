@@ -1,14 +1,5 @@
-"""Input discovery and reading: FineWeb-Edu parquet, local Hugging Face dataset folders, JSONL(.gz/.zst).
-
-`resolve_inputs` turns `--input` (files, directories, globs) into a sorted file list. `iter_units` cuts the
-files into work units, in a fixed order, for the worker processes:
-
-    JSONL      blocks of whole lines (~`block_bytes`), read and decompressed by the main process
-    parquet    one row group, read by the worker (decompression runs in parallel)
-    HF arrow   record-batch slices of a `save_to_disk` folder's .arrow files, read by the main process
-
-`read_records` (in a worker) turns a unit into records: the text of each `--json-keys` key, the
-FineWeb-Edu `int_score`, and where the record came from (file:line or file:row), or the reason it is bad.
+"""Inputs (FineWeb-Edu parquet, HF dataset folders, JSONL(.gz/.zst)) as work units in a fixed order, so the
+output does not depend on the number of workers, and as records that say where each came from or why it is bad.
 """
 
 from __future__ import annotations
@@ -111,10 +102,8 @@ def _walk(folder: Path, allow_text: bool) -> list[Path]:
 def resolve_inputs(
     patterns: list[str], hf_split: str | None = None, allow_text: bool = False
 ) -> list[InputFile]:
-    """Files named by `--input`: a file, a directory (searched recursively, or a HF dataset folder), a glob.
-
-    Order is deterministic: each pattern's files sorted by path, patterns in the order given.
-    """
+    """Files named by `--input` (a file, a directory searched recursively or a HF dataset folder, a glob): each
+    pattern's files sorted by path, patterns in the order given."""
     files: list[Path] = []
     for pattern in patterns:
         path = Path(pattern)
@@ -169,11 +158,8 @@ class Unit:
 
 
 def _jsonl_units(file: InputFile, block_bytes: int) -> Iterator[Unit]:
-    """Blocks of whole lines; damage in a compressed file ends the file with one error unit.
-
-    Every complete line before the damage is kept; the incomplete line at the damage is dropped and counted
-    (`corrupt_stream`, or `unreadable_file` when nothing at all could be read).
-    """
+    """Blocks of whole lines; damage in a compressed file ends it with one error unit, after every complete line
+    before it (`corrupt_stream`, or `unreadable_file` when nothing could be read)."""
     line, index, consumed, parts, size = 1, 0, 0, [], 0
     damage = None
     try:

@@ -1,7 +1,5 @@
-"""Readers for the plain-text corpora the project uses directly (demo, analysis, evaluation).
-
-One place for the file formats: LAMBADA (JSONL, one passage a line), WikiText (articles start at a
-` = Title = ` line), generic JSONL with a text key, and plain text (blank-line separated paragraphs).
+"""Readers for the plain corpora the project uses directly (demo, analysis, evaluation), one place per format:
+LAMBADA and other JSONL, WikiText (articles at ` = Title = ` lines), plain text (blank-line separated paragraphs).
 """
 
 from __future__ import annotations

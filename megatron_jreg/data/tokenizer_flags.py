@@ -1,11 +1,6 @@
-"""Megatron-LM's tokenizer flags, types and args without torch: its `_add_tokenizer_args` group (megatron-core
-0.19.2) as a table, the `--tokenizer-type`s megatron-jreg runs or refuses, and the args its `build_tokenizer`
-reads, so that a parser holding them, its `--help` and the flag checks need no torch.
-
-Megatron-LM builds the group from `megatron.training.config.TokenizerConfig`, and importing megatron.training
-imports torch and megatron-core (seconds, before `--help` could answer). This table holds the same flags, names,
-defaults, choices and help; tests/test_data_megatron_compat.py checks it against the installed megatron-core's
-group flag by flag, so an upgrade that changes them fails there.
+"""Megatron-LM's tokenizer flags (its `_add_tokenizer_args` group, megatron-core 0.19.2) as a table, the types
+megatron-jreg runs or refuses, and the args `build_tokenizer` reads: importing megatron.training for them takes
+seconds before `--help` answers. tests/test_data_megatron_compat.py checks the table against the installed group.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Tokenizers by Megatron-LM's `--tokenizer-type`, built by megatron-core's own `build_tokenizer(args)`, as
-Megatron-LM's tools/preprocess_data.py builds them, so the ids are Megatron-LM's by construction.
-
-`Tokenizer` wraps megatron-core's tokenizer with what megatron-jreg adds, and why:
-
-- `identity`: what a preprocess manifest records (type, model file, sha256, vocabulary size, eod, options that
-  differ from Megatron-LM's defaults), which a resumed run, training and convert compare;
-- an exact fast engine for its ids (`fast_bpe.engine_for`: tiktoken over a byte-level BPE tokenizer.json or a
-  SentencePiece BPE model, else the `tokenizers` library's batch encoding), checked against megatron-core's own
-  ids on a probe text when it is built (docs/results/preprocess_throughput.txt);
-- GPT2BPETokenizer from the local `--vocab-file/--merge-file` alone: megatron-core loads gpt2's config from the
-  Hub for it (offline: "couldn't connect to 'https://huggingface.co'"); here transformers' GPT2TokenizerFast
-  over the two files (what that config adds: `<|endoftext|>` as eos, no prefix space);
-- an OpenAI encoding file (`cl100k_base.tiktoken`) for TikTokenizer, which megatron-core reads only as its own
-  tiktoken .json (convert exports such tokenizers);
-- load errors as one line naming the flag and the fix (megatron-core raises bare assertions).
+"""Tokenizers by Megatron-LM's `--tokenizer-type`, built by megatron-core's own `build_tokenizer(args)` as its
+tools/preprocess_data.py builds them, so the ids are Megatron-LM's by construction; added: a manifest identity,
+an exact fast engine (fast_bpe.py), local files only, and load errors in one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -173,13 +160,9 @@ def _identity(args: argparse.Namespace, megatron: Any, files: list[str]) -> dict
 
 
 class Tokenizer:
-    """megatron-core's tokenizer plus a manifest identity and an exact fast engine for its ids (`backend` names
-    it, or says why there is none).
-
-    `megatron` is megatron-core's tokenizer (`MegatronTokenizerText`); `processor`/`model_file`/
-    `special_tokens` (SentencePiece), `encoding` (TikTokenizer) and `backend_tokenizer()` (Hugging Face) are
-    what convert needs to write the tokenizer as a Hugging Face one.
-    """
+    """megatron-core's tokenizer (`megatron`) plus a manifest identity and an exact fast engine (`backend` names
+    it, or says why there is none); `processor`, `model_file`, `special_tokens`, `encoding` and
+    `backend_tokenizer()` are what convert needs to write it as a Hugging Face tokenizer."""
 
     def __init__(self, megatron: Any, identity: dict) -> None:
         self.megatron, self.identity = megatron, identity

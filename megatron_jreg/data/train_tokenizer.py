@@ -1,10 +1,7 @@
 """`megatron-jreg train-tokenizer`: a SentencePiece BPE or Hugging Face byte-level BPE from local text.
 
-Inputs are the same as for preprocessing (parquet, HF dataset folders, JSONL(.gz/.zst)) plus plain `.txt`
-files (one sample per line). The result plugs straight into `build_tokenizer` / `--tokenizer-type`:
-
-    sentencepiece  OUTPUT.model   -> SentencePieceTokenizer   (unk 0, bos 1, eos 2 = eod, byte fallback)
-    hf-bpe         OUTPUT/ folder -> HuggingFaceTokenizer     (tokenizer.json; <|endoftext|> = id 0 = eod)
+preprocess's inputs plus `.txt`, so a tokenizer is made from the data it will tokenize; the result is a
+`--tokenizer-model` as it is (OUTPUT.model: unk 0, bos 1, eos 2 = eod; OUTPUT/: <|endoftext|> = id 0 = eod).
 """
 
 from __future__ import annotations
@@ -88,13 +85,9 @@ def train_tokenizer(
     character_coverage: float = 0.9995,
     special_tokens: tuple[str, ...] = (),
 ) -> str:
-    """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`.
-
-    `max_chars` caps the training text (the first characters of the inputs in order), which keeps the run
-    short on a large corpus; None uses everything. `special_tokens` are reserved inside the vocabulary (as
-    Llama-3 reserves its own): a later chat format or padding then needs no new embedding rows, so a
-    pretrained checkpoint fine-tunes with the same tokenizer.
-    """
+    """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`. `max_chars` (the
+    inputs' first characters) keeps a run on a large corpus short; `special_tokens` are reserved in the vocabulary
+    (as Llama-3 does), so a later chat format or padding needs no new embedding rows."""
     if kind not in KINDS:
         raise DataError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     check_positive("--vocab-size", vocab_size, 300, allow_none=False)  # a byte-level vocabulary needs >= 259
