@@ -1,13 +1,5 @@
-"""`megatron-jreg analyze`: measure Ψ_ℓ and the jump rates ζ of Hugging Face, GGUF or megatron-jreg models,
-and with them the layer-redundancy views: layer removal, the distance between any two layers, residual norms.
-
-    megatron-jreg analyze --model PATH [--model PATH ...] [--revision A,B] [--checkpoints GLOB] --data lambada \
-        --num-samples 100 [--batch-size 8] [--max-length T] [--dtype float32|bfloat16] \
-        [--distance angular|cosine] [--positions all|last] [--remove-layers [--top-k 1,2,3]] \
-        [--include-final-norm] [--stream|--no-stream] [--output DIR]
-
-Parsing only: the settings are validated by `AnalyzeConfig`, the work is done by `run.run_analysis`.
-"""
+"""`megatron-jreg analyze`: parsing only; the settings are validated by `AnalyzeConfig`, the work is done by
+`run.run_analysis` (usage: `megatron-jreg analyze --help`)."""
 
 from __future__ import annotations
 

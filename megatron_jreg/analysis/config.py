@@ -1,7 +1,4 @@
-"""Settings of `megatron-jreg analyze`: one dataclass, validated once, plus the data and model lists.
-
-Every check names the flag it is about and says how to fix it, so the CLI only parses and prints.
-"""
+"""Settings of `megatron-jreg analyze`, validated once (each check names its flag and the fix), plus the data."""
 
 from __future__ import annotations
 
@@ -24,41 +21,28 @@ POSITIONS = ("all", "last")
 
 @dataclass
 class AnalyzeConfig:
-    """What to measure and how. Field names match the CLI flags (`--num-samples` → num_samples)."""
+    """What to measure and how: one field per CLI flag (`--num-samples` → num_samples), whose --help says what it
+    takes, so the library and the CLI share one set of defaults."""
 
     models: list[str] = field(default_factory=list)
-    """--model: HF folders, GGUF files or megatron-jreg checkpoint directories, in the order given."""
     checkpoints: str | None = None
-    """--checkpoints: a glob of one run's checkpoints, measured in the order of the step in their names."""
     data: str = "lambada"
-    """--data: lambada[:FILE] | wikitext:FILE | jsonl:FILE:KEY | text:FILE (lambada: the bundled test set)."""
-    num_samples: int | None = 100
-    """--num-samples: the first N samples of the data (None: all); LAMBADA samples are whole passages."""
+    num_samples: int | None = 100  # None: all; a LAMBADA sample is a whole passage
     batch_size: int = 8
     max_length: int | None = None
-    """--max-length: truncate samples to T tokens (None: the model's context length)."""
     dtype: str = "float32"
     distance: str = "angular"
     include_final_norm: bool = False
     output: Path = Path("jump_analysis")
     device: str = "auto"
     tokenizer: str | None = None
-    """--tokenizer: a tokenizer folder for models that carry none (a GGUF file without vocabulary)."""
-    padding_side: str = "right"
-    stream: bool | None = None
-    """--stream / --no-stream: layer-by-layer from safetensors (any family), or in memory; None: stream
-    only the models whose weights do not fit in free memory (`loading.should_stream`)."""
-    progress: bool | None = None
-    """--progress / --no-progress: bars on stderr; None: when stderr is a terminal (`progress.show_progress`)."""
+    padding_side: str = "right"  # no flag; recorded in results.json
+    stream: bool | None = None  # None: `loading.should_stream` per model
+    progress: bool | None = None  # None: when stderr is a terminal
     remove_layers: bool = False
-    """--remove-layers: also measure layer removal (`removal.py`): ΔCE per skipped layer and for the top k."""
-    top_k: tuple[int, ...] | None = None
-    """--top-k: the k of "the top k layers skipped" (each at most the model's number of layers); None: 1, 2, 3, those
-    up to each model's number of layers (`removal.default_top_k`)."""
+    top_k: tuple[int, ...] | None = None  # None: `removal.default_top_k` per model
     positions: str = "all"
-    """--positions: every measure over all real tokens, or over each sample's last token only."""
     revisions: list[str] = field(default_factory=list)
-    """--revision: Hugging Face revisions of each --model hub id, read from the local cache (a series)."""
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)

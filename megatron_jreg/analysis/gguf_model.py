@@ -1,23 +1,5 @@
-"""GGUF files as transformers models, with nothing in the file left unused.
-
-transformers' GGUF loader (the legacy one, which every architecture but Qwen3.5 and LFM2 goes through)
-builds a config from the metadata keys it knows and maps the tensors its model has; every other key and
-tensor is dropped without a word. Such a file would be measured as another model: a Llama with attention
-biases loses its biases, a Llama-3.1 file its RoPE frequency factors (`rope_freqs`), a Gemma-2 file its
-attention scale. Here the file is audited before anything is loaded:
-
-- every metadata key of the architecture is either read by transformers, checked against the config it
-  built (key/value length = head_dim, rope.dimension_count = the rotated width), applied (sliding window,
-  logit soft-capping, attention scale, linear RoPE scaling), or refused naming it;
-- every tensor maps to a parameter of the model built from that config, or is applied (q/k/v/o and MLP
-  biases switch on `attention_bias`/`mlp_bias`; `rope_freqs` divides the rotary frequencies, as llama.cpp
-  does), or is refused naming it;
-- Gemma-2/3 files do not store the attention scale: it is set by llama.cpp's own rule (1/√head_dim, or
-  1/√(hidden/heads) for the 27B layouts), and said so.
-
-The architectures transformers loads through its newer GGUF path (`is_gguf_arch_supported`) report unused
-tensors themselves, which `hub.check_loading_info` refuses.
-"""
+"""GGUF files as transformers models, audited first: transformers' GGUF loader drops metadata keys and tensors it does
+not know without a word, which would measure another model; every one is read, applied or refused by name."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Hugging Face and GGUF models as hidden-state sources.
-
-A local model folder (safetensors, checked first by `model_files`) or a GGUF file (dequantized by
-transformers' gguf support) is loaded with `AutoModelForCausalLM`, but only its base model runs: the LM
-head and its [b, t, V] logits are never computed. The decoder layers are found generically
-(`find_decoder_layers`) and measured with `LayerDisplacementHooks`. `include_final_norm=True` instead
-reproduces the common `output_hidden_states` measurement, whose last entry has the final norm applied.
-"""
+"""Hugging Face folders and GGUF files as hidden-state sources: loaded by transformers, only the base model runs (never
+the LM head's [b, t, V] logits), decoder layers found generically."""
 
 from __future__ import annotations
 
@@ -64,12 +58,8 @@ def auto_config(folder: Path) -> Any:
 
 
 def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:
-    """(qualified name, layers) of the stack of decoder layers of `model`.
-
-    Generic rather than a table of attribute names: the stack is an `nn.ModuleList` of blocks of one
-    class, of length `expected` (the config's layer count) when given, else the one holding the most
-    parameters; the shallowest wins a tie. Raises UnsupportedArchitectureError naming the model class.
-    """
+    """(qualified name, layers) of the decoder stack: an `nn.ModuleList` of one block class, of length `expected` when
+    given, else the one with the most parameters (shallowest wins a tie); generic, not a table of names."""
     candidates = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -142,10 +132,7 @@ def run_forward(module: nn.Module, input_ids: Tensor, attention_mask: Tensor, **
 
 
 class HFSource(HiddenStateSource):
-    """A transformers causal LM measured layer by layer (see `HiddenStateSource` for the contract).
-
-    model: the loaded `*ForCausalLM` (its `base_model` runs); tokenizer: its tokenizer.
-    """
+    """A transformers causal LM measured layer by layer (`HiddenStateSource`); its `base_model` runs."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, label: str, include_final_norm: bool = False):
         self.model = model.eval()
@@ -253,14 +240,9 @@ def load_hf_source(
     config: Any = None,
     tensors: dict[str, Any] | None = None,
 ) -> HFSource:
-    """Load a local Hugging Face folder or GGUF file (never downloads) and wrap it as a source.
-
-    Refuses a model whose files lack weights of its architecture, or hold ones it does not use
-    (`hub.load_causal_lm`); the LM head is exempt, since Ψ never runs it (`HFSource.head_missing` says
-    when it was absent: layer removal needs it). with_tokenizer=False: token ids come from the caller.
-    config, tensors: the folder's transformers config and safetensors headers when the caller has read them
-    (`loading.identify`).
-    """
+    """A local Hugging Face folder or GGUF file (never downloads) as a source; files lacking weights of the architecture
+    or holding unused ones are refused (`hub.load_causal_lm`), the LM head exempt (`head_missing`). config, tensors:
+    what `loading.identify` read."""
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
@@ -296,10 +278,8 @@ def load_hf_source(
 
 def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = None,
                  tensors: dict[str, Any] | None = None) -> str | None:
-    """Why the causal LM's head was not loaded from the files (None when it was, or is tied to the
-    embeddings): the loaders let an `lm_head.*` tensor be absent, since Ψ never runs the head.
-    gguf_tensors: the tensor names of a GGUF file (`GgufPlan.tensor_names`); else `path` is a folder, whose
-    safetensors headers are `tensors` when the caller has read them."""
+    """Why the LM head was not loaded (None when it was, or is tied): Ψ never runs it, so loaders let it be absent;
+    gguf_tensors: a GGUF file's names, else `tensors` (the folder's headers) when already read."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     head = model.get_output_embeddings()

@@ -1,11 +1,5 @@
-"""What a `--model` is, and the source that measures it: the one place that answers both.
-
-`resolve_models` turns `--model`/`--revision`/`--checkpoints` into `ModelSpec`s: a hub id is resolved from the local
-cache (`hub.resolve`), a Hugging Face folder is checked once (`model_files.inspect_model_folder`: config values,
-safetensors headers, no pickles or custom code) and its transformers config read, and both travel in the spec, so
-nothing re-reads them. `load_source` decides whether a folder streams (its size from the carried headers against
-free memory) and builds the loader it chose.
-"""
+"""What a `--model` is and the source that measures it, answered in one place: each folder is checked once and its
+headers and config travel in the `ModelSpec`, so nothing re-reads them."""
 
 from __future__ import annotations
 
@@ -37,14 +31,12 @@ class ModelSpec:
     label: str
     kind: str
     step: int | None = None
-    revision: str | None = None
-    """The Hugging Face revision it was resolved at (`--revision`), when one was named."""
-    flag: str = "--model"
-    """The flag that named it: "--model" or "--checkpoints" (a series, whose unreadable members are skipped)."""
+    revision: str | None = None  # the Hugging Face revision it was resolved at (`--revision`)
+    flag: str = "--model"  # or "--checkpoints": a series, whose unreadable members are skipped
+    # A Hugging Face folder's transformers config and checked files (config.json, safetensors headers), read once
+    # by `identify` so that no later step parses them again.
     config: Any = field(default=None, compare=False, repr=False)
-    """A Hugging Face folder's transformers config, read by `identify` after the folder was checked."""
     files: ModelFolder | None = field(default=None, compare=False, repr=False)
-    """A Hugging Face folder's checked config.json and safetensors headers (`inspect_model_folder`)."""
 
 
 def identify(path: Path, flag: str = "--model") -> tuple[str, Any, ModelFolder | None]:
@@ -82,14 +74,8 @@ def named_step(name: str) -> int | None:
 
 def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None,
                    stream: bool | None = None) -> list[ModelSpec]:
-    """`--model` paths (or hub ids, resolved from the local cache; each at every `--revision`) in the order
-    given, then `--checkpoints` matches ordered by step; with stream=True, a model --stream cannot read is
-    refused here, before any is measured.
-
-    Labels are the path's last component (a hub id's repo name, with @REVISION), lengthened with parent
-    folders (the organisation) until they are unique. Steps come from the revision or checkpoint name
-    (`named_step`) where it states one; a megatron checkpoint's own iteration replaces it when it is loaded.
-    """
+    """`--model` paths or hub ids (each at every `--revision`) in order, then `--checkpoints` by step, as specs with
+    unique labels; with stream=True a model --stream cannot read is refused before any is measured."""
     given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
     entries: list[tuple[Path, str, int | None]] = []
     for spec, revision in given:
@@ -172,9 +158,8 @@ def available_bytes(device: torch.device) -> int:
 
 
 def should_stream(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
-    """(stream?, why) for `--stream` left to auto: stream when the weights in `dtype` (sized from the headers
-    the spec carries), with headroom for activations, exceed the free memory of `device` and the model can be
-    streamed; a model that would need streaming but cannot be is said so, with the reason, before it loads."""
+    """(stream?, why) for `--stream` left to auto: stream when the weights (sized from the carried headers) with
+    headroom exceed free memory and the model can stream; said before it loads."""
     from megatron_jreg.analysis.stream_source import not_streamable
 
     gib = 2**30
@@ -203,9 +188,8 @@ def load_source(
     with_tokenizer: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> HiddenStateSource:
-    """Build the source for one model; framework imports happen here, lazily. `stream`: read a Hugging Face
-    folder one layer at a time (`stream_source.py`) instead of loading it; None: when it does not fit
-    (`should_stream`, its reason given to `log`). with_tokenizer=False: token ids come from the caller."""
+    """The source for one model, framework imports lazily; stream None: decided by `should_stream`, told to `log`.
+    with_tokenizer=False: token ids come from the caller."""
     if stream is None:
         stream = False
         if spec.kind == "hf":

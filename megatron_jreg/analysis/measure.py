@@ -1,10 +1,5 @@
-"""Measure Ψ_ℓ and ζ_ℓ of one model over a list of texts.
-
-Accumulation is exact over the data set: per layer, the sum of per-token displacements and the number
-of real tokens over all samples and batches, Ψ_ℓ = Σ / count at the end (not a mean of batch means).
-Batches are formed from samples sorted by length, so little compute goes into padding; the result does
-not depend on the batching because padded positions never enter the sums.
-"""
+"""Measure Ψ_ℓ and ζ_ℓ of one model over a list of texts: exact sums per layer over all real tokens (not a mean of batch
+means), so batching never changes the result."""
 
 from __future__ import annotations
 
@@ -40,32 +35,20 @@ class ModelResult:
     model_class: str
     convention: str
     step: int | None
-    sums: list[float]
-    """Σ over the measured tokens of d(h_{ℓ-1}, h_ℓ), index ℓ-1."""
-    counts: list[int]
-    """Tokens measured at layer ℓ, index ℓ-1."""
+    sums: list[float]  # Σ d(h_{ℓ-1}, h_ℓ) over the measured tokens, index ℓ-1
+    counts: list[int]  # tokens measured at layer ℓ, index ℓ-1
     samples: int
     truncated_samples: int
-    streamed: bool = False
-    """Measured layer by layer from safetensors (`stream_source.py`) rather than loaded whole."""
-    peak_memory_bytes: int | None = None
-    """Peak memory while loading and measuring this model (`PeakMemory`), when measured."""
-    distance: str = "angular"
-    """d: "angular" (arccos(cos)/π, the paper's Ψ) or "cosine" (1 − cos)."""
-    positions: str = "all"
-    """The tokens measured: "all" real tokens, or the "last" of each sample."""
-    norm_sums: list[float] = field(default_factory=list)
-    """Σ ‖h_ℓ‖ over the measured tokens, index ℓ = 0..L."""
-    zero_tokens: list[int] = field(default_factory=list)
-    """Measured tokens whose h_ℓ is the zero vector (d counts them as orthogonal), index ℓ = 0..L."""
-    distance_sums: list[list[float]] = field(default_factory=list)
-    """[i][j] = Σ d(h_i, h_j) over the measured tokens for i < j (0 elsewhere), i, j = 0..L."""
-    removal: dict | None = None
-    """Layer removal (`removal.RemovalTotals.as_dict`), when measured."""
-    truncated_to: str | None = None
-    """What cut the truncated samples: "--max-length T" or "the model's context (T tokens)"."""
-    revision: str | None = None
-    """The Hugging Face revision (--revision), when one was named."""
+    streamed: bool = False  # read layer by layer from safetensors (`stream_source.py`)
+    peak_memory_bytes: int | None = None  # `PeakMemory` while loading and measuring, when known
+    distance: str = "angular"  # d: "angular" (arccos(cos)/π, the paper's Ψ) or "cosine" (1 − cos)
+    positions: str = "all"  # "all" real tokens, or the "last" of each sample
+    norm_sums: list[float] = field(default_factory=list)  # Σ ‖h_ℓ‖ over the measured tokens, ℓ = 0..L
+    zero_tokens: list[int] = field(default_factory=list)  # tokens whose h_ℓ is zero (d: orthogonal), ℓ = 0..L
+    distance_sums: list[list[float]] = field(default_factory=list)  # [i][j] = Σ d(h_i, h_j) for i < j, else 0
+    removal: dict | None = None  # `removal.RemovalTotals.as_dict`, when measured
+    truncated_to: str | None = None  # "--max-length T" or "the model's context (T tokens)"
+    revision: str | None = None  # the Hugging Face revision (--revision), when one was named
 
     @property
     def num_layers(self) -> int:
@@ -147,11 +130,8 @@ class ModelResult:
 
 def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int | None
                    ) -> tuple[list[list[int]], int, str | None]:
-    """Token ids of each text, truncated to `max_length` (default: the model's context length).
-
-    Returns (samples, number truncated, what cut them: "--max-length T" or "the model's context (T tokens)");
-    texts that tokenize to nothing are dropped.
-    """
+    """(token ids of each non-empty text truncated to `max_length` or the model's context, number truncated, what cut
+    them)."""
     limit = max_length or source.context_length
     samples, truncated = [], 0
     for ids in source.encode(texts):
@@ -168,10 +148,8 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
 def padded_batches(
     samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """Batches (input_ids[b, t] int64, attention_mask[b, t] int64) of samples sorted longest first.
-
-    Longest first so that a batch too large for memory fails at once rather than at the end.
-    """
+    """(input_ids[b, t], attention_mask[b, t]) int64 batches, longest first so a batch too large for memory fails at
+    once."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     for start in range(0, len(order), batch_size):
         chunk = [torch.tensor(samples[i], dtype=torch.long) for i in order[start : start + batch_size]]

@@ -1,9 +1,5 @@
-"""Megatron-LM / megatron-jreg checkpoints as hidden-state sources (read directly, no conversion step).
-
-The checkpoint is loaded by `checkpoints.load_megatron_model` from its saved args (TP=1/PP=1 in this
-process, any saved layout) and Ψ is recorded by `JregPlugin`, the code that logs Ψ during training: the analysis
-and the training logs share one definition and one implementation.
-"""
+"""megatron-jreg checkpoints as hidden-state sources, read directly (no conversion); Ψ comes from `JregPlugin`, so
+analysis and training logs share one implementation."""
 
 from __future__ import annotations
 
@@ -83,9 +79,8 @@ class MegatronSource(HiddenStateSource):
 
 @contextlib.contextmanager
 def _no_reader_tracebacks() -> Iterator[None]:
-    """torch.distributed.checkpoint logs each failed metadata read with its traceback on the root logger
-    ("Global metadata is not found", "Rank local metadata is not found") before raising; the CheckpointError
-    that follows names the file in one line, so those records are dropped while a checkpoint loads."""
+    """Drop torch.distributed.checkpoint's logged tracebacks of failed metadata reads: the CheckpointError that follows
+    names the file in one line."""
     reader = f"{os.sep}torch{os.sep}distributed{os.sep}checkpoint{os.sep}"
 
     def keep(record: logging.LogRecord) -> bool:
@@ -134,9 +129,8 @@ def load_megatron_source(
 
 
 def _plugin_sums(loaded, tokens: Tensor, mask: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:  # noqa: ANN001
-    """Per-layer Σ displacement over the real tokens and the token count, (sums[L], counts[L]) float64, from
-    `JregPlugin` in recording mode on a loaded checkpoint (`checkpoints.MegatronModel`). tokens[b, t],
-    mask[b, t] (1 = real; right padding: the causal mask keeps real tokens blind to it)."""
+    """(sums[L], counts[L]) float64 of tokens[b, t] over mask[b, t] (right padding), from `JregPlugin` in recording
+    mode."""
     from megatron_jreg.plugin import JregConfig, JregPlugin
 
     plugin = JregPlugin([loaded.model], JregConfig(lam=0.0, distance=kind))

@@ -1,18 +1,5 @@
-"""Layer removal: how much the next-token cross-entropy rises when decoder layers are skipped.
-
-For a model with decoder layers ℓ = 1..L, "skipping" layer ℓ makes its output equal to its input
-(h_ℓ := h_{ℓ−1}); everything else runs as usual (embeddings, the other layers, final norm, LM head).
-
-    ΔCE_ℓ     = CE(model without layer ℓ) − CE(model)                    ℓ = 1..L
-    ΔCE_top k = CE(model without layers L−k+1..L) − CE(model)            k in top_k
-
-CE is the mean next-token cross-entropy in nats per predicted token over the same tokens for every variant
-(ShortGPT, Men et al. 2024; Gromov et al. 2024). The variant without layer ℓ reuses the full pass's outputs of
-layers 1..ℓ−1, so a batch costs about L/2 forward passes and the outputs of all L layers in memory.
-
-`layer_removal` is the library entry (pre-tokenized windows, any model); `removal_totals` is what
-`analyze --remove-layers` runs on its padded text batches.
-"""
+"""Layer removal: how much next-token cross-entropy rises when decoder layers are skipped (output := input), per layer
+and for the top k (ShortGPT; Gromov et al. 2024). `layer_removal` is the library entry on token windows."""
 
 from __future__ import annotations
 
@@ -49,10 +36,8 @@ class RemovalTotals:
 
     num_layers: int
     top_k: tuple[int, ...]
-    sums: Tensor | None = None
-    """[1 + L + len(top_k)] = [model, layer 1..L skipped, the top k skipped]."""
-    tokens: int = 0
-    """Predicted tokens (the same for every variant)."""
+    sums: Tensor | None = None  # [1 + L + len(top_k)] = [model, layer 1..L skipped, the top k skipped].
+    tokens: int = 0  # Predicted tokens (the same for every variant).
 
     def add(self, sums: Tensor) -> None:
         """sums[1 + L + len(top_k)] float64 of one batch."""
@@ -99,11 +84,8 @@ def ce_sum(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def next_token_targets(ids: Tensor, mask: Tensor, positions: str = "all") -> Tensor:
-    """targets[b, t] for text batches: the next real token at each real position, IGNORE elsewhere.
-
-    positions="last": only the prediction of each sample's last token (made at its second-to-last
-    position), as LAMBADA scores a passage.
-    """
+    """targets[b, t]: the next real token at each real position, IGNORE elsewhere; positions="last": only each sample's
+    last token, as LAMBADA scores a passage."""
     mask = mask.bool()
     targets = torch.full_like(ids, IGNORE)
     predicts = mask[:, :-1] & mask[:, 1:]
@@ -148,12 +130,8 @@ class _Recorder:
 @torch.no_grad()
 def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k: tuple[int, ...],
                   on_pass: Callable[[int], None] | None = None) -> Tensor:
-    """Σ CE of one batch for the model and every variant: [1 + L + len(top_k)] float64 on the CPU.
-
-    source: anything with `layers` (the decoder layers, in order) and `logits(ids, mask)` → logits[b, t, V]
-    (`HFSource`, `MegatronSource`). ids/mask[b, t] right-padded; targets[b, t] (IGNORE where none).
-    on_pass(layers computed) after each forward pass, for progress.
-    """
+    """Σ CE of one batch [1 + L + len(top_k)] float64 (model, each layer skipped, the top k), reusing the full pass's
+    layer outputs. source: `layers` and `logits(ids, mask)`; ids/mask right-padded."""
     layers = source.layers
     num = len(layers)
     tick = on_pass or (lambda n: None)
@@ -163,9 +141,7 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
     tick(num)
 
     def variant(first: int, skipped: Sequence[int]) -> None:
-        """Layers 1..first answer with the recorded output of layer `first`, the skipped ones return their input
-        (in the structure of a layer's output); with first = 0 the skipped layers start from this pass's
-        embeddings."""
+        """Layers 1..first answer with layer `first`'s recorded output, the skipped ones return their input."""
         with planned_layers(layers, outputs[max(first - 1, 0)], first, skipped):
             sums.append(ce_sum(source.logits(ids, mask), targets))
         tick(num - first - len(skipped))  # the layers computed above the skipped ones
@@ -190,9 +166,8 @@ def removal_figures(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]
 
 def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
                    on_pass: Callable[[int], None] | None = None) -> RemovalTotals:
-    """Σ CE of the model and every variant over right-padded batches (ids[b, t], mask[b, t], targets[b, t]).
-
-    on_pass(n): n layer passes done (one more for each forward's embedding + head), for a progress bar."""
+    """Σ CE of the model and every variant over right-padded (ids, mask, targets) batches; on_pass(n) counts layer
+    passes for a bar."""
     ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
     totals = RemovalTotals(source.num_layers, ks, tokens=sum(int((t != IGNORE).sum()) for _, _, t in batches))
     if hasattr(source, "stream_removal"):
@@ -210,9 +185,8 @@ def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]]
 
 def _as_source(model: Any, dtype: torch.dtype, device: torch.device | str | None, stream: bool,
                progress: bool = False) -> tuple[Any, bool]:
-    """(source, owned) for a path, a loaded checkpoint (`checkpoints.MegatronModel`), a transformers causal LM
-    or a source (`HFSource`, `MegatronSource`, `StreamingSource`); owned: loaded here, closed after.
-    progress: transformers' own loading bars too (`progress.library_bars`)."""
+    """(source, owned) for a path, a `checkpoints.MegatronModel`, a transformers causal LM or a source; owned: loaded
+    here, closed after."""
     if isinstance(model, (str, Path)):
         path = Path(model)
         kind, config, files = identify(path, "model")
@@ -254,17 +228,9 @@ def check_windows(windows: Any, vocab_size: int | None) -> Tensor:
 def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] | None = None, *, batch_size: int = 8,
                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                   stream: bool = False, progress: bool = False) -> dict:
-    """ΔCE per skipped decoder layer and for the top k layers skipped, on pre-tokenized windows.
-
-    model: a Hugging Face folder, GGUF file or megatron-jreg checkpoint (run folder or iter_* folder; any
-    saved TP/PP layout), or an already loaded model (see `_as_source`). windows[N, S] int64: each row is S
-    consecutive tokens; the model reads tokens 0..S−2 and predicts tokens 1..S−1 (N·(S−1) predicted
-    tokens; pass seq_length + 1 tokens per window, as Megatron-LM's GPTDataset makes them). top_k: None for 1, 2,
-    3 up to the model's number of layers (`default_top_k`). stream: read a
-    Hugging Face folder one layer at a time. Returns `RemovalTotals.as_dict()`: base_ce, ce_skip[L],
-    delta_ce[L] (index ℓ−1), top_k, ce_skip_top and delta_ce_top (aligned with top_k), predicted_tokens,
-    num_layers, definition; CE in nats per predicted token.
-    """
+    """ΔCE per skipped decoder layer and for the top k skipped, on windows[N, S] of token ids (the model reads 0..S−2,
+    predicts 1..S−1). model: a path (HF, GGUF, megatron-jreg) or a loaded model (`_as_source`); returns
+    `RemovalTotals.as_dict()`."""
     if batch_size < 1:
         raise AnalysisError(f"batch_size must be >= 1, got {batch_size}")
     source, owned = _as_source(model, dtype, device, stream, progress)

@@ -1,15 +1,5 @@
-"""What an analysis writes: the console table, the reading, results.json, the CSV files and the PNG plots.
-
-The table has the paper's Table 1 / Table 2 columns (L, ζ_L, ζ_{L−1}, ζ_{L−2}, Ψ_L, the median Ψ of the
-middle layers), then what a reader needs to act on them: Ψ_L over that median, where Ψ rises most, and with
-`--remove-layers` the cross-entropy cost of removing the top k layers. One row per model (for a checkpoint
-series, one row per checkpoint in step order). Every output names the distance (angular or cosine) and the
-tokens measured (all, or each sample's last).
-
-Plots are in the paper's style (Ψ_ℓ against normalised depth, as its Figures 2 and 3; ζ per model or checkpoint;
-ΔCE per removed layer; Gromov et al.'s heat-map of the distance between any two layers; residual norms), drawn
-with matplotlib's object API on the Agg canvas, so no display or pyplot global state is involved.
-"""
+"""What an analysis writes: the console table with its reading, results.json, the CSV files and the PNG plots
+(matplotlib's object API on Agg: no display, no pyplot state)."""
 
 from __future__ import annotations
 
@@ -90,9 +80,8 @@ def summary_row(result: ModelResult) -> dict:
 
 
 def reading(result: ModelResult) -> str:
-    """One sentence: Ψ_L against the middle layers, where Ψ rises most, whether that is a top-of-stack jump
-    (rule: the largest rise is in layers L−2..L and that layer's Ψ ≥ JUMP_RATIO × the median middle Ψ), and
-    with layer removal which single layer costs most and what removing the top k costs."""
+    """One sentence: Ψ_L against the middle layers, where Ψ rises most and whether that is a top-of-stack jump
+    (JUMP_RATIO), plus layer removal's costs."""
     psi, mid = result.psi, result.psi_mid_median
     layer, rise = result.largest_rise
     L = result.num_layers
@@ -115,10 +104,8 @@ def reading(result: ModelResult) -> str:
 
 
 def _removal_reading(result: ModelResult) -> str:
-    """Which single layer costs most, which contiguous block of those measured (each layer alone, the top k) is
-    cheapest to remove, and what the layer of smallest Ψ costs when that is not it: the layer that moves the
-    hidden state least (Gromov et al.'s pick for a block of one) is not necessarily cheap to remove
-    (docs/analysis.md, "The reading")."""
+    """The costliest single layer, the cheapest block measured, and the smallest-Ψ layer's cost when that is not it
+    (moving least is not being cheap to remove)."""
     removal, L = result.removal, result.num_layers
     delta = removal["delta_ce"]
 
@@ -330,9 +317,8 @@ _JUMP_LABELS = {"zeta_L": r"$\zeta_L$", "zeta_L-1": r"$\zeta_{L-1}$", "zeta_L-2"
 
 
 def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
-    """ζ_L, ζ_{L−1}, ζ_{L−2} per model: lines over the step for a checkpoint series (the paper's Table 2
-    as a figure), grouped bars for unrelated models. Zeros stay visible: the y axis starts below 0 and
-    keeps a height of at least 1, and a plot whose every ζ is 0 says so."""
+    """ζ_L, ζ_{L−1}, ζ_{L−2}: lines over the step for a checkpoint series, grouped bars otherwise; zeros stay visible.
+    """
     ax = _figure().add_subplot()
     series = _is_series(results)
     keys = [k for k in _JUMP_LABELS if not all(math.isnan(r.final_jumps[k]) for r in results)]

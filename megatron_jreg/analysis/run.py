@@ -55,12 +55,9 @@ class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the 
 
 
 def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tuple[list[ModelResult], list[Path]]:
-    """Measure every model of `cfg` on the same samples; returns the results and the files written.
-
-    Models are loaded one at a time and released before the next, so a checkpoint series needs the
-    memory of one model only. A `--checkpoints` match that cannot be read (an iteration still being
-    written) is skipped in one line; Ctrl-C writes the models measured so far and raises `Interrupted`.
-    """
+    """Measure every model of `cfg` on the same samples, one at a time (a series needs one model's memory); returns
+    (results, files written). An unreadable --checkpoints match is skipped in one line; Ctrl-C writes what was measured
+    and raises `Interrupted`."""
     specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions, cfg.stream)
     texts = load_texts(cfg.data, cfg.num_samples)
     log(
@@ -145,9 +142,8 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
 
 
 def check_result(result: ModelResult, path: Path, log: Callable[[str], None]) -> None:
-    """Refuse figures that mean nothing: non-finite Ψ or CE (NaN weights, overflow), or a layer whose hidden
-    states are all exactly zero (d counts a zero vector as orthogonal: Ψ would read 0.5); say in one line
-    when only some tokens have a zero hidden state."""
+    """Refuse figures that mean nothing (non-finite Ψ or CE, an all-zero layer, which d would read as 0.5); warn when
+    only some tokens are zero."""
     bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
     if bad:
         raise AnalysisError(

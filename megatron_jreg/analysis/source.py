@@ -1,14 +1,5 @@
-"""Hidden-state sources: what the analysis needs from a model, whatever framework it comes from.
-
-A source turns a batch of token ids into per-layer displacement sums. Hugging Face / GGUF models
-(`hf_source.py`, `stream_source.py`) and megatron-jreg checkpoints (`megatron_source.py`) implement the same
-protocol, so batching, accumulation, reporting and plots (`measure.py`, `report.py`) never see the
-framework; `loading.py` picks the source for a path.
-
-What they share lives here: hooks on the decoder layers that reduce each (h_in, h_out) to (Σ_t d(t), #tokens)
-during the forward pass, so only one layer's input and output are alive for the measurement
-(`LayerDisplacementHooks`), and layers that answer with recorded outputs (`planned_layers`: streaming, removal).
-"""
+"""Hidden-state sources: the protocol every framework's model implements for the analysis, and the layer hooks they
+share."""
 
 from __future__ import annotations
 
@@ -37,17 +28,8 @@ class UnsupportedArchitectureError(AnalysisError):
 
 
 class HiddenStateSource(Protocol):
-    """A model the analysis can measure: `HFSource`, `MegatronSource`, `StreamingSource` (which subclass it).
-
-    Attributes:
-        label: short name for tables and legends.
-        num_layers: L, the number of decoder layers measured.
-        context_length: the longest sequence the model takes, or None if unknown (no truncation then).
-        pad_id: a token id used for padding (any valid id; padded positions are masked everywhere).
-        convention: `LAYER_IO` or `FINAL_NORM`, how h_ℓ is defined.
-        model_class: the class name of the model, for the report.
-        streamed: read layer by layer from safetensors (`StreamingSource`) rather than loaded whole.
-    """
+    """A model the analysis can measure (`HFSource`, `MegatronSource`, `StreamingSource`): label, num_layers L,
+    context_length (None: no truncation), pad_id, convention (`LAYER_IO`/`FINAL_NORM`), model_class, streamed."""
 
     label: str
     num_layers: int
@@ -62,12 +44,8 @@ class HiddenStateSource(Protocol):
         ...
 
     def layer_sums(self, input_ids: Tensor, attention_mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """Per-layer displacement sums over the real tokens of one batch (the sources inherit this).
-
-        input_ids[b, t] (int64), attention_mask[b, t] (1 = real token; left or right padding) on the
-        CPU → (sums[L], counts[L]), float64 on the CPU: sums[ℓ-1] = Σ over real tokens of d(h_{ℓ-1}, h_ℓ)
-        with d from `jreg.token_displacement(kind)`, counts[ℓ-1] = number of real tokens.
-        """
+        """(sums[L], counts[L]) float64 on the CPU for input_ids/attention_mask[b, t]: Σ d(h_{ℓ−1}, h_ℓ) over the
+        real tokens, and their count."""
         stats = self.layer_stats(input_ids, attention_mask, kind)
         return stats["sums"], stats["counts"]
 
@@ -100,15 +78,8 @@ def last_token_mask(mask: Tensor) -> Tensor:
 
 
 def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:
-    """(Σ d, count) over the real tokens of h_in[..., h], h_out[..., h]; rows from `real_rows(mask)`.
-
-    Gathers the real rows before `jreg.displacement_sum` instead of multiplying by the mask, so a
-    padded position whose hidden state is not finite (a fully masked attention row can give NaN in
-    some attention kernels) cannot turn the sum into NaN, and no work is spent on padding. A real
-    token whose hidden state is not finite makes the sum NaN (`jreg.token_displacement` would count it
-    as orthogonal, 0.5), so broken weights show as a NaN Ψ, which `run_analysis` refuses; without a
-    host sync.
-    """
+    """(Σ d, count) over rows of h_in/h_out[..., h]; real rows are gathered (not masked), so a NaN at padding cannot
+    poison the sum, while a non-finite real token makes it NaN without a host sync."""
     h_in, h_out = gather_rows(h_in, rows), gather_rows(h_out, rows)
     total, count = jreg.displacement_sum(h_in, h_out, None, kind)
     finite = torch.isfinite(h_in).all() & torch.isfinite(h_out).all()
@@ -170,23 +141,9 @@ def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, ski
 
 
 class LayerDisplacementHooks:
-    """Forward hooks on decoder layers, around one forward pass: per layer Σ d(h_in, h_out) and the token count,
-    and the hidden states h_0 (layer 1's input) and h_ℓ (layer ℓ's output) at the selected tokens:
-
-        with LayerDisplacementHooks(layers, mask, "angular") as hooks:
-            model(input_ids, attention_mask=mask)
-        hooks.sums, hooks.counts        # float64 [L] on the CPU, filled on exit
-        hooks.states                    # [h_0, ..., h_L], each [n, h] on the model's device (`state_totals`)
-
-    h_in and h_out are found by `layer_input` and `first_tensor`. `mask` has the leading shape of the hidden
-    states: [b, t] for Hugging Face's batch-first layout, [s, b] for megatron's sequence-first one; None = all
-    real. kind=None: the states only (megatron's Ψ comes from `JregPlugin`); `last`: a module whose output
-    replaces h_L in the states (the final norm, for the output_hidden_states convention).
-
-    A layer that modifies its input in place would make h_in wrong silently; the hooks detect it
-    through the tensor's version counter (run under `torch.no_grad`, not `inference_mode`, where the
-    counter is not kept) and raise, pointing at `clone_inputs=True`, which copies h_in first.
-    """
+    """Forward hooks around one pass: sums/counts float64 [L] (filled on exit) and states [h_0..h_L] at the selected
+    tokens. kind=None: states only; `last`: a module whose output replaces h_L. In-place changes to h_in are detected
+    (version counter) and refused."""
 
     def __init__(self, layers: Sequence[nn.Module], mask: Tensor | None, kind: str | None,
                  clone_inputs: bool = False, last: nn.Module | None = None):
@@ -278,10 +235,8 @@ class LayerDisplacementHooks:
 
 
 def state_totals(states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:
-    """Per-batch totals over the selected tokens of states [h_0..h_L] (each [n, h]), on their device:
-    norm_sums[L+1] = Σ‖h_ℓ‖, zero_tokens[L+1] = tokens whose h_ℓ is the zero vector (Ψ counts them as 0.5),
-    distance_sums[L+1, L+1] = Σ d(h_i, h_j) for i < j (d from `jreg.token_displacement(kind)`; 0 elsewhere).
-    float64; Gromov et al.'s distance between layers ℓ and ℓ + n is distance_sums[ℓ, ℓ + n] / tokens."""
+    """norm_sums[L+1], zero_tokens[L+1], distance_sums[L+1, L+1] (Σ d(h_i, h_j), i < j) of states [h_0..h_L]
+    (each [n, h]), float64 on their device: the residual norms and Gromov et al.'s distances, per batch."""
     size = len(states)
     norms = torch.stack([torch.linalg.vector_norm(h.float(), dim=-1) for h in states])  # [L+1, n]
     distance = torch.zeros(size, size, dtype=torch.float64, device=norms.device)

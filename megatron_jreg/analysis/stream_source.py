@@ -1,22 +1,5 @@
-"""Layer streaming: Ψ of a Hugging Face model read one decoder layer at a time from its safetensors files.
-
-Ψ_ℓ needs only h_{ℓ−1} and h_ℓ, so the model never has to be whole. The model is built by transformers on
-the meta device (its buffers, such as rotary frequencies, filled by transformers' own `_init_weights`), the
-small parts outside the decoder layers (norms, position embeddings, projections) are read once, and of the
-input embedding only the rows of the tokens in use. Then, layer-major: for layer ℓ its tensors are read
-into the family's own decoder-layer module (`SafetensorsFolder`, through transformers' own checkpoint renamings
-and conversions, e.g. per-expert MoE tensors fused), and every batch runs through the family's own base
-model forward: its embeddings, rotary embedding, causal/sliding-window masks and whatever it does between
-layers, with the layers before ℓ replaced by their recorded outputs and the forward stopped after layer ℓ.
-A hook on layer ℓ reduces (h_{ℓ−1}, h_ℓ) to Σ d, exactly as the in-memory hooks do (`hf_source.py`); the
-layer is dropped before the next one is read. Memory: one layer, the parts outside the layers, plus the
-hidden states of all samples (docs/analysis.md works it out; docs/results/analyze_stream.txt measures it).
-
-Refused, with the reason (`not_streamable`): folders without safetensors, quantized checkpoints, models
-whose decoder layers share weights with each other or with the rest of the model, and what transformers
-cannot build as a causal LM. Checkpoint tensors transformers ignores on load (legacy per-layer
-`rotary_emb.inv_freq`, `_keys_to_ignore_on_load_unexpected`) are ignored here too.
-"""
+"""Layer streaming: Ψ of a Hugging Face model read one decoder layer at a time from its safetensors, since Ψ_ℓ needs
+only h_{ℓ−1} and h_ℓ (memory and design: docs/analysis.md, DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -219,9 +202,7 @@ class SafetensorsFolder:
 
 
 def return_large_blocks_to_the_os(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Make glibc serve every allocation of `threshold` bytes or more with its own mmap, so freeing it gives the
-    memory back to the OS at once (True when set). glibc otherwise raises its threshold to each large block freed
-    (up to 32 MiB), and streaming's freed layers would stay resident: the peak would stop meaning "one layer"."""
+    """Have glibc mmap every block of 1 MiB or more, so freed layers leave the resident set at once (True when set)."""
     import ctypes
     import ctypes.util
 
@@ -236,11 +217,8 @@ def return_large_blocks_to_the_os(threshold: int = MMAP_THRESHOLD) -> bool:
 
 
 class StreamingSource(HFSource):
-    """A Hugging Face folder measured layer by layer from safetensors (see the module docstring).
-
-    An `HFSource` whose parameters stay on the meta device until their layer is read: it measures all batches
-    through one layer at a time (`stream_stats`, `stream_removal`) rather than one batch through all layers.
-    """
+    """An `HFSource` whose parameters stay on the meta device until their layer is read: all batches go through one
+    layer at a time (`stream_stats`, `stream_removal`)."""
 
     streamed = True
 
@@ -438,13 +416,8 @@ class StreamingSource(HFSource):
         kind: str,
         on_batch: Callable[[int], None] | None = None,
     ) -> dict[str, Tensor]:
-        """All batches through the layers, one layer in memory at a time.
-
-        batches: (input_ids[b, t] int64, attention_mask[b, t], select[b, t]) right-padded, as
-        `measure.padded_batches` yields them → `layer_stats` summed over the batches (float64 on the CPU).
-        h_0..h_L of the selected tokens are kept on the CPU for the distances between any two layers
-        ((L + 1) × selected tokens × hidden × dtype bytes). on_batch(real tokens) after each batch of each layer.
-        """
+        """`layer_stats` summed over right-padded (ids, mask, select) batches, one layer in memory at a time; h_0..h_L
+        of the selected tokens kept on the CPU. on_batch(tokens) after each batch of each layer."""
         hook, state = self._start(batches)
         kept: list[list[Tensor]] = [[] for _ in state]
         pairs = []
@@ -499,14 +472,8 @@ class StreamingSource(HFSource):
         ce_sum: Callable[[Tensor, Tensor], Tensor],
         on_pass: Callable[[int], None] | None = None,
     ) -> Tensor:
-        """Layer removal (`removal.py`) one layer in memory at a time: Σ CE [1 + L + len(top_k)] float64 of
-        [model, without layer 1..L, without the top k], each batch scored by ce_sum(logits, targets).
-
-        batches: right-padded (ids[b, t], mask[b, t], targets[b, t]). Layer-major like `stream_stats`: the
-        variant without layer ℓ forks from the model's state before layer ℓ and then passes the layers above
-        it; the variant without the top k layers is the model's state after layer L − k. Memory: up to L + 1
-        states of all samples' hidden states at the top of the stack. on_pass(layers) per batch and pass.
-        """
+        """Layer removal one layer in memory at a time: Σ CE [1 + L + len(top_k)] float64 of the model, without each
+        layer, without the top k; on_pass(layers) per batch and pass."""
         self._load_head()
         hook, base = self._start(batches, select=False)
         targets = [t.to(self.device) for _, _, t in batches]
