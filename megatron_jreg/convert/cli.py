@@ -1,12 +1,5 @@
-"""`megatron-jreg convert` / `tools/convert_checkpoint.py`: Megatron-LM checkpoints <-> Hugging Face Llama.
-
-    mcore-to-hf --load CKPT_DIR [--iteration N] --output HF_DIR [--dtype bfloat16|float32]
-                [--tokenizer-model PATH | --no-tokenizer]
-    hf-to-mcore --hf HF_DIR --output CKPT_DIR [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
-
-Both check the written model's logits against the source (on by default when both fit in memory) and
-print `max_abs_logit_diff=…` as the last line. Exit codes: 0 done, 1 logits differ, 2 refused / bad input.
-"""
+"""`megatron-jreg convert`: Megatron-LM checkpoints <-> Hugging Face Llama, each checked by logits against its
+source (last line `max_abs_logit_diff=…`; exit 0 done, 1 logits differ, 2 refused)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Hugging Face Llama folder → Megatron-LM checkpoint, for `megatron-jreg train --load OUT ...` (continued
-pretraining with JREG), Megatron-LM's own `pretrain_gpt.py --load OUT`, `analyze` and `evaluate`.
-
-The checkpoint is Megatron-LM's release format (`OUT/release/`): the weights and the `args` Megatron-LM's own
-parser builds from the architecture's flags, no optimizer, RNG or iteration, so training starts at iteration 0.
-dist_checkpointing stores tensors by global key, so one TP=1/PP=1 write loads at any TP/PP (the vocabulary padded
-for the requested one); its `integrity.json` is written as a training save's, so the first load verifies it.
-"""
+"""Hugging Face Llama folder → Megatron-LM release checkpoint, so continued pretraining with JREG (or
+Megatron-LM's own pretrain_gpt.py) starts from a public model; one TP=1/PP=1 write loads at any layout."""
 
 from __future__ import annotations
 
@@ -106,11 +100,8 @@ def hf_to_mcore(
     verify: bool | None = None,
     threshold: float | None = None,
 ) -> ImportResult:
-    """Import a Hugging Face Llama folder as a Megatron-LM release checkpoint (module docstring).
-
-    Everything that can refuse (architecture, layout, unknown tensors) runs before anything is written;
-    the checkpoint appears at `output` only after its logits matched the Hugging Face model's.
-    """
+    """Import a Hugging Face Llama folder as a release checkpoint: every refusal before anything is written, and
+    `output` appears only after its logits matched the Hugging Face model's."""
     from megatron_jreg.checkpoints.model import build_model, load_megatron_model, quiet_megatron
     from megatron_jreg.model_files import check_finite_weights, read_config
 

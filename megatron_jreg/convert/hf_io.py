@@ -1,9 +1,5 @@
-"""Hugging Face folders on disk: read weights without running pickled code, write safetensors
-sharded by huggingface_hub as `save_pretrained` does (the tokenizer: convert/tokenizer.py).
-
-Weights load from `*.safetensors` (preferred) or, for old checkpoints, `pytorch_model*.bin` through
-`torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
-"""
+"""Hugging Face folders on disk: read weights without running pickled code (.bin only through
+`torch.load(weights_only=True)`), write safetensors sharded by huggingface_hub as `save_pretrained` does."""
 
 from __future__ import annotations
 

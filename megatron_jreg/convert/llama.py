@@ -1,31 +1,6 @@
-"""The Llama architecture on both sides: megatron-core's GPTModel (local spec, TP=1/PP=1 state dict) and
-Hugging Face's `LlamaForCausalLM`. Torch only: no megatron-core or transformers import.
-
-`LlamaArch` holds what both sides must agree on. It is read from a Hugging Face config.json
-(`from_hf`), written as Megatron-LM flags (`megatron_flags`, parsed by Megatron-LM's own parser: one way
-from flags to a model) and read back from the `args` a Megatron-LM checkpoint stores (`from_args`).
-
-Parameter correspondence (L layers; h hidden; n heads and g query groups of d (--kv-channels); f FFN
-width; V true vocabulary, Vp = V padded for TP):
-
-    megatron                                          Hugging Face
-    embedding.word_embeddings.weight [Vp, h]          model.embed_tokens.weight [V, h]
-    decoder.layers.i.input_layernorm.weight [h]       model.layers.i.input_layernorm.weight
-    decoder.layers.i.self_attention.linear_qkv.weight model.layers.i.self_attn.{q,k,v}_proj.weight
-        [g·(n/g + 2)·d, h]: per group, its n/g query heads, then one key and one value head
-    decoder.layers.i.self_attention.linear_proj.weight model.layers.i.self_attn.o_proj.weight [h, n·d]
-    decoder.layers.i.pre_mlp_layernorm.weight [h]     model.layers.i.post_attention_layernorm.weight
-    decoder.layers.i.mlp.linear_fc1.weight [2f, h]    model.layers.i.mlp.{gate,up}_proj.weight ([gate; up])
-    decoder.layers.i.mlp.linear_fc2.weight [h, f]     model.layers.i.mlp.down_proj.weight
-    decoder.final_layernorm.weight [h]                model.norm.weight
-    output_layer.weight [Vp, h] (absent when tied)    lm_head.weight [V, h] (absent when tied)
-
-RoPE needs no permutation: megatron's non-interleaved rotary embedding rotates halves (`rotate_half`),
-as Hugging Face's Llama does on its (already permuted) q/k weights. Llama-3.1-style RoPE scaling is
-megatron-core's `--use-rope-scaling --rope-scaling-factor F`, whose other constants are Llama-3.1's
-(low/high frequency factors 1 and 4, original context 8192). Both scale attention by 1/sqrt(d) and
-compute the RMSNorm as x / sqrt(mean(x²) + eps) · weight.
-"""
+"""The Llama architecture on both sides (megatron-core's GPTModel, Hugging Face's LlamaForCausalLM) and the exact
+tensor mapping between them, refusing what either side cannot represent; torch only (the parameter table and why
+RoPE needs no permutation: DEVELOPERS.md, convert)."""
 
 from __future__ import annotations
 
@@ -296,11 +271,8 @@ def _layer_names(i: int) -> dict[str, str]:
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str, torch.Tensor]:
-    """A TP=1/PP=1 GPTModel state dict → LlamaForCausalLM tensors (same dtype; vocabulary padding cut).
-
-    Every megatron tensor must be used exactly once: a leftover (an architecture feature this mapping
-    does not know) raises instead of being dropped.
-    """
+    """A TP=1/PP=1 GPTModel state dict → LlamaForCausalLM tensors (vocabulary padding cut); a leftover tensor (a
+    feature this mapping does not know) raises instead of being dropped."""
     left = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     vocab, ffn = int(model.vocab_size), model.ffn_hidden_size
 

@@ -1,10 +1,5 @@
-"""Megatron-LM / megatron-jreg checkpoint (any TP/PP layout) → Hugging Face Llama folder.
-
-The model is read from the checkpoint's own saved `args` (megatron_jreg/checkpoints), loaded into one
-TP=1/PP=1 GPTModel (dist_checkpointing reshards any saved layout), mapped to LlamaForCausalLM tensors,
-written with config.json, generation_config.json, sharded safetensors + index and the tokenizer (converted
-and checked id for id by convert/tokenizer.py) into a temporary folder, checked by logits, then renamed.
-"""
+"""Megatron-LM / megatron-jreg checkpoint (any TP/PP layout) → Hugging Face Llama folder, written beside the target
+and renamed only after its tokenizer and logits matched the run's, so what other tools load is what was trained."""
 
 from __future__ import annotations
 
@@ -56,12 +51,8 @@ def mcore_to_hf(
     max_shard_size: str = "5GB",
     no_tokenizer: bool = False,
 ) -> ExportResult:
-    """Export a checkpoint to a Hugging Face LlamaForCausalLM folder (see the module docstring).
-
-    verify None checks logits when both models fit in memory; True always; False never. Raises
-    UnsupportedModel (not a Llama architecture), ConversionError (bad input) or VerificationFailed
-    before `output` appears.
-    """
+    """Export a checkpoint to a LlamaForCausalLM folder; verify None checks logits when both models fit in memory.
+    UnsupportedModel, ConversionError and VerificationFailed are raised before `output` appears."""
     from megatron_jreg.checkpoints import Checkpoint
     from megatron_jreg.checkpoints.model import quiet_megatron
 

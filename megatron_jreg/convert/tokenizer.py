@@ -1,15 +1,5 @@
-"""The run's tokenizer in an exported Hugging Face folder, id for id, for every `--tokenizer-type` that
-`megatron-jreg train` accepts (how each type is written: docs/convert.md).
-
-A copied Hugging Face folder, or transformers' own conversion of a SentencePiece model or a tiktoken encoding,
-is written under a class both transformers 4.x and 5.x load (`PreTrainedTokenizerFast`), with a pad token (the
-tokenizer's own, else its end-of-document token, as Llama-3 does) and the model's context length. Then the
-folder, loaded with `AutoTokenizer`, must give the run's ids on a corpus sample (`check_texts`), else the export
-is refused naming the first difference: a Megatron-LM option transformers cannot reproduce would otherwise give
-a model silently fed other ids. A tokenizer given with --tokenizer-model must also fit the checkpoint (its
-vocabulary pads to the embedding rows; size and end-of-document id equal the run's, from the run's tokenizer
-or the preprocess manifests of its data).
-"""
+"""The run's tokenizer in an exported Hugging Face folder, checked id for id as transformers loads it: a Megatron-LM
+option transformers cannot reproduce would otherwise feed the model other ids, silently (docs/convert.md)."""
 
 from __future__ import annotations
 

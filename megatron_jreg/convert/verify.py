@@ -1,12 +1,5 @@
-"""What makes a conversion trustworthy: the converted model computes the same logits as the source, and a
-failed conversion leaves nothing behind.
-
-One fixed token batch runs through both models in float32 with the weights written to disk, and the
-largest |logit difference| must stay under a rounding budget (`default_threshold`), far below what a mapping
-error (swapped heads, gate/up halves, a RoPE base, a lost tie) causes; a norm epsilon barely moves logits, so it
-is copied field to field and tested as such. An export to a narrower dtype compares against the megatron model
-rounded the same way and reports the rounding's own effect apart (docs/results/convert_logits.txt).
-"""
+"""What makes a conversion trustworthy: the converted model computes the same logits as the source within float32
+rounding, and a failed conversion leaves nothing behind (the budget and its margins: DEVELOPERS.md, convert)."""
 
 from __future__ import annotations
 
@@ -28,10 +21,8 @@ ROUNDING_BUDGET = 16  # see default_threshold
 
 
 def default_threshold(depth: int, max_abs_logit: float) -> float:
-    """The largest |logit difference| two float32 implementations of the same weights may show:
-    max(THRESHOLD, ROUNDING_BUDGET · ε₃₂ · (depth + 1) · max|logit|). Each layer adds a few ε₃₂ of relative
-    rounding error and trained stacks grow it with depth, while a mapping error moves logits by a sizeable
-    fraction of their size; the measured margins are in docs/results/convert_logit_rounding.txt."""
+    """The largest |logit difference| two float32 implementations of the same weights may show: each layer adds a
+    few ε₃₂ of relative rounding, a mapping error moves logits by a sizeable fraction of their size."""
     return max(THRESHOLD, ROUNDING_BUDGET * EPS32 * (depth + 1) * max_abs_logit)
 
 

@@ -1,7 +1,4 @@
-"""`megatron-jreg evaluate`: LAMBADA top-1 and lm-eval tasks on a Hugging Face folder or a checkpoint.
-
-megatron-jreg evaluate --hf out/hf-jreg --tasks lambada,boolq,arc_easy --output results/jreg-s1.json
-"""
+"""`megatron-jreg evaluate`: LAMBADA top-1 and lm-eval tasks on a Hugging Face folder or a checkpoint."""
 
 # ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations

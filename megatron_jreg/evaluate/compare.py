@@ -1,12 +1,6 @@
 """`megatron-jreg compare`: did JREG beat the baseline (or do worse), per task and on average, across seeds?
 
-    megatron-jreg compare --baseline base-s1.json base-s2.json base-s3.json \\
-                          --jreg jreg-s1.json jreg-s2.json jreg-s3.json
-
-Inputs: `evaluate --output` files or lm-eval's results files, paired by their "seed" (--pair-by-order: by
-position). Each task's score is one metric (--metric, --task-metric), its direction from the files' lm-eval
-`higher_is_better`, else its name; "average" is the paired t-test (stats.py) on each seed's mean over the tasks.
-"""
+Runs pair by their "seed", so two arms listed in different orders still compare like with like."""
 
 from __future__ import annotations
 
@@ -90,10 +84,8 @@ def metric_direction(
 def pair_runs(
     baseline: list[Path], jreg: list[Path], runs: dict[Path, EvalResults], by_order: bool = False
 ) -> tuple[list[tuple[Path, Path]], str]:
-    """(baseline, jreg) file pairs of the same seed, and how they were paired ("seed" or "order").
-
-    By seed unless `by_order`; a file without a seed is refused then: pairing by position would silently
-    pair different seeds whenever the two lists are in different orders."""
+    """(baseline, jreg) file pairs of the same seed, and "seed" or "order"; unless `by_order`, a file without a seed
+    is refused: pairing by position would silently pair different seeds."""
     if len(baseline) != len(jreg):
         raise ValueError(f"--baseline has {len(baseline)} files and --jreg {len(jreg)}; give one per seed in each arm")
     seed = {path: runs[path].seed for path in [*baseline, *jreg]}
@@ -136,11 +128,8 @@ def compare_runs(
     confidence: float = 0.95,
     directions: dict[str, bool] | None = None,
 ) -> Comparison:
-    """Per-task rows and the average row over the tasks every file has with its metric.
-
-    Refuses a compared task scored on different numbers of examples or few-shot counts in different files,
-    and files that disagree on its metric's direction. The average leaves out lm-eval groups whose subtasks
-    are compared too (they would count twice) and is not given when the tasks mix directions."""
+    """Per-task rows and the average over the tasks every file has, refusing tasks scored on different examples or
+    shots; the average leaves out groups whose subtasks are compared (they would count twice) and mixed directions."""
     directions = directions or {}
     paths = [path for pair in pairs for path in pair]
     candidates = list(dict.fromkeys(task for path in paths for task in runs[path].results))

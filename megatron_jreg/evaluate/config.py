@@ -34,12 +34,8 @@ def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None)
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    """What to evaluate and how.
-
-    Exactly one model source: `hf` (a Hugging Face folder, or a hub id resolved from the local cache to
-    its snapshot folder) or `load` (a megatron-jreg checkpoint, optionally at `iteration`). `tasks` mixes
-    the built-in "lambada" with lm-eval task names.
-    """
+    """What to evaluate and how: one model (`hf` folder or cached hub id, or `load` checkpoint), tasks mixing the
+    built-in "lambada" with lm-eval names."""
 
     hf: Path | None = None
     load: Path | None = None

@@ -1,13 +1,6 @@
-"""The one decoding loop (generate's answers, evaluate's generate_until): batched greedy or sampled, through
-the model's own key/value cache (transformers' `Cache`, megatron-core's `StaticInferenceContext`).
-
-Rows advance in lockstep as megatron-core's static batching does, so each row's cache holds only its own tokens
-(no padding, no mask) and a step costs one token per row (docs/results/generate_kv_cache.txt). The loop is ours:
-each question draws from its own seeded `torch.Generator`, so its answer depends on the seed and the question
-only, not on its batch or a resume (`transformers.generate` samples a batch from the global RNG: a question asked
-alone and second in a batch got different tokens); megatron-core's controller is deprecated with its static
-engine, whose replacement needs CUDA.
-"""
+"""The one decoding loop (generate's answers, evaluate's generate_until), through the model's own KV cache; ours so
+each question samples from its own seeded generator, whatever its batch (why not transformers.generate or
+megatron-core's controller: DEVELOPERS.md, evaluate)."""
 
 from __future__ import annotations
 
@@ -118,12 +111,9 @@ def complete(
     stopped: Callable[[int, list[int]], bool] | None = None,
     pad_id: int = 0,
 ) -> list[Completion]:
-    """Continue every prompt (token ids, each shorter than `window`) until a stop id, `max_new_tokens`, a
-    full context `window`, or `stopped(row, generated_ids)` says so (e.g. a stop text appeared).
-
-    open_decoder(batch, length): a `Decoder` for `batch` rows of at most `length` positions. Logit columns
-    from `vocab_size` on (megatron's padded vocabulary) never win; `pad_id` feeds finished rows. Logits that are
-    not finite stop the run (NonFiniteOutput): decoded they would end every answer at once, silently."""
+    """Continue every prompt (shorter than `window`) until a stop id, `max_new_tokens`, a full `window` or
+    `stopped(row, generated_ids)`; open_decoder(batch, length) gives the `Decoder`. Columns from `vocab_size` on
+    (megatron's padding) never win; non-finite logits raise NonFiniteOutput (decoded, they end answers silently)."""
     out = [Completion([], "length") for _ in prompts]
     generators = generators or [None] * len(prompts)
     batch = [i for i, p in enumerate(prompts) if len(p) < window]

@@ -128,9 +128,8 @@ class HarnessLM(TemplateLM):
 
 @contextlib.contextmanager
 def quiet_git_hash() -> Iterator[None]:
-    """lm-eval records the working folder's commit by running `git describe`, whose "fatal: not a git
-    repository" lands on the console outside a repository; its own fallback that reads .git/ instead
-    (`get_commit_from_path`) records the same commit silently. Scoped to one evaluation."""
+    """lm-eval's `git describe` prints "fatal: not a git repository" outside one; its own fallback that reads .git/
+    records the same commit silently. Scoped to one evaluation."""
     from unittest import mock
 
     from lm_eval import evaluator

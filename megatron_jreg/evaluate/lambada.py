@@ -1,9 +1,5 @@
-"""Built-in LAMBADA (the paper's next-token metric): top-1 accuracy and target perplexity, lm-eval's
-"lambada_openai" computed without lm-eval, the same for a Hugging Face folder and a megatron checkpoint.
-
-Correct when greedy decoding after the context reproduces every target token; perplexity is lm-eval's aggregation
-(exp of the mean per-passage NLL), its standard error by the delta method where lm-eval bootstraps (docs/evaluate.md).
-"""
+"""Built-in LAMBADA (the paper's next-token metric): lm-eval's "lambada_openai" top-1 accuracy and perplexity without
+lm-eval, so a checkpoint is scored without converting it (split and aggregation: docs/evaluate.md)."""
 
 from __future__ import annotations
 
@@ -22,9 +18,8 @@ SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
 
 
 def split_passage(text: str) -> tuple[str, str]:
-    """(context, target) as lambada_openai splits a passage: on single spaces, like its
-    `text.split(' ')` templates, so a last word after a newline keeps the text since the last space
-    (7 of the 5,153 vendored passages); that keeps our numbers equal to lm-eval's on the same file."""
+    """(context, target) split on single spaces as lambada_openai's `text.split(' ')` does, so our numbers equal
+    lm-eval's on the same file (a last word after a newline keeps the text since the last space)."""
     words = text.split(" ")
     return " ".join(words[:-1]), " " + words[-1]
 
@@ -45,13 +40,8 @@ def skip_reason(value: object) -> str | None:
 
 
 def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
-    """(scoreable passages in file order, skipped passages counted by reason) of a LAMBADA JSONL file,
-    one {"text": passage} a line (blank lines ignored).
-
-    A line that is not such an object makes the file unusable (UsageError naming file and line):
-    skipping it would change which passages are scored without saying so. A file with no scoreable
-    passage is refused too, rather than scored as accuracy 0.
-    """
+    """(scoreable passages, skipped ones counted by reason) of a LAMBADA JSONL file; a malformed line or no
+    scoreable passage is a UsageError, since skipping would change silently what is scored."""
     path = Path(path)
     passages: list[str] = []
     skipped: Counter[str] = Counter()

@@ -1,10 +1,5 @@
-"""`megatron-jreg` as an lm-eval model: `--model megatron-jreg --model_args load=CKPT` in lm-eval's own CLI.
-
-lm-eval 0.4.13 finds models only in its registry (`@register_model` in imported modules), never through entry
-points, so this module must be imported: `python -m megatron_jreg.evaluate.lm_eval_model` is lm-eval's CLI with it
-(offline); usage: docs/evaluate.md. `pretrained=PATH` is load= or hf= by what PATH holds (lm-eval names its
---output_path folders after `pretrained=` only). Requests go to `harness.HarnessLM`, as in `evaluate`: same numbers.
-"""
+"""`megatron-jreg` as an lm-eval model in lm-eval's own CLI (`python -m megatron_jreg.evaluate.lm_eval_model`: lm-eval
+registers models only on import); requests go to `harness.HarnessLM`, as in `evaluate`: same numbers."""
 
 # ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations
@@ -130,9 +125,8 @@ class MegatronJregLM(HarnessLM):
 
 
 def missing_task_data() -> list[str]:
-    """One line per task of lm-eval's command line (sys.argv) whose dataset is not on this machine, checked
-    as `megatron-jreg evaluate` checks them (tasks.check_datasets), before any model is loaded. Groups, task
-    YAML paths and names lm-eval does not know are left to lm-eval itself."""
+    """One line per task of lm-eval's command line whose dataset is not here, checked as `evaluate` does before
+    any model loads; groups, YAML paths and unknown names are left to lm-eval."""
     from lm_eval._cli import HarnessCLI
 
     from megatron_jreg.evaluate.tasks import check_datasets, task_manager, task_plans

@@ -1,8 +1,5 @@
-"""`CausalLM`, the one model interface of evaluate and generate: text <-> token ids -> logits, and a KV-cache decoder.
-
-A backend is one class (`HFCausalLM`, `MegatronCausalLM`). Tokenization lives in the model object because the
-LAMBADA target split and lm-eval's context/continuation split both depend on the model's own tokenizer.
-"""
+"""`CausalLM`, the one model interface of evaluate and generate, with its tokenizer inside: the LAMBADA target split
+and lm-eval's context/continuation split both depend on the model's own tokenizer."""
 
 from __future__ import annotations
 
@@ -57,11 +54,8 @@ class CausalLM(Protocol):
         ...
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens[b, t] int64, right-padded rows allowed -> logits[b, t, V'] float32 (V' >= vocab_size).
-
-        Position i of a row may depend only on positions <= i of that row (causal), which is what
-        makes right padding harmless: real tokens never see the padding after them.
-        """
+        """tokens[b, t] int64, right-padded rows allowed -> logits[b, t, V'] float32 (V' >= vocab_size); causal,
+        which makes right padding harmless."""
         ...
 
     def decoder(self, batch: int, length: int):  # noqa: ANN201 - a decoding.Decoder

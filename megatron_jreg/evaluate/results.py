@@ -1,10 +1,5 @@
-"""The results format every evaluation writes (the fields of `EvalResults`), so any two runs can be compared.
-
-Built-in and lm-eval tasks land in one shape: lm-eval's "acc,none" / "acc_stderr,none" become "acc" / "acc_stderr"
-(another filter stays "acc,filter"), its "N/A" stderr null; its metric directions, few-shot counts and groups are
-kept for `compare`. `EvalResults.read` also reads lm-eval's own results_*.json (no training seed unless one is
-added as a top-level "seed").
-"""
+"""The results format every evaluation writes, built-in and lm-eval tasks in one shape ("acc,none" is "acc"), so
+any two runs, ours or lm-eval's own results_*.json, can be compared."""
 
 from __future__ import annotations
 

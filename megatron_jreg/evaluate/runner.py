@@ -30,12 +30,8 @@ def _package_version(name: str) -> str | None:
 
 
 def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
-    """Run `cfg.tasks` on the configured model. `manager` (an lm-eval TaskManager) may be passed to
-    reuse one index across calls; by default one is built for the requested tasks.
-
-    Every lm-eval task's dataset is loaded offline before the model is, so a missing one stops the run
-    with one message for all tasks (a UsageError) before any compute is spent.
-    """
+    """Run `cfg.tasks` (`manager`: an lm-eval TaskManager to reuse); every task's data is checked before the model
+    loads, so a missing dataset is one UsageError for all tasks before any compute."""
     force_offline()
     plans = []
     if cfg.harness_tasks:

@@ -1,10 +1,5 @@
-"""Scoring continuations on a `CausalLM`, one computation for LAMBADA and the lm-eval adapter.
-
-It follows lm-evaluation-harness 0.4's causal models (the adapter is its `TemplateLM`, which tokenizes the
-pairs and cuts the rolling windows), so the built-in LAMBADA numbers and the harness numbers of one model agree:
-an input longer than the window keeps its last max_length+1 tokens, and only the continuation tokens that still
-fit are scored.
-"""
+"""Scoring continuations on a `CausalLM`, one computation for LAMBADA and the lm-eval adapter, cut and scored as
+lm-eval 0.4's causal models do so the built-in LAMBADA and the harness agree on one model."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ Pair = tuple[list[int], list[int]]
 
 @dataclass(frozen=True)
 class Scored:
-    """Score of one continuation: the summed log-probability of its tokens, whether greedy decoding
-    reproduces every one of them, and how many tokens were scored."""
+    """One continuation: summed log-probability, whether greedy decoding reproduces every token, tokens scored."""
 
     logprob: float
     greedy: bool
@@ -49,13 +43,9 @@ def _fit(lm: CausalLM, ctx: list[int], cont: list[int]) -> tuple[list[int], list
 def score(
     lm: CausalLM, pairs: Sequence[Pair], batch_size: int = 8, progress: Callable[[int], object] | None = None
 ) -> list[Scored]:
-    """Score each continuation given its context; results in the order of `pairs`.
-
-    Batches are formed from length-sorted requests (least padding) and right-padded with `lm.eod`; the
-    model is causal, so a row's scores do not depend on what it is batched with. `progress(n)` is told
-    after each batch how many requests it finished (a tqdm bar's `update`). Logits that are not finite
-    where a continuation is scored stop the run (NonFiniteOutput): they would score as wrong, silently.
-    """
+    """Each continuation's score given its context, in the order of `pairs`; length-sorted batches right-padded
+    with eod (causal: a row's score ignores its batch). `progress(n)`: a bar's update; non-finite logits raise
+    NonFiniteOutput (they would score as wrong, silently)."""
     fitted = [_fit(lm, ctx, cont) for ctx, cont in pairs]
     results = [Scored(0.0, True, 0)] * len(fitted)  # kept for requests with nothing to score
     todo = sorted((i for i, (_, target) in enumerate(fitted) if target), key=lambda i: -len(fitted[i][0]))

@@ -1,12 +1,5 @@
-"""The significance test of the paper's Appendix G: scipy's paired t-test (`ttest_rel`) over training seeds,
-JREG - baseline per seed, read on both tails: p (JREG better, by the metric's direction), p_worse, two-sided p,
-and the one-sided confidence bound on the mean difference on JREG's side (significant exactly when it is past 0).
-
-Differences with no spread (s = 0, or within float rounding of 0: 0.4 - 0.3 vs 0.3 - 0.2) make t +-inf and p 0
-whatever n, a "significant" result from two seeds that moved by the same amount; such a test is NaN, never
-significant. Each test is at level 1 - confidence on its own: k tests at 5% give a family-wise false "better"
-near 1 - 0.95^k, so fix one endpoint before the runs or judge the family with `holm`.
-"""
+"""The significance test of the paper's Appendix G: scipy's paired t-test over seeds read on both tails, with the
+one-sided bound; a difference with no spread is NaN, never "significant" (DEVELOPERS.md, evaluate)."""
 
 from __future__ import annotations
 
@@ -16,9 +9,7 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-# Differences whose spread is at most this fraction of the scores' magnitude are equal up to rounding:
-# float32 rounding of equal values leaves up to 2^-23 ≈ 1.2e-7 of them, far below any evaluation's
-# resolution (one example in LAMBADA's 5,153 is 2e-4 of accuracy).
+# Spread at most this fraction of the scores' magnitude is rounding (float32 leaves ~1.2e-7), not a difference.
 TIE_RTOL = 1e-6
 
 
@@ -70,11 +61,8 @@ def _check_scores(name: str, values: Sequence[float]) -> None:
 def paired_one_sided(
     jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95, higher_is_better: bool = True
 ) -> PairedTest:
-    """Paired t-test of JREG against the baseline over paired seeds (the module docstring).
-
-    Refuses (ValueError) arms of different lengths, fewer than 2 pairs, a NaN/infinite/boolean score and a
-    confidence outside (0, 1): each would give a p-value that means nothing.
-    """
+    """Paired t-test of JREG against the baseline; ValueError for inputs whose p-value would mean nothing
+    (unequal arms, < 2 pairs, a non-finite or boolean score, confidence outside (0, 1))."""
     if len(jreg) != len(baseline):
         raise ValueError(f"paired test needs as many JREG as baseline scores, got {len(jreg)} and {len(baseline)}")
     n = len(jreg)
@@ -111,11 +99,8 @@ def untested(jreg: float, baseline: float, confidence: float = 0.95, higher_is_b
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values, in the input order: reject hypothesis i at family-wise level α
-    when adjusted[i] < α. With p sorted ascending, adjusted_(k) = max_{i <= k} min(1, (m - i + 1) p_(i)).
-
-    A NaN p (an undefined test) stays NaN and still counts in m, as a hypothesis that cannot be rejected.
-    """
+    """Holm-Bonferroni adjusted p-values in input order (adjusted_(k) = max_{i<=k} min(1, (m-i+1) p_(i))); a NaN p
+    stays NaN and counts in m, a hypothesis that cannot be rejected."""
     m = len(p_values)
     order = sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
     adjusted = [math.nan] * m

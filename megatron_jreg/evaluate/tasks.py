@@ -1,9 +1,5 @@
-"""lm-eval tasks: which configs to run, and whether their datasets are on this machine.
-
-`check_datasets` makes the call lm-eval's task constructor makes (`datasets.load_dataset(dataset_path, ...)`,
-offline: the cache or a local folder) for every task before any model loads, so a missing dataset is one report
-for all tasks with the fix, not a traceback after the first tasks ran.
-"""
+"""lm-eval tasks: which configs to run, and whether their datasets are on this machine before any model loads, so
+a missing dataset is one report for all tasks with the fix, not a traceback after the first tasks ran."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from typing import Any
 
 from megatron_jreg.errors import UsageError, one_line
 
-# The paper's downstream tasks, by their lm-eval names, and the folder of lm-eval's task configs that
-# defines each (indexing only those folders takes milliseconds; all of lm-eval's ~15k configs ~20 s).
+# The paper's downstream tasks and the lm-eval config folder of each: indexing only those is fast.
 PAPER_TASKS: dict[str, str] = {
     "boolq": "super_glue/boolq",
     "arc_easy": "arc",
@@ -129,10 +124,8 @@ def _missing(plan: TaskPlan, error: Exception) -> str:
 
 
 def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
-    """One line per task whose data cannot be loaded offline, in the order given; empty when all can.
-
-    Tasks that build their data in code (`custom_dataset`) cannot be checked and are let through.
-    """
+    """One line per task whose data cannot be loaded offline, as lm-eval's task constructor loads it; tasks that
+    build their data in code (`custom_dataset`) cannot be checked and are let through."""
     import datasets
 
     problems = []

@@ -1,8 +1,4 @@
-"""`megatron-jreg generate`: answers to a question file, in the answer format FastChat's MT-bench judge reads.
-
-megatron-jreg generate --load runs/sft-jreg --prompts examples/sft/data/wikitext_questions.jsonl \\
-    --output answers/sft-jreg.jsonl
-"""
+"""`megatron-jreg generate`: answers to a question file, in the answer format FastChat's MT-bench judge reads."""
 
 # ruff: noqa: E402 - the imports after sleep_while_waiting() load torch, and must come after it
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Question files in, answer files out: FastChat's MT-bench formats (docs/sft.md), read strictly, written atomically.
-
-The answer file is rewritten whole after every batch (fileio.atomic_write), so it holds complete lines only, and a
-run started again skips the question ids it already holds.
-"""
+"""Question files in, answer files out: FastChat's MT-bench formats (docs/sft.md), read strictly and rewritten whole
+after every batch, so an interrupted run leaves complete lines and a rerun resumes by question id."""
 
 from __future__ import annotations
 
@@ -63,10 +60,8 @@ def read_questions(path: Path, flag: str = "--prompts") -> list[Question]:
 
 
 def read_answers(path: Path, model_id: str, flag: str = "--output") -> dict[int | str, dict]:
-    """Answers already in `path` (an earlier, interrupted run), keyed by question id; {} when there is no file.
-
-    An answer file of another model, or a file that is not an answer file, is refused: a resumed run adds
-    to it and must not mix models or overwrite something else."""
+    """Answers of an earlier run in `path` by question id ({} without a file); another model's file or a non-answer
+    file is refused: a resumed run adds to it and must not mix models or overwrite something else."""
     if not path.exists():
         return {}
     answers: dict[int | str, dict] = {}
@@ -93,7 +88,6 @@ def answer_record(question: Question, model_id: str, turns: list[str], answer_id
 
 
 def write_answers(path: Path, records: list[dict]) -> None:
-    """All `records`, one JSON line each, through fileio.atomic_write (the umask's mode: a judge job's account
-    reads it)."""
+    """All `records`, one JSON line each, replaced atomically (umask mode: a judge job's account reads it)."""
     with atomic_write(path) as f:
         f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

@@ -1,10 +1,5 @@
-"""The generate run: a model (evaluate's `CausalLM`, decoded with its KV cache) and its chat tokenizer, then every
-question answered turn by turn, as FastChat's gen_model_answer.py (answer k joins the conversation before turn k+1).
-
-The chat side is always a Hugging Face tokenizer (the folder's own, or the run's `--tokenizer-model`), so a
-conversation is tokenized as `--sft` trained on it: `apply_chat_template(..., add_generation_prompt=True)`, what
-Megatron-LM's SFTTokenizer's inference path calls.
-"""
+"""The generate run: a model and its Hugging Face chat tokenizer (so a conversation is tokenized as `--sft` trained
+on it), every question answered turn by turn as FastChat's gen_model_answer.py does."""
 
 from __future__ import annotations
 
