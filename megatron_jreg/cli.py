@@ -1,10 +1,5 @@
-"""`megatron-jreg <command> [flags]`: one console script over the library's entry points.
-
-Each command is a `main(argv) -> int` imported lazily, so `megatron-jreg compare` does not pay for
-importing megatron-core. Each command's `--help` ends with one example
-(`megatron_jreg.usage.example`); exit status 2 is a usage or input error in every command, and a stdout that
-fails is not an error of the run (`megatron_jreg.errors`).
-"""
+"""`megatron-jreg <command> [flags]`: one console script; each command's `main(argv) -> int` is imported lazily, so a
+light command never pays for importing megatron-core."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""megatron-core on CPU with the gloo backend, for laptops, CI and tests.
-
-megatron-core is written for GPUs; a handful of CUDA-only calls stop it on a machine without one. This module
-redirects exactly those calls, and nothing when CUDA is available: `apply_cpu_compat()` (every entry point, at
-process start) for megatron-core, `apply_cpu_training_compat()` (the train entry) for what
-`megatron.training.pretrain` needs besides, because those tell the process a device exists. Each redirect is a
-row of `megatron_jreg.patches.PATCHES` (why, the version it was written for, when it can go); DEVELOPERS.md,
-"megatron-core on CPU", lists them. A `TorchFunctionMode` (`_CudaToCpu`) maps `device="cuda"` arguments and
-`Tensor.cuda()` to the CPU; a mode is not active inside autograd's backward, so the one factory that runs
-there (the default causal mask rebuilt by activation recomputation) is replaced instead.
-
-CPU training is automatic only on a machine with no sign of a GPU (`gpu_signs`); anywhere else a run without
-usable CUDA is refused before any work (`cpu_training_refusal`), in one line naming why torch sees no GPU
-(`cuda_diagnosis`) and the train entry's `--allow-cpu`, which chooses the CPU on purpose.
-"""
+"""megatron-core on CPU with gloo (laptops, CI, tests): redirects exactly the CUDA-only calls that stop it, and nothing
+when CUDA is available; CPU training only where no sign of a GPU exists (DEVELOPERS.md, "megatron-core on CPU")."""
 
 from __future__ import annotations
 
@@ -60,7 +47,8 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpu(torch.overrides.TorchFunctionMode):
-    """Sends tensors asked for on "cuda" to the CPU; see the module docstring."""
+    """Sends tensors asked for on "cuda" to the CPU; a mode is not active in autograd's backward, so the
+    one factory run there (the causal mask rebuilt by recomputation) is replaced instead."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -177,7 +165,7 @@ def apply_cpu_compat() -> bool:
 
 
 def apply_cpu_training_compat(args: Any | None = None) -> bool:
-    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (see the module docstring).
+    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (DEVELOPERS.md, "megatron-core on CPU").
 
     With `args` (a parsed Megatron-LM namespace) the distributed backend is switched to gloo.
     Returns True when active (no CUDA)."""
@@ -248,8 +236,8 @@ def cuda_diagnosis() -> str:
 
 
 def cpu_training_refusal(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> str | None:
-    """The one line that stops a CPU run where a GPU is expected (see the module docstring), or None where
-    CPU training is what this machine offers. Call only when torch.cuda.is_available() is False."""
+    """The one line that stops a CPU run where a GPU is expected (`gpu_signs`), or None where CPU training is what
+    this machine offers. Call only when torch.cuda.is_available() is False."""
     signs = gpu_signs(environ, dev)
     if not signs:
         return None

@@ -1,10 +1,5 @@
-"""Every command's errors: one base class, one exit-code convention (2: bad input, argparse's; 1: the run or the
-machine failed; 130: Ctrl-C), one line naming the flag or file and the fix, printed by `report` alone.
-
-A failing stdout or stderr (`| head -1`, `> /dev/full`, `ulimit -f`) is not an error of the run: `keep_output`
-points it at /dev/null and the command finishes its files; a closed pipe stays quiet, any other failure of stdout
-is one stderr line and exit 1 (`output_code`). The bottom layer: it imports nothing from megatron_jreg.
-"""
+"""Every command's errors: one base class, one exit-code convention (2 bad input, 1 run failed, 130 Ctrl-C), one line
+naming the flag or file and the fix; a failing stdout is not an error of the run (DEVELOPERS.md, "Errors")."""
 
 from __future__ import annotations
 

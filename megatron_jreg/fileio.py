@@ -1,8 +1,5 @@
-"""Writing files so that a crash or a reader never sees half of one, and reading JSON lines with the line named.
-
-Every writer of an output the project promises (checkpoint sidecars, integrity.json, metrics, manifests, answers,
-exported folders) goes through `atomic_write` or `atomic_folder`; every JSONL reader through `read_jsonl`.
-"""
+"""Writing files so that a crash or a reader never sees half of one, and reading JSON lines with the line named: every
+promised output goes through `atomic_write`/`atomic_folder`, every JSONL reader through `read_jsonl`."""
 
 from __future__ import annotations
 

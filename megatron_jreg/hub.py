@@ -1,15 +1,6 @@
-"""Hugging Face models on this machine, offline: hub ids resolved from the local cache, complete loads only.
-
-`analyze --model`, `evaluate --hf` and `convert` take a local path or a hub id (`org/name`, `org/name@REVISION`,
-`org/name/sub/file.gguf`), answered by huggingface_hub itself from the cache `hf download` fills
-(huggingface_hub's snapshot download with `local_files_only=True`, never a download; `force_offline` sets its
-offline mode, HF_HUB_OFFLINE). Added by hand, because the library lacks them: a commit-hash prefix as
-revision, a cache copied without refs/, a missing blob named, and a model not there as one line naming the
-cache searched, what it holds, and the fix.
-
-`load_causal_lm` is the one place a folder becomes a model: transformers only logs missing weights (initialised
-randomly) or unused ones, so a Mixtral without its experts would be scored as a random model; it is refused here.
-"""
+"""Hugging Face models on this machine, offline: hub ids resolved by huggingface_hub from the local cache, never a
+download, plus what the library lacks (DEVELOPERS.md, "The offline hub cache"); `load_causal_lm` refuses
+partial loads."""
 
 from __future__ import annotations
 

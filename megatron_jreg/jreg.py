@@ -1,35 +1,5 @@
-"""The JREG math: displacement Ψ, jump rates ζ, layer weights w and the JREG loss.
-
-Torch only (no megatron imports), so the training plugin, the analysis of open-weight models and the
-tests share one definition.
-
-Notation (layers ℓ = 1..L; h_0 = embeddings, h_L = last layer output *before* the final norm):
-
-    cos_ℓ(t) = <h_{ℓ-1}(t), h_ℓ(t)> / (|h_{ℓ-1}(t)| |h_ℓ(t)|)          per token t
-    Ψ_ℓ      = mean over real tokens of  arccos(cos_ℓ(t)) / π            ("angular", in [0, 1])
-                                     or  1 - cos_ℓ(t)                    ("cosine",  in [0, 2])
-    ζ_ℓ      = 100 · Σ_{k=ℓ..L} max(0, Ψ_k - Ψ_{k-1})                    for ℓ ≥ 2
-    w_ℓ      = softmax_ℓ(α · ℓ)                                          over the penalized layers
-    L_cos    = Σ_ℓ w_ℓ Ψ_ℓ ;   loss = L_CE + λ · L_cos
-
-Everything is computed in fp32 whatever the activation dtype, by fused kernels (`jreg_kernels`: Triton on CUDA,
-torch.compile'd C++ on CPU, eager torch elsewhere; benchmarks/jreg_op.py). Two ways in:
-- `token_displacement` and the sums built on it (analysis, evaluation, tests): d per token with autograd; its
-  backward runs the two gradient kernels into fresh tensors.
-- `LayerPenalty` (training, through the plugin's hooks): λ·w_ℓ·Ψ_ℓ enters backward without a forward computation
-  and without a tensor of its own: an identity on h_out whose backward adds ∂/∂h_out into the gradient h_out
-  receives, and an identity on h_in (applied before the layer runs) whose backward adds ∂/∂h_in into the gradient
-  h_in receives from the layer. Between forward and backward it keeps references to h_in and h_out and nothing
-  else. Where the layers keep those states anyway (norms that save their input: Transformer Engine's, apex's,
-  torch's in fp32) that adds no activation memory; a torch norm that saves an fp32 upcast of a bf16 input leaves
-  JREG's references as the only holders of the bf16 states. At PP > 1 the output of a stage's last layer, which
-  Megatron-LM frees once it is sent, stays until JREG's backward has read it: measured per microbatch by
-  tests/test_jreg_hot_path.py (PP = 2).
-
-A hidden state that is not finite gives a NaN displacement (never 0.5), so Ψ and ζ of a broken step are NaN; a zero
-vector reads as orthogonal (0.5 angular, 1 cosine) and is flagged (`forward`'s third row), so that the plugin can
-say so.
-"""
+"""The JREG math (Ψ, ζ, the layer weights w and the loss), torch only, so that training, analysis and tests share one
+definition. Notation and the two ways in (autograd sums, `LayerPenalty`): DEVELOPERS.md, "JREG math"."""
 
 from __future__ import annotations
 
@@ -163,18 +133,11 @@ def _unheld_references() -> int:
 
 class LayerPenalty:
     """The term factor·Σ_t up[t]·d_t of one layer call (the plugin's λ·w_ℓ·Ψ_ℓ, scaled like the main loss), added to
-    backward without computing anything in forward and without a [T, h] tensor of its own:
-
-        h_in = penalty.watch(h_in)                          # before the layer runs (a forward pre-hook)
-        h_out = penalty.attach(h_out, h_in, up, factor)     # after it (a forward hook)
-
-    h_in, h_out: [..., h] (any leading shape); up: [T] per token of the flattened leading dimensions (the token mask
-    times the microbatch's scale, or that scale expanded). In backward, `attach`'s identity on h_out adds ∂/∂h_out
-    into the gradient h_out receives (jreg_kernels.grad_b) and hands the per-row figures to `watch`'s identity on
-    h_in, whose backward runs after the layer's (it needs h_in's whole gradient from the layer) and adds ∂/∂h_in
-    (jreg_kernels.grad_a). Each adds in place where autograd handed it the gradient alone (`_owned`), else writes a
-    fresh tensor: one pass either way, never a separate add. (Megatron-LM's full recompute hands each recomputed
-    chunk the gradient of its output and keeps it: there the last layer's ∂/∂h_out goes into a fresh tensor.)"""
+    backward without computing anything in forward and without a [T, h] tensor of its own (DEVELOPERS.md, "JREG
+    math"): `h_in = penalty.watch(h_in)` before the layer runs, `h_out = penalty.attach(h_out, h_in, up, factor)`
+    after it; up: [T] per token of the flattened leading dimensions (the token mask times the microbatch's scale).
+    Each backward adds in place where autograd handed it the gradient alone (`_owned`), else writes a fresh tensor
+    (Megatron-LM's full recompute keeps each chunk's output gradient): one pass either way, never a separate add."""
 
     def __init__(self, kind: str = "angular") -> None:
         _check_kind(kind)

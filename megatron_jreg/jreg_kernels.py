@@ -1,55 +1,6 @@
-"""The fused per-token displacement between the rows of a[T, h] and b[T, h] (a layer's h_in and h_out), in as few
-passes over [T, h] as the math allows. Three entry points:
-
-- `forward` (only where Ψ's value is wanted: logging steps, evaluation, analysis): reads a and b once and writes
-  [3, T]: the angular d, the cosine d and a zero-vector flag per row;
-- `grad_b`: reads a, b and the gradient b already receives, writes that gradient plus Σ_t up[t]·∂d_t/∂b (in place
-  when the caller owns it) and five per-row figures [5, T] for `grad_a`;
-- `grad_a`: reads a, b, the figures and the gradient a already receives, writes it plus Σ_t up[t]·∂d_t/∂a.
-
-A training step that does not log runs the two gradient kernels only: 8 passes over [T, h] per layer call (each
-kernel reads a, b and one incoming gradient and writes that gradient back), no [T, h] tensor allocated, and
-nothing kept from the forward for the backward but references to a and b (jreg.LayerPenalty wires this into
-autograd).
-
-The math, fp32 whatever the input dtype, per row t (ε = NORM_EPS: a row shorter than ε is the zero vector):
-
-    ra = 1/max(|a|, ε),  rb = 1/max(|b|, ε),  â = a·ra,  b̂ = b·rb
-    δ = b̂ − â as (b − a)·rb + a·(rb − ra),   σ = â + b̂ as (a + b)·ra + b·(rb − ra)
-    c² = |δ|²,  s² = |σ|²                       (elementwise sums: exact near θ = 0 and near θ = π)
-    angular  d = 2·atan2(c, s)/π ∈ [0, 1]        cosine  d = 1 − cos = 2c²/(c² + s²) ∈ [0, 2]
-    ∂d/∂a = −k·ra·(b̂ − â·cos),  ∂d/∂b = −k·rb·(â − b̂·cos),  k = 1 (cosine) or 1/(π·sin θ) (angular),
-    sin θ = 2cs/(c² + s²), with the directions written without cancellation where they vanish:
-      θ ≤ π/2 (c² ≤ s²):  b̂ − â·cos = δ + â·(1 − cos),   â − b̂·cos = −δ + b̂·(1 − cos),   1 − cos = 2c²/(c² + s²)
-      θ > π/2:            b̂ − â·cos = σ − â·(1 + cos),   â − b̂·cos =  σ − b̂·(1 + cos),   1 + cos = 2s²/(c² + s²)
-
-Edge cases:
-- b = a exactly (an identity layer): (b − a) and (rb − ra) are exactly 0, so δ, c², 1 − cos and both gradients are
-  exactly 0 however products and divisions round (FMA contraction, Triton's approximate fp32 division on NVIDIA:
-  tests/test_jreg_math.py runs the Triton kernels with every division off by an ulp); b = −a likewise through
-  (a + b) and σ.
-- a zero vector: d = 0.5 (angular) / 1 (cosine), flagged, no gradient; a row whose upstream gradient is 0 (a
-  masked token) gets exactly 0, even if its state is not finite.
-- not finite: a row holding inf/NaN, or one whose |x|² overflows fp32 (|x| ≳ 1.8e19), gives d = NaN and a NaN
-  gradient (never 0.5, never 0), also beside a zero vector.
-- tiny angles: â and b̂ carry their fp32 rounding, so the direction of an fp32 gradient at angle θ is off by about
-  1e-7·max(1, |a|/|b|)/θ relative: ~1 % at θ = 1e-5 and worse below. bf16 states that differ at all are farther
-  apart than that (one bf16 ulp in one of h components moves θ by ~2⁻⁸/√h, 8e-5 at h = 2048);
-  tests/test_jreg_math.py measures the bound against float64.
-
-Three ways to run it, chosen per call from the tensors' device (`backend_for`), or forced with
-MEGATRON_JREG_KERNEL=triton|compiled|torch:
-- "triton" (CUDA, h ≤ jreg_triton.MAX_WIDTH): `jreg_triton`'s kernels, each row whole in registers: one launch per
-  entry point.
-- "compiled" (CPU, from COMPILE_MIN_ELEMENTS elements): the torch bodies below compiled by torch.compile
-  (inductor's C++/OpenMP). The first call in a process compiles (or loads inductor's on-disk cache); if compiling
-  fails (no C++ compiler, say) it warns once and uses "torch" from then on.
-- "torch": the same per-row math written for eager torch (`_eager_*`), in row chunks that bound the fp32
-  temporaries. It compiles nothing: below COMPILE_MIN_ELEMENTS (tests, the demo, the study's small models) a
-  process would spend longer compiling than the compiled calls save.
-Figures (ops and full-size tensors per layer call, time against a plain copy of the bytes, compile cost):
-benchmarks/jreg_op.py, docs/results/jreg_op.txt.
-"""
+"""The fused per-token displacement of a layer's (h_in, h_out) and its two gradient kernels, in as few passes over
+[T, h] as the math allows, on the backend the tensors' device calls for. Math, edge cases and backends: DEVELOPERS.md,
+"The fused op"."""
 
 from __future__ import annotations
 

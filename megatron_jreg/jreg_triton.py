@@ -1,11 +1,5 @@
-"""Triton kernels of the fused per-token displacement (CUDA; with TRITON_INTERPRET=1 set before this module is
-imported they run on CPU tensors, which is how the tests check them).
-
-The entry points, math, notation and edge cases are `jreg_kernels`' docstring. Each program holds BLOCK_T rows whole
-in registers (BLOCK_H = the next power of two ≥ h, at most MAX_WIDTH), so each kernel reads its [T, h] operands once
-and writes its [T, h] result once, in one launch, with the layer term's scalar glue (weight, scale, token mask and
-count) as its arguments. Wider rows take jreg_kernels' eager path.
-"""
+"""Triton kernels of the fused displacement (`jreg_kernels`): each program holds its rows whole in registers, so each
+kernel reads its operands once, writes once, in one launch. TRITON_INTERPRET=1 (set before import) runs them on CPU."""
 
 from __future__ import annotations
 

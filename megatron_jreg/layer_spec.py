@@ -1,16 +1,5 @@
-"""The layer spec every megatron-jreg model is built with: Megatron-LM's own, norms made sequence-parallel capable.
-
-Where Megatron-LM would use its `WrappedTorchNorm` (no Transformer Engine, no apex: a bare torch norm that
-refuses sequence parallelism and `persist_layer_norm`), `TorchNorm` takes its place — the same RMSNorm /
-LayerNorm math, with its weight marked `sequence_parallel` so megatron all-reduces its gradient over TP as it
-does for TE's norms. Training builds its models with it, and the checkpoint readers rebuild saved models with
-it, so it lives below both.
-
-`--layernorm-scaling` (LayerNorm Scaling, Sun et al. 2025, "The Curse of Depth in Large Language Models"): each
-decoder layer ℓ's (1-based, global over pipeline and virtual stages, as megatron-core numbers it) pre-attention and
-pre-MLP norm outputs are multiplied by 1/√ℓ, through the norms' spec params (one scaled [h] weight, no extra
-full-size tensor); the local spec only, where the norms are modules of their own.
-"""
+"""The layer spec every model is built with: Megatron-LM's own, its bare torch norms made sequence-parallel capable,
+and `--layernorm-scaling` (1/√ℓ on each layer's pre-norms; DEVELOPERS.md, "The layer spec")."""
 
 from __future__ import annotations
 
@@ -85,7 +74,7 @@ def _swap_norms(spec: object) -> object:
 
 def _scale_norms(block: TransformerBlockSubmodules, config: TransformerConfig,
                  vp_stage: int | None) -> TransformerBlockSubmodules:
-    """LayerNorm Scaling: layer ℓ's two pre-norms get scale 1/√ℓ (module docstring)."""
+    """LayerNorm Scaling: layer ℓ's two pre-norms get scale 1/√ℓ (DEVELOPERS.md, "The layer spec")."""
     offset = get_transformer_layer_offset(config, vp_stage)
     specs = []
     for i, spec in enumerate(block.layer_specs):

@@ -1,28 +1,6 @@
-"""A Hugging Face model folder checked before anything reads its tensors or allocates its model.
-
-`analyze`, `evaluate` and `convert` call `inspect_model_folder` first; it refuses, in one line naming the
-file and the key, what would otherwise hang, exhaust memory, end in a library traceback or run a file's code:
-
-- config.json: counts and sizes that are not positive integers (`num_attention_heads: 0`,
-  `num_hidden_layers: "twelve"`, `hidden_size: 1e9`), norm epsilons and RoPE bases that are not positive
-  finite numbers, head counts that do not divide, and sizes whose weights the files cannot hold: the
-  safetensors headers give the exact number of stored values, and a config whose embedding, one layer or
-  all layers alone need more is refused naming the key (transformers would build 10⁹ layers until the
-  process is killed);
-- safetensors files: each header is read once by `safetensors.safe_open` (which validates it) before any
-  tensor is read, its error wrapped with the file and the fix; `model.safetensors.index.json` may name only
-  files inside the folder (a weight map pointing at `/etc/passwd` or `../x` is refused as such);
-- code: pickle-format weights (`pytorch_model.bin`, `*.pt`, ...) are refused — `torch.load` unpickles, and
-  transformers loads only safetensors here (`use_safetensors=True`); `convert hf-to-mcore` alone imports
-  old `.bin` folders, through `torch.load(weights_only=True)`; a folder whose config or tokenizer
-  names its own Python classes (`auto_map`) that transformers does not implement is refused, since every
-  loader is called with `trust_remote_code=False` and nothing from a folder ever runs;
-- special files: a FIFO or device where a file should be would block the first read forever; every entry
-  of the folder must be a regular file or a folder.
-
-Hub-cache snapshots hold symlinks into `blobs/` outside the snapshot, so symlinks themselves are allowed;
-names in an index are checked lexically (relative, no `..`).
-"""
+"""A Hugging Face model folder checked before anything reads its tensors or allocates its model: what would hang,
+exhaust memory, end in a library traceback or run a file's code is refused in one line naming the file and key
+(the list: DEVELOPERS.md, "Hugging Face folders checked before they load")."""
 
 from __future__ import annotations
 
@@ -444,7 +422,8 @@ class ModelFolder:
 def inspect_model_folder(
     folder: str | Path, flag: str, *, allow_pickle: bool = False, require_weights: bool = True
 ) -> ModelFolder:
-    """Check a Hugging Face model folder before anything loads it (module docstring).
+    """Check a Hugging Face model folder before anything loads it (DEVELOPERS.md, "Hugging Face folders checked
+    before they load").
     allow_pickle: accept pickle-format weights, unchecked, when there are no safetensors (`convert hf-to-mcore`
     reads them with torch.load(weights_only=True)). require_weights=False leaves a folder without weight files
     to the caller (convert names what is missing after refusing an architecture it cannot map)."""

@@ -1,29 +1,5 @@
-"""The one seam with Megatron-LM and torch: every attribute of `megatron.*` / `torch.*` that megatron-jreg
-replaces, why, the version it was written for, and when it can go (`PATCHES`).
-
-Nothing else in `megatron_jreg` assigns into a megatron or torch module (tests/test_patches.py walks the
-source for it); the modules that need a replacement hand a *maker* (`original -> replacement`) for a
-target of this table to one of three appliers here:
-
-- `patched(makers)`: a context manager that applies and undoes (on exit, also on exceptions): the
-  training-time patches (scope TRAINING, entered by `training.run.run` around `pretrain`) and the ones
-  around one Megatron-LM call (scope CALL, entered by the loop adapter of `training.loop`);
-- `apply_process(makers)`: once per process, never undone (scope PROCESS: the CPU compat of
-  `megatron_jreg.compat`, used by train, analyze and evaluate alike, and the safe checkpoint reader);
-- `apply(makers)`: applies and returns the undo (what `patched` is made of).
-
-Each applier refuses a target that is not in the table, and — where the entry names the parameters the
-replacement was written for (`params`) — a Megatron-LM function whose parameter names or order differ,
-with one line naming the function and the differing parameters (`SignatureDrift`). `RELIED_ON` lists
-what megatron-jreg calls without replacing it but whose shape it depends on (private names, the
-`pretrain` signature): tests/test_patches.py checks both tables against the installed megatron-core.
-
-Not an attribute assignment, so not a row: `megatron_jreg.compat` pushes one `TorchFunctionMode` onto
-torch's mode stack for the life of the process (without CUDA: tensors asked for on "cuda" go to the CPU).
-
-This module imports nothing from megatron-jreg (compat and checkpoints use it) and imports megatron/torch
-only when a target is resolved.
-"""
+"""The one seam with Megatron-LM and torch: every attribute of `megatron.*` / `torch.*` that megatron-jreg replaces,
+why, the version it was written for and when it can go (`PATCHES`), and the appliers (DEVELOPERS.md, "The seam")."""
 
 from __future__ import annotations
 

@@ -1,42 +1,6 @@
-"""JREG on megatron-core: collect (h_in, h_out) of every decoder layer and add λ·Σ w_ℓ Ψ_ℓ to backward.
-
-How it fits megatron-core (the MoE auxiliary-loss pattern, no schedule edits):
-- Forward hooks on each decoder `TransformerLayer` this rank owns see the layer's input and output. With grad
-  enabled the term λ·w_ℓ·Ψ_ℓ enters backward through `jreg.LayerPenalty`: a pre-hook passes the input through an
-  identity and the post-hook the output, and their backwards add the term's gradients into the gradients h_in and
-  h_out receive anyway, on the stage that owns layer ℓ (flowing on to the previous stage). Nothing is computed in
-  forward on a step that does not log; Ψ's value is computed (without autograd) only on steps that record it.
-- Which layers: the decoder's L layers, `decoder.layers` of each model chunk, ℓ = the chunk's layer offset
-  (`get_transformer_layer_offset`: pipeline and virtual stages, uneven stages, `--pipeline-model-parallel-layout`)
-  + position + 1. Not `layer_number`: a multi-token-prediction block holds TransformerLayers of its own
-  (layer_number 1), which are not among the L layers and are not hooked.
-- Per microbatch: which tokens are real, how many real and loss tokens it has and the step's scale are captured
-  when the chunk's forward starts (`set_token_mask` before it) and travel with that microbatch. A checkpointed
-  layer (full recompute) runs once without grad and again in backward: the first pass only queues its
-  microbatch, and the recompute — outside any chunk forward — takes the oldest queued one. Megatron's schedules
-  (no pipelining, 1F1B, interleaved) run each chunk's backwards in the order of its forwards, so the recompute
-  sees the mask of the microbatch it recomputes, and Ψ is recorded once.
-- Scaling follows megatron's main loss: ×loss-scale of the optimizer; without per-token loss /num_microbatches
-  ×CP size (DDP averages gradients over DP×CP).
-- Normalisation: Ψ_ℓ of a microbatch is a mean over its *real* tokens (SFT: all but the end padding), whatever
-  the loss mask; microbatches are weighted like the cross-entropy: equally without `calculate_per_token_loss`,
-  by their loss-token count N_loss with it (the term λ·w_ℓ·Ψ_ℓ·N_loss, which megatron's division by the step's
-  loss-token count turns into λ·Σ_ℓ w_ℓ Ψ_ℓ, as megatron-core scales its MTP loss). The gradient is λ·Σ w_ℓ ∇Ψ_ℓ
-  in both modes, never inflated by N_real/N_loss (the modes agree with one microbatch or equal loss-token counts;
-  unmasked batches give the global token mean). `set_token_mask(..., loss_tokens=N)` gives N; without it
-  N_loss = N_real. The logged Ψ is the plain mean over microbatches.
-- Tokens: with sequence or context parallelism a rank holds a slice of the tokens and attaches S_local/N, N the
-  real-token count of the whole microbatch, so each slice's gradient is its share of ∂Ψ/∂h. Without sequence
-  parallelism hidden states are replicated over TP and every TP rank computes the same full term (as megatron
-  does for the cross-entropy).
-- Logging: on steps that record Ψ, per-layer shares (angular Ψ, cosine Ψ, the share of real tokens whose state is
-  the zero vector) are summed over the microbatches and reduced with ONE all-reduce of an [L, 3] array per step,
-  so every rank reports the same Ψ, ζ and L_cos. A zero vector reads as orthogonal (Ψ 0.5):
-  `JregStats.zero_fraction` says where, and ζ is then NaN, never a jump.
-- λ = 0: no hooks except on steps that record Ψ for logging (detached, no graph).
-- Not seen: schedules that call a layer's parts instead of its forward (`--overlap-moe-expert-parallel-comm`) and
-  CUDA-graph replays run no forward hooks; `megatron-jreg train` refuses them.
-"""
+"""JREG on megatron-core: forward hooks on each decoder layer add λ·Σ w_ℓ Ψ_ℓ into backward the way megatron-core adds
+its MoE auxiliary loss (no schedule edits). Layers, microbatches, recompute, SP/CP scaling and logging: DEVELOPERS.md,
+"JREG on megatron-core"."""
 
 from __future__ import annotations
 
@@ -233,13 +197,9 @@ class Microbatch:
 
 
 class JregPlugin:
-    """Attach JREG to megatron-core model chunks; see the module docstring for the mechanics.
-
-    Per training step: `start_step(num_microbatches, record=...)`, run megatron's forward-backward
-    (calling `set_token_mask` in the forward-step function before the model runs, when batches have
-    padding or, under per-token loss, a loss mask), then `finish_step()` for the Ψ/ζ/L_cos of the step
-    (collective: every rank must call it).
-    """
+    """Attach JREG to megatron-core model chunks. Per step: `start_step(num_microbatches, record=...)`, megatron's
+    forward-backward (`set_token_mask` before the model runs where batches have padding or a per-token loss mask),
+    then `finish_step()` for the step's Ψ/ζ/L_cos (collective: every rank calls it)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
         if not model_chunks:

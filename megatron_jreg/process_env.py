@@ -1,20 +1,6 @@
-"""Process settings that must be in place before torch loads: read once, by libgomp or torch's CPU allocator, when
-torch is imported, so each entry point calls these first. Torch-free, the lowest layer.
-
-- `gpu_signs`: what says a run expects a GPU (the train entry's CPU guard, compat.cpu_training_refusal, and
-  the huge-page default below).
-- `sleep_while_waiting` (evaluate, generate, the lm-eval wrapper): OpenMP threads that sleep while they wait.
-  torch runs each CPU op on its intra-op threads (GNU OpenMP in the PyPI wheels: one per core). Between parallel
-  regions libgomp's idle threads spin for a while before they sleep; decoding and scoring run hundreds of small
-  regions per token, so on a CPU shared with other work a spinning thread holds a core its partner is waiting
-  for (benchmarks/generate_hf_vs_load.py, docs/results/generate_hf_vs_load.txt). The policy is OpenMP's
-  standard `OMP_WAIT_POLICY`; a wait the user chose is kept: OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT.
-- `huge_pages_for_cpu_training` (train, on a machine with no sign of a GPU): torch's CPU allocator asks for
-  transparent huge pages for tensors of 2 MB and more (`THP_MEM_ALLOC_ENABLE=1`); without them each fresh large
-  tensor (the layers' activations and gradients) is first touched 4 KB page by page: docs/results/jreg_op_no_thp.txt
-  measured that cost for the JREG op of 82a5650 (two fresh gradients per layer call; the op now adds into the
-  incoming ones, docs/results/jreg_op.txt). A value the user set is kept (`THP_MEM_ALLOC_ENABLE=0` turns it off).
-"""
+"""Process settings that must be in place before torch loads (libgomp and torch's allocator read them at import),
+so each entry point calls these first. Torch-free, the lowest layer; why each: DEVELOPERS.md, "Settings made before
+torch loads"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""`megatron-jreg train` / `python -m megatron_jreg.train`: Megatron-LM's `pretrain_gpt.py` with JREG.
-
-Megatron-LM's own parser, validation, model builder, datasets, training loop, checkpoints and logs
-(`megatron.training.pretrain`); megatron-jreg hands it four providers — model config (training/model.py),
-datasets (training/data.py), forward step and loss (training/step.py) — and adds its flags (training/flags.py),
-JREG's loop events (training/loop.py), telemetry (training/metrics.py) and checkpoint safety
-(training/checkpointing.py). Launch with torchrun or Slurm exactly like pretrain_gpt.py; a plain single process
-also works.
-
-A bad flag or input is one line, `megatron-jreg train: error: …` (exit 2; a failed checkpoint save: exit 1),
-printed by rank 0 only; a rank that died mid-collective is one line from each survivor naming the checkpoint
-to resume (exit 1); `--debug` (or MEGATRON_JREG_DEBUG=1) prints the traceback behind it on every rank.
-"""
+"""`megatron-jreg train` / `python -m megatron_jreg.train`: Megatron-LM's `pretrain_gpt.py` with JREG — its parser,
+loop, checkpoints and logs, our providers, flags and loop events (DEVELOPERS.md, "The train entry"). Launch it like
+pretrain_gpt.py."""
 
 from __future__ import annotations
 
