@@ -1,10 +1,5 @@
-"""Megatron-LM args of a model: parsed and validated by Megatron-LM's own code, its failures as one line.
-
-A checkpoint stores the `args` it was trained with, and every command rebuilds its model from them; an import
-(convert) makes such args from flags alone (`model_args`). The flags that change what a checkpoint holds or means
-(`add_model_flags`: JREG's settings and --layernorm-scaling, each defined beside what it configures) are added
-here as `megatron-jreg train`'s parser adds them (training/flags.py).
-"""
+"""Megatron-LM args of a model, parsed and validated by its own code with failures as one line: every command
+rebuilds a model from a checkpoint's args, and convert makes them from flags (`model_args`)."""
 
 from __future__ import annotations
 
@@ -41,8 +36,8 @@ def _model_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
-    """One line for an exception from Megatron-LM's validation; a bare `assert` is shown as the check it
-    made, with `args.foo_bar` (and, given `args`, any bare argument name) spelled as the flag `--foo-bar`."""
+    """One line for an exception from Megatron-LM's validation: a bare `assert` as its check, argument names as
+    flags."""
     import traceback
 
     text = " ".join(str(e).split())
@@ -72,10 +67,8 @@ def check_model_config(args: argparse.Namespace) -> None:
 
 
 def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:
-    """Megatron-LM args for a model described by flags alone (an import, not a training run): parsed and
-    validated by Megatron-LM's own code, quietly, with the padded vocabulary set — what a checkpoint
-    stores as `args`, so Megatron-LM and every megatron-jreg command rebuild the same model from it.
-    world_size: the TP×PP the flags ask for (validation checks the layout against it)."""
+    """A checkpoint's `args` for a model described by flags alone (an import), so every command rebuilds the same
+    model; `world_size`: the TP×PP the layout is checked against."""
     import contextlib
     import io
     from unittest import mock

@@ -1,29 +1,5 @@
-"""A Megatron-LM checkpoint on disk: find it, check it, and read its metadata without running its code.
-
-Layout (Megatron-LM's torch_dist format):
-
-    ROOT/latest_checkpointed_iteration.txt      "100" (or "release")
-    ROOT/iter_0000100/                          .metadata (torch DCP, pickled), __*_*.distcp, metadata.json,
-                                                integrity.json (SHA-256 per file, with --verify-integrity)
-
-Four protections, shared by `train --load`, `analyze`, `evaluate` and `convert`:
-- `resolve` turns every malformed tracker or directory into one line naming the file and the fix.
-- `check_files` (run by `resolve`, before any read): every entry of the iteration folder is a regular
-  file or folder inside it, and every file `.metadata` points the reader at (`check_storage_paths`) is a
-  regular file inside it: a FIFO would block the first read forever, a device would read without end,
-  a symlink or an absolute/`..` storage path would read a file outside the checkpoint.
-- torch's DCP reader unpickles `.metadata` with plain `pickle.load`, and its load planner every stored
-  Python object (Megatron-LM's common state: args, RNG, scheduler, ...) with `torch.load(weights_only=
-  False)`, so a crafted file runs code. `install_safe_checkpoint_reader()` makes the reader use
-  `MetadataUnpickler`, which builds only the classes a DCP metadata file holds (torch.distributed.
-  checkpoint's dataclasses and enums, torch.Size, dtypes) and names any other class, and the planner use
-  `torch.load(weights_only=True)` with megatron-core's own allow-list of the types it stores.
-- `verify_integrity` checks the SHA-256 manifest (`integrity.json`, Megatron-LM's --verify-integrity layout;
-  on by default in megatron-jreg) and names the first corrupt file; checkpoints without a manifest load
-  unverified. Training digests and verifies it spread over its ranks (`share`: each rank the shards it wrote,
-  in threads), not on rank 0 alone as Megatron-LM does; `write_integrity(ckpt)` digests a whole folder from one
-  process (tools that write a checkpoint without ranks).
-"""
+"""A Megatron-LM checkpoint on disk, found, checked and read without running its code: train --load, analyze,
+evaluate and convert share these protections (layout and threats: DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -68,9 +44,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    """Whether `path` is given as a Megatron-LM checkpoint — a run's --save folder (a tracker, or iter_*
-    folders) or one iter_*/release folder — rather than a Hugging Face folder or a file. Says nothing about
-    whether it is complete: `resolve` answers that, naming what is wrong."""
+    """Whether `path` is meant as a Megatron-LM checkpoint (a --save or iter_*/release folder), complete or not:
+    `resolve` names what is wrong."""
     path = Path(path)
     if not path.is_dir() or (path / "config.json").exists():
         return False
@@ -191,8 +166,8 @@ def check_files(ckpt: str | Path) -> None:
 
 
 def check_storage_paths(metadata, ckpt: str | Path) -> None:  # noqa: ANN001 - torch's Metadata
-    """Every file a DCP `.metadata` directs the reader to (its storage_data) is a regular file inside `ckpt`:
-    a crafted `.metadata` could name a FIFO, a device or a file elsewhere (absolute or `..` paths)."""
+    """Every file a DCP `.metadata` sends the reader to is a regular file inside `ckpt` (a crafted one could name
+    a FIFO, a device or a file elsewhere)."""
     ckpt = Path(ckpt)
     root = ckpt.resolve()
     storage = getattr(metadata, "storage_data", None)
@@ -219,8 +194,7 @@ class UnsafeClass(pickle.UnpicklingError):
 
 
 def failure_text(e: BaseException) -> str:
-    """One line for an exception from reading a checkpoint; torch's DCP CheckpointException carries a
-    traceback per rank in its message, so its first underlying error is shown instead."""
+    """One line for an exception from reading a checkpoint (DCP's carries a traceback per rank: its first)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
@@ -296,8 +270,7 @@ _READER = "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadat
 
 
 def install_safe_checkpoint_reader() -> None:
-    """Make torch's DCP FileSystemReader read `.metadata` through MetadataUnpickler, and its load planner
-    unpickle with weights_only=True (process-wide; rows of megatron_jreg.patches.PATCHES)."""
+    """torch's DCP reader and load planner unpickle only allowed classes, process-wide (rows of PATCHES)."""
     if patches.is_applied(_READER):
         return
     from megatron.core.rerun_state_machine import Call, Caller
@@ -313,8 +286,8 @@ def install_safe_checkpoint_reader() -> None:
 
 
 def read_legacy_state(ckpt: str | Path) -> dict | None:
-    """The state of a legacy `--ckpt-format torch` iteration folder (its first mp_rank_*/model_optim_rng.pt),
-    through `install_safe_checkpoint_reader`'s allow-list and memory-mapped (tensors unread); None for torch_dist."""
+    """A legacy `--ckpt-format torch` folder's first model_optim_rng.pt, weights-only and memory-mapped; None
+    for torch_dist."""
     found = sorted(Path(ckpt).glob("mp_rank_*/model_optim_rng.pt"))
     if not found:
         return None
@@ -339,17 +312,15 @@ def _sha256(path: Path) -> str:
 
 
 def checkpoint_files(ckpt: str | Path) -> list[str]:
-    """Every file below an iteration folder but the manifest, as sorted relative POSIX paths (the legacy format
-    writes mp_rank_*/)."""
+    """Every file below an iteration folder but the manifest, as sorted relative POSIX paths."""
     ckpt = Path(ckpt)
     names = (p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     return sorted(n for n in names if not n.startswith(INTEGRITY))
 
 
 def share(names: list[str], rank: int, world: int) -> list[str]:
-    """The files rank `rank` of `world` digests: the torch_dist shards it wrote itself (`__RANK_*.distcp`, still in
-    its page cache after a save), plus a round-robin share of the rest (the small common files, and the shards
-    of ranks beyond `world` when a checkpoint is loaded at a smaller layout). Every name falls to one rank."""
+    """The files rank `rank` of `world` digests: the shards it wrote (in its page cache after a save), plus a
+    round-robin share of the rest; every name falls to one rank."""
     mine, rest = [], []
     for name in names:
         writer = _DISTCP.match(name)
@@ -362,8 +333,8 @@ def share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None) -> dict[str, str]:
-    """SHA-256 of each named file under `ckpt`, several at once (hashlib releases the GIL while it hashes, so
-    threads read and hash in parallel); `threads` defaults to this process's CPUs, at most one per file."""
+    """SHA-256 of each named file under `ckpt`, in threads (hashlib releases the GIL); default: this process's
+    CPUs."""
     ckpt = Path(ckpt)
     threads = min(len(names), threads or len(os.sched_getaffinity(0)))
     if threads <= 1:
@@ -373,8 +344,7 @@ def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None)
 
 
 def write_integrity(ckpt: str | Path, digests: dict[str, str] | None = None) -> int:
-    """Write `ckpt`/integrity.json in Megatron-LM's layout; its number of files. `digests`: gathered from the
-    ranks (training's saves), or None to digest the whole folder from this process."""
+    """`ckpt`/integrity.json in Megatron-LM's layout (`digests` from the ranks, or digested here); its file count."""
     ckpt = Path(ckpt)
     if digests is None:
         digests = digest_files(ckpt, checkpoint_files(ckpt))
@@ -406,9 +376,8 @@ def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
 
 
 def verify_integrity(ckpt: str | Path, rank: int = 0, world: int = 1, threads: int | None = None) -> int | None:
-    """Check the files (with `rank`/`world`: this rank's `share`) against the SHA-256 manifest; the number
-    checked here, None without a manifest. CheckpointError names the first missing, corrupt or unlisted file:
-    a file the manifest does not name would be read unchecked (a shard left out of it loaded under "verified")."""
+    """This rank's `share` checked against the manifest: how many, None without one. An unlisted file is refused
+    too (it would load unchecked under "verified")."""
     ckpt = Path(ckpt)
     files = read_integrity(ckpt)
     if files is None:

@@ -1,11 +1,5 @@
-"""Any Megatron-LM GPT checkpoint as a model in this process: for analyze, evaluate, generate and convert.
-
-The model is rebuilt from the `args` Megatron-LM saves in every checkpoint (so Megatron-LM's own checkpoints
-load too) with its own config functions, at TP=1/PP=1 with the local layer spec; dist_checkpointing reshards
-whatever layout it was saved at. Transformer Engine layers store the pre-norm weights inside TE's fused
-linears (`linear_qkv.layer_norm_weight`); they are read into the local spec's norms. Every weight must come
-from the checkpoint, and weights holding NaN/inf are refused here, once for every command.
-"""
+"""Any Megatron-LM GPT checkpoint as a one-process model (analyze, evaluate, generate, convert), rebuilt from its
+saved args so Megatron-LM's own checkpoints load too; non-finite weights are refused once here for every command."""
 
 from __future__ import annotations
 
@@ -135,10 +129,8 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
 
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
-    """The run's tokenizer, by megatron_jreg.data.tokenizers with the options the run saved; for a NullTokenizer
-    (mock data) run, the Hugging Face tokenizer folder `tokenizer_model` names (analyze/convert's --tokenizer),
-    else None. Not Megatron-LM's builder: its GPT2BPETokenizer loads gpt2 from the Hub even with local
-    vocab/merges files, and it would run a tokenizer's own code under the run's --trust-remote-code."""
+    """The run's tokenizer from its saved options (a mock-data run: `tokenizer_model`'s, else None); not
+    Megatron-LM's builder, which fetches gpt2 from the Hub and may run a tokenizer's code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     kind = getattr(args, "tokenizer_type", None)
@@ -167,8 +159,7 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
 
 
 def _given_tokenizer(args: argparse.Namespace, folder: str):
-    """A Hugging Face tokenizer folder for a run trained without one (mock data); refused when its vocabulary is
-    larger than the model's embedding (ids past it have no row)."""
+    """A tokenizer folder for a mock-data run, refused when the embedding has no row for some of its ids."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     try:
@@ -270,8 +261,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path, iteration: int | None = None, verify: bool = True) -> Checkpoint:
-        """A run's --save folder (its tracker's iteration, or `iteration`) or one iter_* folder; verify: check
-        the SHA-256 manifest first (when it has one)."""
+        """A --save folder (at `iteration`, else its tracker's) or an iter_* folder, its manifest verified first."""
         ckpt, iteration = resolve(path, iteration)
         if verify:
             verify_integrity(ckpt)
@@ -279,8 +269,7 @@ class Checkpoint:
 
     def load_model(self, dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None,
                    load_tokenizer: bool = True) -> MegatronModel:
-        """The weights in a one-process TP=1/PP=1 model; load_tokenizer=False skips the run's tokenizer (e.g.
-        exporting weights whose tokenizer has moved)."""
+        """The weights in a one-process TP=1/PP=1 model (load_tokenizer=False: weights whose tokenizer moved)."""
         ckpt, args = self.directory, self.args
         with quiet_megatron():
             tokenizer = tokenizer_from_args(args, tokenizer_model) if load_tokenizer else None

@@ -1,26 +1,5 @@
-"""What megatron-jreg adds to Megatron-LM's checkpointing when training (the format stays Megatron-LM's; where a run
-starts, the --save lock and what a checkpoint means across resumes: run_folder.py).
-
-- Integrity: every save records a SHA-256 manifest (`integrity.json`, Megatron-LM's layout; off with
-  `--no-verify-integrity`) before the tracker names it, each rank digesting the files it wrote, in threads
-  (`checkpoints.files.share`), where Megatron-LM's --verify-integrity has rank 0 hash the whole checkpoint while
-  the others wait (again at load). It wraps `dist_checkpointing.save` (for --async-save in the request's
-  finalization) and, for the legacy `--ckpt-format torch` that Megatron-LM's manifest refuses, save_checkpoint.
-  `patch_makers` wraps `megatron.training.training.load_checkpoint`: the manifest is verified first when the
-  checkpoint has one (Megatron-LM's own check refuses checkpoints saved without it, as by its defaults).
-- Saves: megatron_jreg.json is written after the save's files, before the manifest (which covers it) and the
-  tracker; a save whose weights or optimizer state hold NaN/Inf is not written (one line; the tracker keeps naming
-  the last finite checkpoint, which a NaN stop's "resume with --load" then loads).
-- A save that fails (a full disk reaches Megatron-LM only as "Worker failure ... <class 'OSError'>") stops the run
-  with one line naming the folder, the space free and the space a checkpoint needs; the partial iteration folder
-  is removed and the tracker still names the previous checkpoint. Exit 1 (`SaveError`).
-- Without apex or Transformer Engine, megatron-core's DistributedOptimizer keeps torch Adam's `step` in torch's
-  per-parameter state, which exists only after a first step: describing the state for loading then fails
-  (`assert len(steps) == 1`), the load gives every parameter one shared `step` tensor that Adam increments once
-  per parameter (breaking its bias correction after a resume), and dp_reshardable does not store the count. The
-  wrappers give an unstepped optimizer its state first (megatron's zero-gradient helper), record the count in
-  `iter_*/megatron_jreg.json` and put it back after the load, one tensor per parameter.
-"""
+"""Megatron-LM's save and load, wrapped for a run (its format kept): every rank digests what it wrote, no save of
+NaN/Inf, a failed save or load is one line, and torch Adam's step count survives a resume (DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -55,8 +34,7 @@ class RankLost(JregError, RuntimeError):
 
 
 def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None:
-    """RankLost for `error` when it is a collective's report of a dead peer (the first error a surviving rank
-    sees: a gloo traceback ending in "Connection reset by peer"), naming where to resume; else None."""
+    """RankLost naming where to resume when `error` is a collective's report of a dead peer; else None."""
     text = str(error)
     if isinstance(error, SaveError) or not any(s in text for s in PEER_LOST):
         return None
@@ -69,8 +47,7 @@ def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None
 
 
 def patch_makers() -> dict:
-    """Megatron-LM's load_checkpoint/save_checkpoint → these wrappers (rows of megatron_jreg.patches.PATCHES;
-    applied around pretrain by training.run)."""
+    """The save/load wrappers, rows of megatron_jreg.patches.PATCHES applied around pretrain."""
     return {"megatron.training.training.load_checkpoint": lambda orig: functools.partial(_load_checkpoint, orig),
             "megatron.training.training.save_checkpoint": lambda orig: functools.partial(_save_checkpoint, orig),
             DIST_SAVE: lambda orig: functools.partial(_dist_save, orig)}
@@ -80,8 +57,8 @@ DIST_SAVE = "megatron.core.dist_checkpointing.save"
 
 
 def _dist_save(original, *a, **k):  # noqa: ANN001
-    """megatron-core's dist_checkpointing.save (`original`) without its rank-0 manifest, then `finish_save` (the
-    sidecar, and the manifest digested by all ranks): at once, or in an --async-save request's finalization."""
+    """dist_checkpointing.save without its rank-0 manifest, then `finish_save` (at once, or when --async-save's
+    request finalizes)."""
     call = _bound(original, a, k)
     call["verify_integrity"] = False
     result = original(**call)
@@ -121,9 +98,8 @@ def digest_threads() -> int:
 
 
 def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
-    """After a save's files, before the tracker names it: rank 0 writes megatron_jreg.json (`sidecar`) and lists
-    the files; with `digest` (no --no-verify-integrity), every rank digests its `share` (the shards it wrote, still
-    in its page cache) and rank 0 writes integrity.json. A failure on any rank raises on every rank."""
+    """Before the tracker names a save: megatron_jreg.json, then (with `digest`) each rank digests its `share`
+    (still in its page cache) and rank 0 writes integrity.json; a failure on any rank raises on all."""
     import torch
 
     dist = torch.distributed
@@ -162,8 +138,8 @@ def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
 
 
 def _save_checkpoint(original, *a, **k):  # noqa: ANN001
-    """Megatron-LM's save_checkpoint (`original`) with megatron_jreg.json written first (run_folder's record); not
-    at all without --save or with non-finite weights; a failed save becomes one SaveError line (module docstring)."""
+    """Megatron-LM's save_checkpoint with the run record; skipped without --save or with non-finite tensors (a
+    resume needs a finite checkpoint); a failure becomes one SaveError line."""
     from megatron.training import get_args, print_rank_0
     from megatron.training.checkpointing import get_checkpoint_name
 
@@ -209,11 +185,8 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
 
 
 def _nonfinite(model, optimizer) -> tuple[tuple[int, int], str | None]:  # noqa: ANN001 - Megatron-LM objects
-    """((weight tensors, optimizer state tensors) holding NaN/Inf over all ranks, the name of the first), from one
-    reduction (a save's cost only: no host sync per tensor). The optimizer's tensors are its main parameters where
-    they are copies (fp16/bf16 training, a distributed optimizer's shards) and its state (Adam's exp_avg,
-    exp_avg_sq): an inf exp_avg_sq leaves the weights finite (the update divides by it) yet would make the
-    checkpoint a resume starts from useless."""
+    """((weight, optimizer state) tensors holding NaN/Inf over all ranks, the first's name), in one reduction; the
+    optimizer's state counts too: an inf exp_avg_sq leaves the weights finite yet the checkpoint useless."""
     import torch
 
     dist = torch.distributed
@@ -244,8 +217,7 @@ _MAIN_OF = (("float16_groups", "fp32_from_float16_groups"), ("model_float16_grou
 
 
 def _optimizer_tensors(optimizer, names: dict[int, str]) -> list[tuple[str, object]]:  # noqa: ANN001
-    """The floating-point tensors of Megatron-LM's optimizer (chained or not) that are not model weights, named
-    after the model parameter they belong to (`names`: id of a model parameter → its name)."""
+    """The optimizer's floating-point tensors that are not model weights, named after their model parameter."""
     import torch
 
     found: list[tuple[str, object]] = []
@@ -273,8 +245,8 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 class _Collect(logging.Filter):
-    """Keeps the checkpoint writer's error records (the only place its OSError text survives: Megatron-LM
-    re-raises it as "<class 'OSError'>") out of the console; the SaveError line carries the first."""
+    """The checkpoint writer's error records, kept off the console: the only place its OSError text survives
+    (Megatron-LM re-raises "<class 'OSError'>"); the SaveError line carries the first."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -298,9 +270,7 @@ def _size(folder: Path) -> int:
 
 
 def _checkpoint_bytes(model, optimizer) -> int:
-    """About what one checkpoint of this run holds: this rank's parameters and optimizer tensors (main
-    parameters, Adam moments; a distributed optimizer's shard times the data-parallel size), times the
-    model-parallel ranks."""
+    """About the bytes of one checkpoint of this run, for a failed save's "needs about" (no earlier save)."""
     import torch
     from megatron.core import parallel_state
 
@@ -320,8 +290,7 @@ def _checkpoint_bytes(model, optimizer) -> int:
 
 
 def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, model, optimizer) -> str:
-    """The one line for a failed save (`text`: the writer's error), after removing the partial iteration
-    folder (one rank per node)."""
+    """The one line for a failed save (`text`: the writer's error), after removing the partial folder."""
     import torch
 
     removed = False
@@ -362,8 +331,7 @@ def _adam_step(opt) -> int | None:
 
 
 def _load_checkpoint(original, *a, **k):  # noqa: ANN001
-    """Megatron-LM's load_checkpoint (`original`), after verifying the checkpoint's digests (every rank its share,
-    all raise)."""
+    """Megatron-LM's load_checkpoint after every rank verified its share of the digests."""
     import torch
     from megatron.training import get_args, print_rank_0
 
@@ -415,9 +383,8 @@ def _load_checkpoint(original, *a, **k):  # noqa: ANN001
 
 
 def _scheduler_mismatch(root: str | None, message: str) -> str:
-    """Megatron-LM's scheduler check (`OptimizerParamScheduler: class input value X and checkpointvalue Y for
-    NAME do not match`) as the fix it wants: e.g. a resume with a larger --train-iters (which also sets
-    --lr-decay-iters) changes the schedule's total iterations."""
+    """Megatron-LM's scheduler mismatch (`class input value X and checkpointvalue Y for NAME`) as the fix it
+    wants: e.g. a larger --train-iters on resume changes the schedule's length."""
     found = re.search(r"class input value (\S+) and checkpoint ?value (\S+) for (.+?) do not match", message)
     what = message
     if found:

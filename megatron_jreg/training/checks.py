@@ -1,7 +1,5 @@
-"""`megatron-jreg train`'s pre-flight checks: what Megatron-LM would only trip over after the model is built, in
-its first step, or never (silently), refused in one line naming the flag and the fix (exit 2) before any work.
-The order they run in is the run's first step (training/run.py's `parse_and_validate`).
-"""
+"""train's pre-flight checks: what Megatron-LM would trip over after the model is built, in its first step, or
+never (silently), refused in one line naming the flag and the fix before any work (order: run.parse_and_validate)."""
 
 from __future__ import annotations
 
@@ -79,8 +77,7 @@ def check_sft(args: argparse.Namespace) -> None:
 
 
 def check_data(args: argparse.Namespace) -> None:
-    """Every dataset the run reads exists, --sft's chat JSONL files or PREFIX.bin + PREFIX.idx (Megatron-LM fails
-    deep in the builder)."""
+    """Every dataset the run reads exists (Megatron-LM fails deep in the builder)."""
     from megatron_jreg.training.data import data_paths
 
     for option, path in data_paths(args):
@@ -94,9 +91,7 @@ def check_data(args: argparse.Namespace) -> None:
 
 
 def check_cpu(args: argparse.Namespace) -> None:
-    """Megatron-LM features that need CUDA, refused on a CPU with the reason: Megatron-LM would fail in its
-    validation, the build or a step, or hang (FP8 and Transformer Engine: training/model.py; CUDA graphs:
-    check_pretrain_gpt_flags)."""
+    """Features that need CUDA, refused on a CPU: Megatron-LM would fail late or hang."""
     dp = "on a CPU use data parallelism, optionally with --use-distributed-optimizer"
     grouped = ("runs grouped-GEMM CUDA kernels, which need a GPU: drop it on a CPU (the experts then run as separate "
                "MLPs)")
@@ -121,9 +116,8 @@ def check_cpu(args: argparse.Namespace) -> None:
 
 
 def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
-    """Flags of Megatron-LM's pretrain_gpt.py (and its loop) that megatron-jreg train does not run as
-    Megatron-LM would, refused in one line before any work (the full list: training/step.py). Runs before
-    Megatron-LM's validation, which already calls CUDA for some of them."""
+    """pretrain_gpt.py flags train does not run as Megatron-LM would (the full list: DEVELOPERS.md), refused before
+    Megatron-LM's validation, which calls CUDA for some."""
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -168,8 +162,7 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
 
 
 def args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
-    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the checkpoint the run starts from (already
-    checked by run_folder.find_start)."""
+    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the (checked) starting checkpoint."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     if start is None:
@@ -186,13 +179,8 @@ _HF_TOKENIZERS = ("HuggingFaceTokenizer", "SFTTokenizer", "MultimodalTokenizer")
 
 
 def check_tokenizer_path(args: argparse.Namespace) -> None:
-    """A local --tokenizer-model that does not exist: transformers would take `data/bpe4` for a hub id and retry
-    the network for a minute before failing. A path counts as local when it starts with / . or ~, has more
-    parts than a hub id's `org/name`, or its first folder exists here; a tokenizer file of the other types
-    always is. A hub id in the local cache is left to transformers (offline when the hub cannot be reached, so
-    that it reads the cache without retrying); one that is not must be reachable on the hub (one try,
-    `hub.hub_unreachable`), else the value is most likely a mistyped folder: one line naming both readings.
-    Offline (HF_HUB_OFFLINE, huggingface_hub's own switch) it must be in the cache."""
+    """A --tokenizer-model that is neither here nor a reachable/cached hub id: one line naming both readings
+    (transformers would retry the network for a minute on a mistyped folder); rules: DEVELOPERS.md."""
     import difflib
 
     text = args.tokenizer_model
@@ -240,9 +228,8 @@ def check_tokenizer_path(args: argparse.Namespace) -> None:
 
 
 def check_megatron_prerequisites(args: argparse.Namespace) -> None:
-    """What Megatron-LM's optimizer, scheduler and layers need but its validate_args does not check: it finds
-    out only after the model is built (a bare `assert`, torch's TypeError from AdamW without --lr) or in the
-    first step (gloo's all_to_all), once per rank. Refused here, before any work, naming the flag."""
+    """What Megatron-LM's optimizer, scheduler and layers need but validate_args leaves to the build or the first
+    step (once per rank), refused here naming the flag."""
     from megatron_jreg.model_files import custom_code
 
     if not args.skip_train:
@@ -297,10 +284,8 @@ _VOCAB_SIZE_READERS = ("NullTokenizer", "NullMultimodalTokenizer", "TikTokenizer
 
 
 def note_unused_vocab_size(args: argparse.Namespace) -> None:
-    """--vocab-size with a tokenizer that has its own vocabulary (Hugging Face, SentencePiece, GPT-2 files):
-    Megatron-LM ignores it. A note on rank 0 rather than a refusal: pretrain_gpt.py accepts it the same way, launch
-    scripts carry it from NullTokenizer runs, and the run is well defined (the tokenizer's vocabulary); the note
-    says which vocabulary the model gets, when it is not the number given."""
+    """A note, not a refusal (pretrain_gpt.py accepts it; launch scripts carry it), when --vocab-size is ignored
+    for a tokenizer's own vocabulary of another size."""
     from megatron.training import get_tokenizer, print_rank_0
 
     if args.vocab_size is None or args.tokenizer_type in _VOCAB_SIZE_READERS:

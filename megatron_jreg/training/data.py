@@ -1,11 +1,5 @@
-"""The datasets provider: Megatron-LM's GPT datasets from its args, and the vocabulary check we add.
-
-`train_valid_test_datasets_provider` builds what `pretrain_gpt.py` builds (GPTDataset over `.bin/.idx`,
-MockGPTDataset for `--mock-data`, GPTFIMDataset for `--fim-data`, SFTDataset for `--sft`) through
-`BlendedMegatronDatasetBuilder`, on the ranks that read data (TP rank 0 of the first and last pipeline
-stages; every TP rank-0 for SFT's packed sequences), with the same config fields, so a run's samples are
-Megatron-LM's sample for sample.
-"""
+"""The datasets provider: pretrain_gpt.py's datasets built the same way (Megatron-LM's samples, sample for sample),
+plus the check that the data fits the run's tokenizer and one-line reports of data failing mid-run."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ from megatron_jreg.training.sft import check_conversations
 
 
 def data_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(flag, path) of every dataset the run names, blend weights dropped (indexed-dataset prefixes, or --sft's
-    JSONL files); UsageError for a blend Megatron-LM would assert on (a weight that is negative, zero or NaN)."""
+    """(flag, path) of every dataset the run names; UsageError for a blend Megatron-LM would assert on."""
     out = []
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if not (values := getattr(args, name, None)):
@@ -57,9 +50,7 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def tokenizer_sha256(args: argparse.Namespace) -> str | None:
-    """SHA-256 of the run's tokenizer files, as `megatron-jreg preprocess` records it in a dataset's manifest
-    (data/tokenizers.py's identity: a folder's tokenizer.json, GPT-2's vocab + merges, else the model file);
-    None for NullTokenizer."""
+    """SHA-256 of the run's tokenizer files as preprocess records it in a manifest; None for NullTokenizer."""
     if args.tokenizer_type == "NullTokenizer":
         return None
     if args.tokenizer_type == "GPT2BPETokenizer":
@@ -93,9 +84,8 @@ def _recorded_max_token_id(prefix: str) -> int | None:
 
 
 def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int = 256 << 20) -> tuple[int, bool]:
-    """Largest token id of an indexed dataset → (id, exact): a .bin up to `exact_bytes` is scanned whole (about a
-    second: a manifest cannot be wrong about it then); a larger one is read from the preprocess manifest when it
-    describes this .bin, else scanned (only its first and last `scan_limit_bytes/2` when larger still)."""
+    """(largest token id, exact): small .bin files scanned whole, larger ones from a manifest describing them,
+    else scanned (only the ends when larger still)."""
     size = Path(prefix + ".bin").stat().st_size if Path(prefix + ".bin").is_file() else 0
     if size > exact_bytes and (recorded := _recorded_max_token_id(prefix)) is not None:
         return recorded, True
@@ -120,9 +110,7 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int 
 
 
 def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> UsageError | None:
-    """One line for the embedding's IndexError ("index out of range in self"): a token id of the data beyond the
-    vocabulary reached the model although `check_vocabulary` passed (a part of a large .bin it did not scan, or data
-    changed under the run); None for any other error."""
+    """One line for the embedding's IndexError: a token id beyond the vocabulary that `check_vocabulary` missed."""
     while error is not None:
         if isinstance(error, IndexError) and "index out of range" in str(error):
             from megatron.training import get_tokenizer
@@ -137,10 +125,8 @@ def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> U
 
 
 def data_changed(error: BaseException, args: argparse.Namespace) -> Failed | None:
-    """One line when a data loader worker died reading an indexed dataset that changed under the run (a .bin
-    truncated or rewritten: its memory map ends before the index says, and the worker dies of SIGBUS; torch then
-    blames shared memory, or says it "exited unexpectedly"); None for any other error, or when every dataset still
-    checks out."""
+    """One line when a data worker died of a dataset changed under the run (SIGBUS, which torch blames on shared
+    memory); None otherwise."""
     while error is not None and "DataLoader worker" not in str(error):  # "killed by signal", "exited unexpectedly"
         error = error.__cause__ or error.__context__
     if error is None:
@@ -156,9 +142,8 @@ def data_changed(error: BaseException, args: argparse.Namespace) -> Failed | Non
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:
-    """Stop before training when the data does not fit the run's tokenizer: token ids the vocabulary cannot
-    embed, a dataset whose manifest records another tokenizer (its sha256), or --sft conversations that
-    Megatron-LM's SFTDataset cannot read or that give no token to train on (sft.check_conversations)."""
+    """Stop before training when the data does not fit the run's tokenizer (ids, the manifest's tokenizer, SFT
+    conversations)."""
     from megatron.training import get_tokenizer
 
     if args.sft:
@@ -225,8 +210,7 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
 
 
 def _built_on_rank(vp_stage: int | None = None, packed: bool = False) -> bool:
-    """pretrain_gpt.py's is_dataset_built_on_rank (core_v0.19.0, lines 361-374): TP rank 0 of the stages that
-    read batches — all for packed data, else the first and last ones and those holding MTP layers."""
+    """pretrain_gpt.py's is_dataset_built_on_rank (core_v0.19.0, lines 361-374)."""
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args

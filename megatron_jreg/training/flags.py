@@ -1,9 +1,5 @@
-"""`megatron-jreg train`'s flags: Megatron-LM's own parser (every `pretrain_gpt.py` flag with its meaning and
-default) plus ours, added through its `extra_args_provider`; argparse's errors are one line (exit 2).
-
-`--model-preset NAME` is shorthand for the architecture flags below, placed before the user's flags so
-that explicit flags override it (argparse keeps the last value).
-"""
+"""train's flags: Megatron-LM's own parser plus ours through its `extra_args_provider`, so every pretrain_gpt.py
+flag keeps its meaning; `--model-preset` expands before the user's flags, which override it."""
 
 from __future__ import annotations
 
@@ -66,9 +62,7 @@ EXAMPLE = ("megatron-jreg train --model-preset tiny --transformer-impl local --m
 
 
 def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
-    """Help texts argparse cannot format: megatron-core 0.19.2's --moe-paged-stash-buffer-size-factor-cuda help
-    holds a bare `%` (from its config docstring), which makes `--help` raise ValueError, in Megatron-LM's own
-    pretrain_gpt.py too. Such a `%` is doubled; `%(default)s`-style fields stay."""
+    """Doubles a bare `%` in help texts (megatron-core 0.19.2 has one, and --help raises on it)."""
     for action in parser._actions:
         if isinstance(action.help, str):
             try:

@@ -1,28 +1,5 @@
-"""JREG inside Megatron-LM's training loop: the events of a run (`JregLoop`) and the adapter that raises them
-from Megatron-LM's functions (`MegatronLoopAdapter`, the only code here that knows their argument order and
-return tuples). The patches themselves are rows of `megatron_jreg.patches.PATCHES` (the one list).
-
-The penalty itself needs no loop change: `JregPlugin` hooks every TransformerLayer (attached to the
-wrapped model by a post-wrap hook of the model builder) and its term enters backward on the stage that
-owns the layer. Two things cannot live inside the pipeline schedule, whose `forward_step` runs per
-microbatch and only on some stages: where a step starts (the plugin's loss scale and microbatch count)
-and the one collective that reduces Ψ over all ranks (inside `forward_step` it would deadlock under PP).
-Megatron-LM has no step-begin/step-end callback, so the adapter wraps four module-level functions of
-`megatron.training.training` that its `train()` looks up at call time, and raises these events:
-
-- `train_step`: `on_train_step_start` (start the plugin's step) and `on_train_step_end` (reduce Ψ on
-  logging iterations; name the iteration and the last good checkpoint when the rerun machine stops on NaN/Inf);
-- `training_log`: `on_log_start` / `on_log` hand Megatron-LM's line to metrics.Telemetry: the suffix (Ψ/ζ/L_cos)
-  appended to its iteration line (its `lm loss` field unchanged), its TensorBoard and W&B writers,
-  `--metrics-file` with the line's own loss window and elapsed time (read from Megatron-LM's accumulators and
-  its `interval-time` timer as the line is made) and the progress bar;
-- `evaluate`: `on_eval_start` / `on_eval_end` record Ψ on the validation batches;
-- `evaluate_and_print_results`: `on_eval_report_start` / `on_eval_report_end` report it, one record per
-  evaluation.
-
-Every wrapper calls Megatron-LM's function with the arguments it got (read by name; results by the names of its
-return statements: `MegatronLoopAdapter`); nothing else changes.
-"""
+"""JREG's events in Megatron-LM's loop, which has no step callbacks: `MegatronLoopAdapter` wraps four of its
+functions and alone knows their arguments and return tuples; `JregLoop` handles the events (DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -62,8 +39,8 @@ EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")
 
 
 class JregLoop:
-    """The plugin across one `pretrain` call, as events of Megatron-LM's loop, with the run's Ctrl-C, its divergence
-    line and its --save folder (run_folder.RunFolder, opened by the run); what is written goes to `telemetry`."""
+    """The plugin across one `pretrain` call, with the run's Ctrl-C and divergence line; what is written goes to
+    `telemetry`."""
 
     def __init__(self, args: argparse.Namespace, cfg: JregConfig, folder: RunFolder) -> None:
         self.args, self.cfg, self.folder = args, cfg, folder
@@ -110,8 +87,7 @@ class JregLoop:
 
     # -- Ctrl-C ---------------------------------------------------------------------------------------------
     def _on_sigint(self, signum: int, frame: object) -> None:
-        """Ctrl-C: once training runs, stop at the end of the step (all ranks at the same step) with one line; before
-        it, or pressed again, stop at once."""
+        """Ctrl-C: stop at the end of the step, all ranks alike (before training, or pressed again: at once)."""
         if os.getpid() != self._pid:  # a forked data worker (Ctrl-C reaches the whole process group): keep serving
             return  # batches until the step ends; the run's exit ends the workers
         if self.first_step or self._interrupted:
@@ -125,8 +101,7 @@ class JregLoop:
               file=sys.stderr, flush=True)
 
     def _stop_if_interrupted(self, agree: bool = True) -> None:
-        """After a step or an evaluation: raise Interrupted on every rank if any rank saw Ctrl-C. With several ranks
-        that takes a collective (and a host sync), so after training steps only where they log (`agree`)."""
+        """Interrupted on every rank if any saw Ctrl-C; the collective (a host sync) only where ranks log (`agree`)."""
         import torch
 
         stop = self._interrupted
@@ -185,9 +160,8 @@ class JregLoop:
         print_rank_last(zero_state_warning(stats))
 
     def _report_divergence(self, iteration: int, exit_code: int) -> None:
-        """Megatron-LM's rerun machine stops on NaN/Inf: exit 16 after saving a checkpoint when the result
-        reproduced on this device (resume, ideally on another node, to tell a fault from a divergence),
-        exit 17 once it is confirmed. Say so in one line, with the checkpoint to resume from."""
+        """One line for Megatron-LM's NaN/Inf stop (exit 16: resume to tell a fault from a divergence; 17:
+        confirmed), with the checkpoint to resume from and what the hidden states rule out."""
         from megatron.training import print_rank_0
 
         found = [(root, it) for root in (self.args.save, self.args.load) if (it := tracked(root)) is not None]
@@ -268,10 +242,8 @@ def zero_state_warning(stats: JregStats) -> str:
 
 
 class MegatronLoopAdapter:
-    """Megatron-LM's loop functions → `JregLoop`'s events. The only place that knows their argument order (read by
-    name, `inspect.signature(original).bind`; megatron_jreg.patches refuses to install it on a function whose
-    parameters differ from PATCHES' `params`) and their return tuples (core_v0.19.0's TRAIN_STEP_RESULT,
-    EVALUATE_RESULT)."""
+    """Megatron-LM's loop functions → `JregLoop`'s events: arguments read by name (patches checks the parameters),
+    results by TRAIN_STEP_RESULT / EVALUATE_RESULT."""
 
     def __init__(self, events: JregLoop) -> None:
         self.events = events

@@ -1,13 +1,5 @@
-"""Where JREG's numbers go besides Megatron-LM's console line: `--metrics-file`, TensorBoard, W&B, progress.
-
-Megatron-LM's own writers are used (its TensorBoard writer on the last rank, its W&B run). The records' fields
-are in docs/training.md. A window's lm_loss is Megatron-LM's sum over the iterations since the previous multiple
-of --log-interval, kept by us so that it does not depend on where a run was interrupted: a checkpoint keeps the
-open window (`LossWindow.state`), a resumed run starts from it, and rows after the checkpoint it resumes from
-(lost work, about to be replayed) move to `PATH.replaced`, so the file equals the uninterrupted run's (Megatron-LM's
-console differs after its first line, which it does not reset, and after a resume). JSON has no NaN/Inf: such a
-value is written as null and its key listed in the record's `nonfinite`.
-"""
+"""Where JREG's numbers go besides Megatron-LM's console line: --metrics-file, TensorBoard, W&B, the progress bar;
+the file equals an uninterrupted run's across resumes (fields: docs/training.md; design: DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -71,9 +63,7 @@ def write_scalars(stats: JregStats, step: int, prefix: str) -> None:
 
 
 class LossWindow:
-    """Megatron-LM's `lm loss` accumulation (training_log: a float32 sum of the advanced iterations' losses,
-    counted apart from the skipped ones) over one --metrics-file window; the sum stays a tensor, so adding an
-    iteration costs no host sync."""
+    """Megatron-LM's `lm loss` sum over one --metrics-file window, kept as a tensor (no host sync per step)."""
 
     def __init__(self, loss=None, advanced: int = 0, skipped: int = 0) -> None:  # noqa: ANN001 - a tensor
         self.loss, self.advanced, self.skipped = loss, advanced, skipped
@@ -116,8 +106,7 @@ class MetricsFile:
         self.opened = self.path is None
 
     def open(self, start: int) -> None:
-        """Before the first record of a run whose steps count from iteration `start`: rows of later iterations
-        (a run that went on past the checkpoint this one resumed from) move to PATH.replaced, then append."""
+        """Rows after `start` (work past the checkpoint resumed from, about to be replayed) move to PATH.replaced."""
         self.opened = True
         if self.path is None:
             return
@@ -181,9 +170,8 @@ class _MegatronRateBar(tqdm):
 
 
 class _AboveBar:
-    """sys.stdout / sys.stderr while the bar is drawn: each complete line is written above the bar (the bar is
-    cleared, the line written, the bar redrawn), so Megatron-LM's log lines and the bar never overwrite each
-    other on a terminal; a line's start waits for its end. Everything else is the wrapped stream's."""
+    """sys.stdout / sys.stderr while the bar is drawn: each complete line goes above the bar, so log lines and the
+    bar never overwrite each other."""
 
     def __init__(self, stream, bar: tqdm) -> None:  # noqa: ANN001 - a text stream
         self._stream, self._bar, self._pending = stream, bar, ""
@@ -211,13 +199,8 @@ class _AboveBar:
 
 
 class Progress:
-    """A progress bar on stderr: iterations done of --train-iters, with Megatron-LM's elapsed time per
-    iteration (its last console line's) as the rate and the ETA from it.
-
-    Default: on when stderr is a terminal and Megatron-LM does not print every iteration itself
-    (--log-interval > 1). While it is drawn, stdout, stderr and the logging handlers that write to them
-    (Megatron-LM's warnings) pass through it line by line (`_AboveBar`).
-    """
+    """A progress bar on stderr at Megatron-LM's own rate; by default where stderr is a terminal and Megatron-LM
+    does not print every iteration (--log-interval > 1)."""
 
     def __init__(self, enabled: bool | None, train_iters: int | None, log_interval: int = 1) -> None:
         default = sys.stderr.isatty() and log_interval > 1
@@ -268,8 +251,7 @@ _ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM
 
 
 class Telemetry:
-    """One run's --metrics-file, TensorBoard/W&B scalars and progress bar, fed by training/loop.py's events (its
-    JregLoop holds the plugin, Ctrl-C and the divergence lines; this holds what is written)."""
+    """One run's --metrics-file, TensorBoard/W&B scalars and progress bar, fed by JregLoop's events."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -281,8 +263,7 @@ class Telemetry:
         self._line: dict = {}  # what on_log_start read for the line training_log is making
 
     def begin(self, start: int, sidecar: dict) -> None:
-        """At the run's first step: the bar from `start`, and the window of the checkpoint it resumes (its
-        megatron_jreg.json `sidecar`) when saved at `start`."""
+        """At the run's first step: the bar from `start`, and the open window of the checkpoint it resumes."""
         self.start = start
         self.progress.start(start)
         saved = sidecar.get("metrics_window") or {}
@@ -295,9 +276,8 @@ class Telemetry:
         return {"metrics_window": {"iteration": iteration, **self.window.state()}}
 
     def on_log_start(self, log: Mapping[str, Any], stats: JregStats | None) -> str | None:
-        """Before Megatron-LM's training_log: the suffix for its console line, if it prints one with JREG statistics
-        (`stats`: the last recorded step's). Adds the iteration to --metrics-file's window and reads the line's
-        iteration count before training_log resets it."""
+        """Before Megatron-LM's training_log: its console line's suffix, if any; reads the window's iteration count
+        before training_log resets it."""
         iteration, total = log["iteration"], log["total_loss_dict"]
         self.window.add(log["loss_dict"].get("lm loss"), bool(log["skipped_iter"]))
         on_grid = iteration % self.args.log_interval == 0
@@ -312,8 +292,7 @@ class Telemetry:
         return console_suffix(stats) if stats is not None else None
 
     def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
-        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line (the
-        seconds it divides by the window's iterations), None when it printed none."""
+        """After Megatron-LM's training_log; `window_seconds`: its line's `interval-time` (None: no line)."""
         line, iteration = self._line, log["iteration"]
         seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
         if line["row"]:
@@ -324,9 +303,7 @@ class Telemetry:
 
     def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, seconds: float | None,  # noqa: ANN001
                     log_kwargs: Mapping[str, Any]) -> None:
-        """One --metrics-file record: lm_loss over the window's advanced iterations (null when all were skipped),
-        the console line's elapsed time; tokens/s and TFLOP/s follow from that time as Megatron-LM's throughput
-        does."""
+        """One --metrics-file record, its time and throughput the console line's, as Megatron-LM computes them."""
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training.training import num_floating_point_operations
 
@@ -357,9 +334,7 @@ class Telemetry:
 
     def evaluation_records(self, prefix: str, iteration: int,
                            evaluations: list[tuple[JregStats, float | None]]) -> None:
-        """One record per evaluation: Megatron-LM evaluates every --eval-interval (`prefix` "iteration N") and once
-        more after training on further batches at the same iteration ("iteration N on validation set" / "on test
-        set": `final`), each validation set in turn with --multiple-validation-sets."""
+        """One record per evaluation and validation set; the one after training (same iteration) is `final`."""
         from megatron.training import print_rank_last
 
         split = "test" if "on test set" in str(prefix) else "valid"

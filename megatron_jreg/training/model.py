@@ -1,16 +1,5 @@
-"""The model provider: Megatron-LM's GPT model config from its args, with what megatron-jreg adds.
-
-Megatron-LM picks the layer spec (Transformer Engine or local, per `--transformer-impl`) and builds,
-wraps and initialises the model (`megatron.training.models.gpt.GPTModelBuilder`). We add through that
-builder's extension points only:
-- `transformer_layer_spec`: Megatron-LM's own spec with sequence-parallel capable norms, scaled by 1/√ℓ with
-  `--layernorm-scaling` (layer_spec.py);
-- a pre-wrap hook for `--init-mode layout-independent` (training/sharding.py);
-- packed data (`--sft`) at PP > 1 with micro-batch > 1: megatron-core's variable-sequence-length p2p, so the
-  flattened microbatches reach the next stage in their own shape (Megatron-LM's fixed buffers mismatch).
-
-FP8 that cannot run here stops before any work (`check_transformer_impl`).
-"""
+"""The model provider: Megatron-LM's GPT config with our layer spec and init hook, through its builder's extension
+points only; Transformer Engine / FP8 that cannot run here stops before any work."""
 
 from __future__ import annotations
 
@@ -32,12 +21,8 @@ def _have_apex() -> bool:
 
 
 def check_transformer_impl(args: argparse.Namespace) -> None:
-    """Transformer Engine layers and FP8 that cannot run here stop with what is missing and what to use.
-
-    FP8 needs, in this order: TE layers (FP8 lives only in TE's GEMMs), --bf16/--fp16 around them, a GPU
-    whose tensor cores have the recipe's FP8 GEMMs, a TE new enough for the recipe (the versions
-    megatron-core's `get_fp8_recipe` asks for), and TE's own verdict on this GPU and CUDA.
-    """
+    """Transformer Engine layers and FP8 that cannot run here stop with what is missing and what to use (FP8's
+    needs are checked in order: TE layers, --bf16, the GPU, TE's version, TE's own verdict)."""
     have_te = have_transformer_engine()
     if args.transformer_impl == "transformer_engine" and not have_te:
         raise UsageError(

@@ -1,15 +1,5 @@
-"""One training run: flags → Megatron-LM's args, the JREG config and the checkpoint to start from (each built
-once, `parse_and_validate`: training/flags.py, training/checks.py) → providers → `megatron.training.pretrain`.
-
-Megatron-LM keeps its state in module globals (args, timers, microbatch calculator, parallel groups,
-rerun state machine); `run` tears them down afterwards so that one process can run several trainings
-(tests do), and turns `sys.exit` from Megatron-LM's exit paths (--exit-interval, SIGTERM, NaN) into the
-return code. What a library reports far from its cause is one line naming it and where to resume: a process limit
-(`ulimit -n`, `ulimit -f`: `errors.limit_reached`), a dataset changed under the run (`data.data_changed`), an id
-beyond the vocabulary reaching the embedding (`data.token_beyond_vocabulary`). An AssertionError, TypeError or
-ValueError raised while Megatron-LM builds the model or the optimizer (its bare `assert`s on flag combinations,
-torch's argument checks) becomes a UsageError naming the flags (chained to the original, which `--debug` prints).
-"""
+"""One training run: flags checked once (`parse_and_validate`) → providers → `megatron.training.pretrain`, then
+Megatron-LM's globals torn down so one process trains again; far-off library errors become one line naming the cause."""
 
 from __future__ import annotations
 
@@ -28,12 +18,8 @@ if TYPE_CHECKING:
 
 
 def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
-    """Flags → (Megatron-LM's validated args (global state set), the run's JREG config, the checkpoint it starts
-    from), each built once and handed down; or UsageError before any work.
-
-    Megatron-LM's own order (parse_and_validate_args): parse, validate_args, set_global_variables
-    (tokenizer, timers, TensorBoard/W&B writers, signal handler); our checks run before its validation.
-    """
+    """Flags → (Megatron-LM's validated args, the JREG config, the checkpoint to start from), each built once, in
+    Megatron-LM's own order with our checks before its validation; UsageError before any work."""
     import importlib.util
 
     import torch
@@ -97,8 +83,7 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
 
 
 def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    """Ranks holding word embeddings: the first stage, the last when they are tied, and the stages of MTP
-    layers (which embed their input tokens). pretrain_gpt.py:480-492 (core_v0.19.0)."""
+    """Ranks holding word embeddings (pretrain_gpt.py:480-492, core_v0.19.0)."""
     from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
@@ -113,8 +98,7 @@ def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 
 
 def _one_process_store():  # -> torch.distributed.Store | None
-    """A world of one needs no rendezvous: an in-process store, so that runs started side by side cannot race
-    for the TCP port each picked (torchrun and Slurm jobs of more ranks keep Megatron-LM's env:// store)."""
+    """An in-process store for a world of one: runs started side by side cannot race for a TCP port."""
     import torch
 
     if os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
@@ -157,17 +141,13 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
 
 
 def _no_compile(_original):  # noqa: ANN001, ANN202
-    """The maker for megatron.core.datasets.utils.compile_helpers: the wheel ships megatron-core's dataset index
-    helpers compiled but not the Makefile that compile_helpers() runs at startup (on GPUs too): the compiled
-    module is used as is."""
+    """compile_helpers as a no-op: the wheel ships the helpers compiled but not their Makefile."""
     return lambda: None
 
 
 @contextlib.contextmanager
 def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-LM's args, training.loop.JregLoop
-    """The TRAINING-scope rows of megatron_jreg.patches.PATCHES, applied around `pretrain` and undone after it
-    (also when it raises): the loop's events, checkpointing's wrappers, the flag errors, the dataset helpers and,
-    with --sft's default/identity prompt format, the chat targets."""
+    """The TRAINING-scope rows of PATCHES, applied around `pretrain` and undone after it, also when it raises."""
     from megatron_jreg import patches
     from megatron_jreg.training import checkpointing
     from megatron_jreg.training.sft import CHAT_TARGETS, chat_targets
@@ -182,9 +162,8 @@ def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-L
 
 
 def _not_a_traceback_copy(record: logging.LogRecord) -> bool:
-    """Drops megatron-core's StragglerDetector warning that repeats, as a list of lines, the traceback of every
-    exception leaving a timed region (forward_step's): the exception goes on to the train entry, which reports it
-    once (one line for ours: a Ctrl-C, data beyond the vocabulary, a dataset changed under the run)."""
+    """Drops StragglerDetector's copy of the traceback of an exception leaving a timed region: the train entry
+    reports it once."""
     return not (record.funcName == "__exit__" and "Traceback (most recent call last)" in record.getMessage())
 
 
@@ -255,9 +234,8 @@ def run(argv: list[str]) -> int:
 
 
 def _stop_data_workers() -> None:
-    """At interpreter exit, end data loader workers a crash left behind: forked after Megatron-LM's SIGTERM
-    handler was installed, they ignore the SIGTERM that Python's exit sends them, and the process would
-    wait for them forever. (Registered with atexit after multiprocessing's own exit hook, so it runs first.)"""
+    """At exit, kill data workers a crash left: they inherited Megatron-LM's SIGTERM handler and would never end
+    (registered after multiprocessing's hook, so it runs first)."""
     import multiprocessing
     import signal
 

@@ -1,28 +1,5 @@
-"""One run's `--save` folder: one writer at a time, and what a checkpoint means kept across resumes.
-
-Megatron-LM writes into `--save` whatever else is there (two runs on one folder mix their `iter_*` folders; a new
-run without `--load` overwrites a finished run's checkpoints and moves its tracker), and a resume takes the new
-command's flags (a changed vocabulary loads the embedding partly, a changed global batch ends the run with samples
-never trained, a changed sequence length or JREG setting leaves no trace). Before any work, `find_start(args)`
-resolves the checkpoint the run starts from once (`Start`: --load, or --pretrained-checkpoint while --load holds
-none), and `RunFolder.open(args, jreg, start)`:
-
-- locks `--save` for the run (`SaveLock`; kill -9 leaves no stale lock) and refuses a second run on it, naming the
-  holder's host and pid;
-- refuses a run whose `--save` holds another run's checkpoints and that does not `--load` that folder; with
-  `--overwrite-save` it moves them (every iter_* folder and the tracker) into `--save`/overwritten-DATE/ first,
-  so that no reader mixes two runs' iterations;
-- compares the checkpoint it starts from (megatron_jreg.json's `run` settings, else the Megatron-LM args saved with
-  it, a legacy `--ckpt-format torch` file read weights-only) with this run: a changed vocabulary or tokenizer is
-  refused, and on a resume (not --finetune / --pretrained-checkpoint) a changed global batch, batch ramp-up or
-  sequence length too, in one line naming the flag and both values; what may change (every JREG setting, the
-  seed; batch and length when fine-tuning) is printed and appended to the sidecar's `history` with the iteration
-  it took effect and the checkpoint it started from.
-
-Every save then writes `sidecar(...)` into `iter_*/megatron_jreg.json` (checkpoints.files.write_sidecar): Adam's
-step count (checkpointing.py), the JREG settings, `run` (this run's settings), `history` and the training loop's
-metrics window (a resumed run's --metrics-file continues the same windows).
-"""
+"""One run's --save folder: one writer at a time, and a checkpoint's meaning kept across resumes (Megatron-LM mixes
+two runs in one folder and takes a resume's changed flags silently; DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -60,8 +37,7 @@ _ACTIVE: list[RunFolder] = []  # the run in progress in this process (its save w
 
 @dataclass(frozen=True)
 class Start:
-    """The checkpoint a run starts from, resolved once by `find_start` and handed down (the run folder, the load
-    wrapper): `root` is the folder Megatron-LM's load_checkpoint reads, `sidecar` its megatron_jreg.json."""
+    """The checkpoint a run starts from, resolved once and handed down; `root`: the folder Megatron-LM loads."""
 
     root: str
     option: str  # "--load" or "--pretrained-checkpoint"
@@ -78,10 +54,8 @@ def _has_checkpoint(root: str | None) -> bool:
 
 
 def find_start(args: argparse.Namespace) -> Start | None:
-    """The checkpoint Megatron-LM will load — --load when it holds one, else --pretrained-checkpoint (fine-tuning
-    starts there; its requeued jobs resume from --load) — checked to be safe to read; None when --load names
-    nothing yet (Megatron-LM starts from scratch). UsageError naming the flag otherwise (Megatron-LM exits 0 on a
-    bad tracker, and torch unpickles `.metadata` with plain pickle)."""
+    """The checkpoint Megatron-LM will load (--load's, else --pretrained-checkpoint's), checked safe to read before
+    any work (Megatron-LM exits 0 on a bad tracker; torch unpickles `.metadata`); None: a fresh start."""
     install_safe_checkpoint_reader()
     pretrained = args.pretrained_checkpoint is not None and not _has_checkpoint(args.load)
     root, option = (args.pretrained_checkpoint, "--pretrained-checkpoint") if pretrained else (args.load, "--load")
@@ -126,10 +100,8 @@ def active() -> RunFolder | None:
 
 
 class SaveLock:
-    """`--save`/.megatron_jreg.lock, locked with POSIX `lockf` while the run may write there: the kernel drops
-    it when the process ends, even by kill -9 (no stale lock), forked data workers do not inherit it, and it
-    holds across NFS clients. The file says who holds it (host, pid, start) for the refusal's message; it is
-    removed on release."""
+    """`--save`/.megatron_jreg.lock under POSIX `lockf`: the kernel drops it even on kill -9, forks do not inherit
+    it, NFS honours it; the file names the holder for the refusal."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self._fd = path, fd
@@ -225,9 +197,8 @@ def _settings_from_args(saved: argparse.Namespace) -> dict:
 
 
 def saved_settings(ckpt: Path) -> dict | None:
-    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args Megatron-LM saved with it
-    (checkpoints of Megatron-LM itself: a torch_dist common state, or a legacy `--ckpt-format torch` file read
-    weights-only); None when neither is readable. CheckpointError for a legacy file refused or unreadable."""
+    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args Megatron-LM saved (its own
+    checkpoints), read weights-only; None when neither is readable."""
     recorded = (read_sidecar(ckpt) or {}).get("run")
     if isinstance(recorded, dict):
         return recorded
@@ -289,9 +260,8 @@ class RunFolder:
 
     @classmethod
     def open(cls, args: argparse.Namespace, jreg: JregConfig, start: Start | None) -> RunFolder:
-        """Lock --save and check the checkpoint this run starts from (module docstring); Megatron-LM's own
-        --verify-integrity is switched off (checkpointing.py digests over all ranks instead). Raises UsageError,
-        in one line, before any work."""
+        """Lock --save and check the checkpoint this run starts from, before any work (UsageError); Megatron-LM's
+        own --verify-integrity goes off (checkpointing.py digests on every rank)."""
         args.verify_integrity = False
         lock = SaveLock.acquire(args.save) if args.save and args.rank == 0 else None
         try:
@@ -355,8 +325,8 @@ class RunFolder:
 
 
 def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
-    """--save holds checkpoints of another run, and this run does not continue that folder (`root`: the folder it
-    loads a checkpoint from, if any): UsageError, or with --overwrite-save those checkpoints moved aside (rank 0)."""
+    """UsageError when --save holds another run's checkpoints that this run does not continue (`root`: the folder
+    it loads); with --overwrite-save they are moved aside instead."""
     save = Path(args.save)
     continuing = root is not None and (Path(root).resolve() == save.resolve()
                                        or save.resolve() in Path(root).resolve().parents)
@@ -385,8 +355,7 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
 
 
 def _move_aside(save: Path) -> Path:
-    """Every iter_*/release folder (complete or not) and the tracker of `save` into a new `save`/overwritten-DATE/
-    (renames on one file system: nothing copied, nothing lost)."""
+    """The iter_*/release folders and tracker of `save` renamed into `save`/overwritten-DATE/ (nothing lost)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = save / f"overwritten-{stamp}", 1
     while aside.exists():

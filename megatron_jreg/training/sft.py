@@ -1,17 +1,5 @@
-"""Supervised fine-tuning (`--sft`) on Megatron-LM's SFTDataset, with what megatron-jreg adds to it.
-
-Megatron-LM's `--sft` packs whole conversations into each sequence (cu_seqlens boundaries, positions
-restarting per conversation, padding at the end) and tokenizes them with its `SFTTokenizer`. Three gaps
-for the paper's SFT (loss on assistant tokens, JREG on the real tokens, a CPU run):
-
-- With `--sft-tokenizer-prompt-format default` (the tokenizer's own chat template) Megatron-LM's
-  SFTTokenizer puts the loss on *every* token; `install_chat_targets` wraps the run's tokenizer in
-  `ChatTargets` (data/chat_targets.py), so that only the assistant turns are targets.
-- Ψ must average over real tokens only: `real_token_mask` marks everything but the end-of-pack padding.
-- Megatron-LM's packed sequences need Transformer Engine's THD attention; the local spec's attention
-  refuses them. `packed_attention_mask` gives the same attention as a block-diagonal causal mask (each
-  conversation sees only itself, as with THD), which the local spec takes.
-"""
+"""--sft on Megatron-LM's SFTDataset, with the three things the paper's SFT needs beyond it: loss on assistant tokens
+only, Ψ over real tokens only, and packed attention the local (CPU) spec takes."""
 
 from __future__ import annotations
 
@@ -31,16 +19,14 @@ def chat_targets(tokenizer):  # noqa: ANN001, ANN201 - Megatron-LM's tokenizer o
 
 
 def install_chat_targets() -> None:
-    """Replace Megatron-LM's global tokenizer by `ChatTargets` around it (after it was built), until Megatron-LM's
-    global state is torn down (training.run.teardown); a run applies it through training.run.training_patches."""
+    """Megatron-LM's global tokenizer wrapped in `ChatTargets` until teardown (runs: training_patches)."""
     from megatron_jreg import patches
 
     patches.apply({CHAT_TARGETS: chat_targets})
 
 
 def real_token_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
-    """tokens[b, s] → bool [b, s], False on the padding that ends a pack (Megatron-LM's SFTDataset pads
-    after the last conversation with the tokenizer's pad id)."""
+    """tokens[b, s] → bool [b, s], False on the padding SFTDataset puts after a pack's last conversation."""
     is_pad = tokens == pad
     # trailing run of pads: positions from which every token to the end is padding
     trailing = torch.flip(torch.cumprod(torch.flip(is_pad, dims=[1]).to(torch.int64), dim=1), dims=[1]).bool()
@@ -65,11 +51,8 @@ _ROLES = ("system", "user", "assistant")
 
 
 def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa: ANN001 - Megatron-LM's args
-    """Every --sft JSONL file as Megatron-LM's SFTDataset reads it, before any work (UsageError naming the file,
-    the line and the fix): each line a JSON object with a `messages` list of {"role", "content"} turns (its
-    `datasets` JSON reader stops at the first bad line with a traceback; a turn without `role` fails in a data
-    worker iterations later), and at least one conversation that gives a token to train on once packed into
-    --seq-length (SFTDataset cuts a pack on the right: conversations all longer than that train nothing)."""
+    """Every --sft JSONL file read as SFTDataset reads it, before any work: it would fail with a traceback, in a
+    worker iterations later, or train nothing; UsageError names the file, line and fix."""
     from megatron_jreg.errors import UsageError
 
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
@@ -119,8 +102,7 @@ def _record_problem(raw: bytes) -> str | None:
 
 
 def _trains(args, messages: list[dict], where: str) -> bool:  # noqa: ANN001
-    """Whether this line, packed by Megatron-LM's own SFTDataset.__getitem__ (called on a stand-in holding just
-    this line), has a loss token."""
+    """Whether this line, packed by SFTDataset's own __getitem__, has a loss token."""
     import types
 
     import numpy as np

@@ -1,12 +1,5 @@
-"""Parameters as slices of layout-independent global tensors, through megatron's sharded state dict.
-
-`sharded_state_dict()` already describes every parameter shard by a global key, global shape and offset
-(layers stacked on a leading axis, SwiGLU's gate/up halves as separate shards). Two uses:
-- `init_layout_independent`: draw each global tensor from a generator seeded by (seed, key, layer), so
-  the same seed gives the same model at any TP/PP/VPP layout — runs at different layouts are comparable.
-- `gather_full`: reassemble full tensors of parameters (or of their gradients) on every rank, to compare
-  layouts in tests and to export weights.
-"""
+"""Parameters as slices of global tensors, through megatron's sharded state dict: one seed gives one model at every
+TP/PP/VPP layout (`init_layout_independent`), and tests compare layouts by the full tensors (`gather_full`)."""
 
 from __future__ import annotations
 
@@ -89,11 +82,8 @@ def gather_full(
     value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{global key: full fp32 CPU tensor} of parameters (or `value(param)`, e.g. grads), on every rank.
-
-    Chunks of a virtual pipeline are distinct slices of the same global keys. Uses all_gather_object:
-    for tests and small models only.
-    """
+    """{global key: full fp32 CPU tensor} of parameters (or `value(param)`) on every rank; all_gather_object:
+    for tests and small models."""
     pieces = []
     for chunk in chunks:
         for _, sh in param_shards(chunk, value):

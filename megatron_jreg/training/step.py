@@ -1,34 +1,5 @@
-"""The forward step and loss handed to Megatron-LM's `pretrain`, as `pretrain_gpt.py` defines them.
-
-The batch comes from TP rank 0's data iterator and is broadcast over TP, packed sequences (SFT) are flattened
-and the context-parallel slice is cut — megatron-core's own helpers, in Megatron-LM's order, with multi-token
-prediction's stages (`mtp_on_this_rank`) getting tokens as Megatron-LM decides. The loss is Megatron-LM's
-three-tuple (sum over loss tokens, token count, report) with its NaN/Inf and spiky-loss checks through the rerun
-state machine; an MTP loss is added inside the model, as in Megatron-LM. Each block restated from
-Megatron-LM names its source: `pretrain_gpt.py` at tag core_v0.19.0, lines a-b. JREG's penalty enters backward
-through hooks on the layers (plugin.py); the forward step only tells the plugin which tokens of a packed SFT batch
-are real and, under per-token loss, how many loss tokens the microbatch has (packed batches become a
-block-diagonal attention mask where the local spec cannot take packed sequences: sft.py).
-
-What `pretrain_gpt.py` reads and how megatron-jreg treats it (flags of its forward step, loss, dataset
-providers, embedding ranks and entry; megatron-jreg train refuses the rest in one line,
-checks.check_pretrain_gpt_flags):
-- implemented as there: --sft, --dataloader-inter-document-masking, --create-attention-mask-in-dataloader,
-  --hybrid-context-parallel, --context-parallel-size, --micro-batch-size, --seq-length,
-  --pipeline-model-parallel-size, --mtp-num-layers with --pipeline-model-parallel-layout (batch, datasets
-  and embedding ranks on the MTP stages), --check-for-nan-in-loss-and-grad, --check-for-spiky-loss,
-  --log-straggler (the forward step's timers), every dataset flag of its GPTDatasetConfig (training/data.py:
-  --mock-data, --fim-*, --split, --per-dataset-sequences-path, ...), --untie-embeddings-and-output-weights
-  (embedding ranks), the GPT2BPETokenizer default;
-- refused: --logits-load-dir (cached-logits distillation; its companions only apply with it),
-  --inprocess-restart, --overlap-moe-expert-parallel-comm (its schedule bypasses the layer hooks JREG uses),
-  --sft with context parallelism (JREG's real-token mask is not split over CP ranks); on a CPU CUDA graphs,
-  and --moe-grouped-gemm and --record-memory-history with Megatron-LM's other GPU-only features (_check_cpu);
-- meaning kept by the same code: the model (gpt_config_from_args + Megatron-LM's GPTModelBuilder, which
-  read --spec, --num-experts, --experimental-attention-variant, --heterogeneous-layers-config-path, ...;
-  our spec only swaps the torch norm class), --record-memory-history on GPUs (Megatron-LM's pretrain);
-  ModelOpt's flags exist only where `megatron.post_training` is installed, which the wheel does not ship.
-"""
+"""The forward step and loss handed to `pretrain`, as pretrain_gpt.py (core_v0.19.0) defines them, each block naming
+its source lines; JREG only tells the plugin which tokens are real (list of flags: DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -58,12 +29,8 @@ _JREG_KEYS = ("real_mask", "loss_tokens")
 
 
 def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tokens: bool = False) -> dict:
-    """This rank's microbatch: {key: tensor or None} for BATCH_KEYS, plus JREG's `real_mask` [b, s] (SFT)
-    and `loss_tokens` (the whole microbatch's loss-token count, when asked and this stage reads the batch).
-    All None on stages that receive activations and hold no MTP layers, unless the data is packed.
-
-    pretrain_gpt.py:97-181 (core_v0.19.0), with `config` the model's TransformerConfig (the same fields as
-    its core_transformer_config_from_args(args))."""
+    """This rank's microbatch {BATCH_KEYS: tensor or None} plus JREG's `real_mask` [b, s] and `loss_tokens`
+    (pretrain_gpt.py:97-181, core_v0.19.0)."""
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
@@ -113,9 +80,7 @@ def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tok
 
 
 def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
-    """(real-token mask [b, s] bool or None, loss-token count or None) of a microbatch read by TP rank 0,
-    the same on every TP rank (one broadcast): the mask for SFT packs (all but the end padding), the count
-    of the whole microbatch (before the CP split) when asked (JREG under per-token loss)."""
+    """(real-token mask [b, s] or None, loss-token count or None), one broadcast from TP rank 0."""
     from megatron.training import get_args, get_tokenizer
 
     from megatron_jreg.training.sft import real_token_mask
@@ -140,12 +105,8 @@ def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron-LM's loss: (Σ loss over loss tokens, token count, {"lm loss": [Σ, count]}).
-
-    output_tensor[b, s]: per-token cross-entropy from GPTModel; loss_mask[b, s]: 1 where it counts.
-    pretrain_gpt.py:209-279 (core_v0.19.0), its plain branch: --logits-load-dir is refused and ModelOpt
-    is not installed with the wheel.
-    """
+    """(Σ loss over loss_mask[b, s], token count, report) from output_tensor[b, s]: pretrain_gpt.py:209-279
+    (core_v0.19.0), its plain branch (--logits-load-dir refused, no ModelOpt)."""
     from megatron.training import get_args
 
     args = get_args()
@@ -192,11 +153,8 @@ def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
 
 
 def forward_step(data_iterator, model, jreg=None):  # noqa: ANN001
-    """One microbatch through `model`; returns (output, loss function) as megatron's schedules expect.
-
-    pretrain_gpt.py:282-358 (core_v0.19.0), without its `return_schedule_plan` branch (only the refused
-    --overlap-moe-expert-parallel-comm asks for it). jreg: the run's JregLoop, told which tokens of a
-    packed SFT batch are real and, under per-token loss, how many loss tokens the microbatch has."""
+    """(output, loss function) of one microbatch: pretrain_gpt.py:282-358 (core_v0.19.0) without the refused
+    `return_schedule_plan` branch; `jreg`: the run's JregLoop."""
     from megatron.training import get_args, get_timers
 
     args = get_args()
