@@ -6,7 +6,6 @@ from megatron_jreg.checkpoints.files import (
     install_safe_checkpoint_reader,
     is_checkpoint,
     load_metadata,
-    read_sidecar,
     read_tracker,
     resolve,
     saved_iterations,
@@ -17,4 +16,4 @@ from megatron_jreg.checkpoints.model import Checkpoint, MegatronModel, build_mod
 
 __all__ = ["Checkpoint", "CheckpointError", "MegatronModel", "build_model", "failure_text",
            "install_safe_checkpoint_reader", "is_checkpoint", "load_megatron_model", "load_metadata", "read_args",
-           "read_sidecar", "read_tracker", "resolve", "saved_iterations", "verify_integrity", "write_integrity"]
+           "read_tracker", "resolve", "saved_iterations", "verify_integrity", "write_integrity"]

@@ -22,7 +22,6 @@ from megatron_jreg.fileio import atomic_write
 from megatron_jreg.model_files import NotRegularFile, open_regular, relative_name, special_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
-SIDECAR = "megatron_jreg.json"  # beside each iteration's files: Adam's step count and the run's JREG settings
 _ITER_DIR = re.compile(r"^iter_\d+$")
 INTEGRITY = "integrity.json"  # megatron.core.dist_checkpointing's manifest name
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")  # a torch_dist shard: __RANK_INDEX.distcp, written by RANK
@@ -52,27 +51,6 @@ def is_checkpoint(path: str | Path) -> bool:
     if (path / TRACKER).exists() or _ITER_DIR.match(path.name) or path.name == "release":
         return True
     return any(p.is_dir() and _ITER_DIR.match(p.name) for p in path.iterdir())
-
-
-def read_sidecar(ckpt: Path) -> dict | None:
-    """An iteration folder's megatron_jreg.json; None for Megatron-LM's own saves."""
-    path = Path(ckpt) / SIDECAR
-    if not path.is_file():
-        return None
-    try:
-        with open_regular(path) as f:
-            record = json.loads(f.read().decode())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); restore it or remove it") from None
-    if not isinstance(record, dict):
-        raise CheckpointError(f"{path}: not a JSON object; restore it or remove it")
-    return record
-
-
-def write_sidecar(ckpt: Path, record: dict) -> None:
-    """An iteration folder's megatron_jreg.json (`read_sidecar` reads it), whole or not at all."""
-    with atomic_write(Path(ckpt) / SIDECAR) as f:
-        f.write(json.dumps(record, indent=2))
 
 
 def read_tracker(root: str | Path) -> int | str | None:

@@ -25,7 +25,6 @@ from megatron_jreg.checkpoints.files import (
     CheckpointError,
     failure_text,
     install_safe_checkpoint_reader,
-    read_sidecar,
     resolve,
     verify_integrity,
 )
@@ -257,7 +256,6 @@ class Checkpoint:
     directory: Path  # the iter_*/release folder
     iteration: int
     args: argparse.Namespace  # Megatron-LM's args as saved (parallel sizes as trained)
-    sidecar: dict | None  # megatron_jreg.json (Adam's step, JREG settings); None for Megatron-LM's own saves
 
     @classmethod
     def open(cls, path: str | Path, iteration: int | None = None, verify: bool = True) -> Checkpoint:
@@ -265,7 +263,7 @@ class Checkpoint:
         ckpt, iteration = resolve(path, iteration)
         if verify:
             verify_integrity(ckpt)
-        return cls(ckpt, iteration, read_args(ckpt), read_sidecar(ckpt))
+        return cls(ckpt, iteration, read_args(ckpt))
 
     def load_model(self, dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None,
                    load_tokenizer: bool = True) -> MegatronModel:

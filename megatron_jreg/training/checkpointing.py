@@ -16,9 +16,10 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megatron_jreg.checkpoints import CheckpointError, failure_text, verify_integrity, write_integrity
-from megatron_jreg.checkpoints.files import TRACKER, checkpoint_files, digest_files, share, write_sidecar
+from megatron_jreg.checkpoints.files import TRACKER, checkpoint_files, digest_files, share
 from megatron_jreg.errors import FAILED, JregError, UsageError, limit_reached
-from megatron_jreg.training.run_folder import active, tracked
+from megatron_jreg.training.run_folder import tracked
+from megatron_jreg.training.run_record import RunRecord, Start, write_sidecar
 
 
 class SaveError(JregError, RuntimeError):
@@ -46,17 +47,19 @@ def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None
     return RankLost(f"another rank stopped (rank {os.environ.get('RANK', '0')} saw: {seen}); {resume}")
 
 
-def patch_makers() -> dict:
-    """The save/load wrappers, rows of megatron_jreg.patches.PATCHES applied around pretrain."""
-    return {"megatron.training.training.load_checkpoint": lambda orig: functools.partial(_load_checkpoint, orig),
-            "megatron.training.training.save_checkpoint": lambda orig: functools.partial(_save_checkpoint, orig),
-            DIST_SAVE: lambda orig: functools.partial(_dist_save, orig)}
+def patch_makers(record: RunRecord) -> dict:
+    """The save/load wrappers of the run `record` belongs to (rows of megatron_jreg.patches.PATCHES)."""
+    pending: dict = {}  # save_checkpoint's record for the dist_checkpointing.save it calls
+    load, save = "megatron.training.training.load_checkpoint", "megatron.training.training.save_checkpoint"
+    return {load: lambda orig: functools.partial(_load_checkpoint, orig, record.start),
+            save: lambda orig: functools.partial(_save_checkpoint, orig, record, pending),
+            DIST_SAVE: lambda orig: functools.partial(_dist_save, orig, pending)}
 
 
 DIST_SAVE = "megatron.core.dist_checkpointing.save"
 
 
-def _dist_save(original, *a, **k):  # noqa: ANN001
+def _dist_save(original, pending: dict, *a, **k):  # noqa: ANN001
     """dist_checkpointing.save without its rank-0 manifest, then `finish_save` (at once, or when --async-save's
     request finalizes)."""
     call = _bound(original, a, k)
@@ -64,16 +67,13 @@ def _dist_save(original, *a, **k):  # noqa: ANN001
     result = original(**call)
     from megatron.training import get_args
 
-    finish = functools.partial(finish_save, Path(call["checkpoint_dir"]), _SIDECAR_NEXT.pop("record", None),
+    finish = functools.partial(finish_save, Path(call["checkpoint_dir"]), pending.pop("record", None),
                                not get_args().jreg_no_verify_integrity)
     if result is None:
         finish()
     else:
         result.add_finalize_fn(finish)
     return result
-
-
-_SIDECAR_NEXT: dict = {}  # save_checkpoint's megatron_jreg.json for the dist_checkpointing.save it calls
 
 
 def _all_gather(value: object) -> list:
@@ -137,7 +137,7 @@ def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
     return inspect.signature(original).bind(*a, **k).arguments
 
 
-def _save_checkpoint(original, *a, **k):  # noqa: ANN001
+def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # noqa: ANN001
     """Megatron-LM's save_checkpoint with the run record; skipped without --save or with non-finite tensors (a
     resume needs a finite checkpoint); a failure becomes one SaveError line."""
     from megatron.training import get_args, print_rank_0
@@ -160,11 +160,11 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         return None
     ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
     steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
-    sidecar = active().sidecar(next((s for s in steps if s is not None), None)) if persistent else None
+    sidecar = record.sidecar(next((s for s in steps if s is not None), None)) if persistent else None
     writer = logging.getLogger(_WRITER_LOG)
     writer_errors = _Collect()
     writer.addFilter(writer_errors)
-    _SIDECAR_NEXT["record"] = sidecar
+    pending["record"] = sidecar
     try:
         result = original(*a, **k)
         if persistent and args.ckpt_format != "torch_dist":  # the legacy torch format: no dist_checkpointing.save
@@ -177,7 +177,7 @@ def _save_checkpoint(original, *a, **k):  # noqa: ANN001
         cause = writer_errors.messages[0].rsplit("error: ", 1)[-1] if writer_errors.messages else failure_text(e)
         raise SaveError(_save_failure(args.save, iteration, ckpt, previous, cause, model, optimizer)) from e
     finally:
-        _SIDECAR_NEXT.clear()
+        pending.clear()
         writer.removeFilter(writer_errors)
     for message in writer_errors.messages:  # logged without failing the save: show them after all
         writer.error(message)
@@ -330,12 +330,12 @@ def _adam_step(opt) -> int | None:
     return None
 
 
-def _load_checkpoint(original, *a, **k):  # noqa: ANN001
+def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
     """Megatron-LM's load_checkpoint after every rank verified its share of the digests."""
     import torch
     from megatron.training import get_args, print_rank_0
 
-    args, start = get_args(), active().start
+    args = get_args()
     root = start.root if start else args.load
     if start and not args.jreg_no_verify_integrity:
         dist = torch.distributed

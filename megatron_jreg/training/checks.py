@@ -13,7 +13,7 @@ from megatron_jreg.checkpoints.args import assertion_text, check_model_config, f
 from megatron_jreg.errors import UsageError
 
 if TYPE_CHECKING:
-    from megatron_jreg.training.run_folder import Start
+    from megatron_jreg.training.run_record import Start
 
 
 def check_numbers(args: argparse.Namespace) -> None:

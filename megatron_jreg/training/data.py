@@ -4,7 +4,6 @@ plus the check that the data fits the run's tokenizer and one-line reports of da
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 from functools import partial
@@ -18,9 +17,9 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_jreg.data.indexed import verify_dataset
 from megatron_jreg.data.manifest import read_manifest
-from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import Failed, UsageError
 from megatron_jreg.training.run_folder import resume_hint
+from megatron_jreg.training.run_record import tokenizer_sha256
 from megatron_jreg.training.sft import check_conversations
 
 
@@ -47,25 +46,6 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, prefix) of every indexed dataset the run reads (none for --mock-data / --sft; the blend is checked)."""
     paths = data_paths(args)
     return [] if args.mock_data or args.sft else paths
-
-
-def tokenizer_sha256(args: argparse.Namespace) -> str | None:
-    """SHA-256 of the run's tokenizer files as preprocess records it in a manifest; None for NullTokenizer."""
-    if args.tokenizer_type == "NullTokenizer":
-        return None
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        files = [args.vocab_file, args.merge_file]
-    else:
-        model = Path(args.tokenizer_model or "")
-        files = [model / "tokenizer.json" if model.is_dir() else model]
-    if not all(f and Path(f).is_file() for f in files):
-        return None
-    return _sha256_of(*(str(Path(f).resolve()) for f in files))
-
-
-@functools.lru_cache(maxsize=4)
-def _sha256_of(*paths: str) -> str:
-    return file_sha256(*paths)
 
 
 def _recorded_max_token_id(prefix: str) -> int | None:

@@ -44,7 +44,7 @@ class JregLoop:
 
     def __init__(self, args: argparse.Namespace, cfg: JregConfig, folder: RunFolder) -> None:
         self.args, self.cfg, self.folder = args, cfg, folder
-        self.folder.loop_fields = self._checkpoint_fields
+        folder.record.loop_fields = lambda: self.telemetry.checkpoint_fields(self._iteration)
         self.plugin: JregPlugin | None = None
         self.stats: JregStats | None = None  # Ψ of the last recorded training iteration
         self.evaluations: list[tuple[JregStats, float | None]] = []  # (Ψ, lm loss) of each `evaluate` call
@@ -77,13 +77,8 @@ class JregLoop:
                 signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
         self.telemetry.close()
-        self.folder.close()
         if self.plugin is not None:
             self.plugin.remove_hooks()
-
-    def _checkpoint_fields(self) -> dict:
-        """What each checkpoint's megatron_jreg.json keeps of this loop (metrics.Telemetry.checkpoint_fields)."""
-        return self.telemetry.checkpoint_fields(self._iteration)
 
     # -- Ctrl-C ---------------------------------------------------------------------------------------------
     def _on_sigint(self, signum: int, frame: object) -> None:
@@ -132,7 +127,7 @@ class JregLoop:
         self._record = self._records(iteration or 0)
         if self.first_step:
             self.start = self._iteration = iteration or 0
-            self.telemetry.begin(self.start, self.folder.base)
+            self.telemetry.begin(self.start, self.folder.record.base)
         self.plugin.start_step(get_num_microbatches(), record=self._record)
 
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:

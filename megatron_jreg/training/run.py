@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import argparse
 
     from megatron_jreg.plugin import JregConfig
-    from megatron_jreg.training.run_folder import Start
+    from megatron_jreg.training.run_record import Start
 
 
 def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
@@ -32,7 +32,7 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
     from megatron_jreg.training.data import check_vocabulary
     from megatron_jreg.training.flags import parse_args
     from megatron_jreg.training.model import check_transformer_impl
-    from megatron_jreg.training.run_folder import find_start
+    from megatron_jreg.training.run_record import find_start
 
     args = parse_args(argv)
     cpu = not torch.cuda.is_available()
@@ -152,7 +152,7 @@ def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-L
     from megatron_jreg.training import checkpointing
     from megatron_jreg.training.sft import CHAT_TARGETS, chat_targets
 
-    makers = {**loop.patch_makers(), **checkpointing.patch_makers(),
+    makers = {**loop.patch_makers(), **checkpointing.patch_makers(loop.folder.record),
               "megatron.training.training.setup_model_and_optimizer": _build_errors_as_usage,
               "megatron.core.datasets.utils.compile_helpers": _no_compile}
     if args.sft and args.sft_tokenizer_prompt_format in ("default", "identity"):
@@ -225,8 +225,8 @@ def run(argv: list[str]) -> int:
     finally:
         timers.removeFilter(_not_a_traceback_copy)
         if loop is not None:
-            loop.close()  # the folder too
-        elif folder is not None:
+            loop.close()
+        if folder is not None:
             folder.close()
         teardown()
         for key in [k for k in os.environ if k.startswith("NVTE_") and k not in environ]:
