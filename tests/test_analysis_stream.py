@@ -199,8 +199,6 @@ def test_embedding_rows_read_in_runs(tokenizer, tmp_path):
     full = load_file(folder / "model.safetensors")["model.embed_tokens.weight"]
     ids = [0, 1, 2, 7, 9, 10, VOCAB - 1]
     assert torch.equal(weights.rows("model.embed_tokens.weight", ids), full[ids])
-    stored = load_file(folder / "model.safetensors").values()
-    assert weights.nbytes() == sum(t.numel() * t.element_size() for t in stored)
 
 
 def test_auto_streams_when_the_model_does_not_fit(tokenizer, tmp_path, monkeypatch, capsys):

@@ -228,18 +228,9 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None, con
         ) from e
 
 
-def load_hf_source(
-    path: Path,
-    *,
-    label: str,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    include_final_norm: bool = False,
-    tokenizer: str | None = None,
-    with_tokenizer: bool = True,
-    config: Any = None,
-    tensors: dict[str, Any] | None = None,
-) -> HFSource:
+def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   include_final_norm: bool = False, tokenizer: str | None = None, with_tokenizer: bool = True,
+                   config: Any = None, tensors: dict[str, Any] | None = None) -> HFSource:
     """A local Hugging Face folder or GGUF file (never downloads) as a source; files lacking weights of the architecture
     or holding unused ones are refused (`hub.load_causal_lm`), the LM head exempt (`head_missing`). config, tensors:
     what `loading.identify` read."""

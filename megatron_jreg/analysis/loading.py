@@ -86,13 +86,12 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
         matches = [Path(p) for p in glob.glob(checkpoints)]
         if not matches:
             raise AnalysisError(f"--checkpoints {checkpoints!r} matches nothing")
-        stepped = []
-        for p in matches:
-            step = checkpoint_step(p)
-            if step is None:
-                raise AnalysisError(f"--checkpoints: cannot order {p} by step (no number in its name); narrow the glob")
-            stepped.append((step, p))
-        entries += [(p, "--checkpoints", step) for step, p in sorted(stepped, key=lambda s: (s[0], str(s[1])))]
+        steps = {p: checkpoint_step(p) for p in matches}
+        unordered = [p for p, step in steps.items() if step is None]
+        if unordered:
+            raise AnalysisError(f"--checkpoints: cannot order {unordered[0]} by step (no number in its name); narrow "
+                                "the glob")
+        entries += [(p, "--checkpoints", steps[p]) for p in sorted(matches, key=lambda p: (steps[p], str(p)))]
     kinds = [_identify(p, flag) for p, flag, _ in entries]
     labels = _unique_labels(shown + [p.resolve() for p, _, _ in entries[len(given) :]])
     revs = [r for _, r in given] + [None] * (len(entries) - len(given))
@@ -177,17 +176,9 @@ def should_stream(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> 
     return True, f"streaming layer by layer: {sizes}"
 
 
-def load_source(
-    spec: ModelSpec,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    include_final_norm: bool = False,
-    tokenizer: str | None = None,
-    stream: bool | None = False,
-    with_tokenizer: bool = True,
-    log: Callable[[str], None] | None = None,
-) -> HiddenStateSource:
+def load_source(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, include_final_norm: bool = False,
+                tokenizer: str | None = None, stream: bool | None = False, with_tokenizer: bool = True,
+                log: Callable[[str], None] | None = None) -> HiddenStateSource:
     """The source for one model, framework imports lazily; stream None: decided by `should_stream`, told to `log`.
     with_tokenizer=False: token ids come from the caller."""
     if stream is None:

@@ -3,6 +3,7 @@ means), so batching never changes the result."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import statistics
@@ -17,11 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 from megatron_jreg import jreg
 from megatron_jreg.analysis.loading import ModelSpec
 from megatron_jreg.analysis.removal import check_top_k, next_token_targets, removal_figures
-from megatron_jreg.analysis.source import (
-    AnalysisError,
-    HiddenStateSource,
-    last_token_mask,
-)
+from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource, last_token_mask
 from megatron_jreg.progress import progress_bar
 
 
@@ -145,9 +142,8 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
     return samples, truncated, why
 
 
-def padded_batches(
-    samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
-) -> Iterator[tuple[Tensor, Tensor]]:
+def padded_batches(samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
+                   ) -> Iterator[tuple[Tensor, Tensor]]:
     """(input_ids[b, t], attention_mask[b, t]) int64 batches, longest first so a batch too large for memory fails at
     once."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
@@ -157,19 +153,9 @@ def padded_batches(
                pad_sequence([torch.ones_like(c) for c in chunk], batch_first=True, padding_side=padding_side))
 
 
-def measure(
-    source: HiddenStateSource,
-    texts: list[str],
-    spec: ModelSpec,
-    *,
-    batch_size: int = 8,
-    max_length: int | None = None,
-    kind: str = "angular",
-    padding_side: str = "right",
-    progress: bool = False,
-    positions: str = "all",
-    remove_layers: Sequence[int] | None = None,
-) -> ModelResult:
+def measure(source: HiddenStateSource, texts: list[str], spec: ModelSpec, *, batch_size: int = 8,
+            max_length: int | None = None, kind: str = "angular", padding_side: str = "right", progress: bool = False,
+            positions: str = "all", remove_layers: Sequence[int] | None = None) -> ModelResult:
     """Ψ_ℓ, residual norms and the distances between any two layers of `source` over `texts` (padding
     excluded; `positions` "all" tokens or each sample's "last"), and with `remove_layers` (the top k values)
     layer removal (`removal.py`) on the same samples."""
@@ -198,36 +184,20 @@ def measure(
                 stats = batch if stats is None else {key: stats[key] + batch[key] for key in stats}
                 bar.update(int(mask.sum()))
     result = ModelResult(
-        label=spec.label,
-        path=str(spec.path),
-        kind=spec.kind,
-        model_class=source.model_class,
-        convention=source.convention,
-        step=spec.step,
-        sums=stats["sums"].tolist(),
-        counts=[int(c) for c in stats["counts"].tolist()],
-        samples=len(samples),
-        truncated_samples=truncated,
-        distance=kind,
-        positions=positions,
-        norm_sums=stats["norm_sums"].tolist(),
-        zero_tokens=[int(z) for z in stats["zero_tokens"].tolist()],
-        distance_sums=stats["distance_sums"].tolist(),
-        truncated_to=truncated_to,
-        revision=spec.revision,
-    )
+        label=spec.label, path=str(spec.path), kind=spec.kind, model_class=source.model_class,
+        convention=source.convention, step=spec.step, sums=stats["sums"].tolist(),
+        counts=[int(c) for c in stats["counts"].tolist()], samples=len(samples), truncated_samples=truncated,
+        distance=kind, positions=positions, norm_sums=stats["norm_sums"].tolist(),
+        zero_tokens=[int(z) for z in stats["zero_tokens"].tolist()], distance_sums=stats["distance_sums"].tolist(),
+        truncated_to=truncated_to, revision=spec.revision)
     if remove_layers is not None:
-        result.removal = _removal(source, batches, remove_layers, positions, f"{spec.label} (layer removal)", progress)
+        label = f"{spec.label} (layer removal)"
+        with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
+        if not any(bool((t >= 0).any()) for _, _, t in with_targets):
+            raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
+                                "needs samples of two tokens or more")
+        result.removal = removal_figures(source, with_targets, remove_layers, label, progress)
     return result
-
-
-def _removal(source: HiddenStateSource, batches: list[tuple[Tensor, Tensor, Tensor]], top_k: tuple[int, ...],
-             positions: str, label: str, progress: bool) -> dict:
-    with_targets = [(ids, mask, next_token_targets(ids, mask, positions)) for ids, mask, _ in batches]
-    if not any(bool((t >= 0).any()) for _, _, t in with_targets):
-        raise AnalysisError(f"{label}: no sample has a token to predict (all are one token long); layer removal "
-                            "needs samples of two tokens or more")
-    return removal_figures(source, with_targets, top_k, label, progress)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,10 +233,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            try:
+            with contextlib.suppress(OSError):
                 Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            except OSError:
-                pass
             self._base = _status_bytes("VmRSS")
         return self
 

@@ -105,16 +105,9 @@ def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple
             *(o.gather(1, order).masked_fill(~moved, 0) for o in others))
 
 
-def load_megatron_source(
-    path: Path,
-    *,
-    label: str,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    include_final_norm: bool = False,
-    tokenizer: str | None = None,
-    with_tokenizer: bool = True,
-) -> MegatronSource:
+def load_megatron_source(path: Path, *, label: str, dtype: torch.dtype, device: torch.device | str,
+                         include_final_norm: bool = False, tokenizer: str | None = None, with_tokenizer: bool = True
+                         ) -> MegatronSource:
     """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source;
     with_tokenizer=False: token ids come from the caller (the run's tokenizer is not needed)."""
     from megatron_jreg.checkpoints import CheckpointError, load_megatron_model

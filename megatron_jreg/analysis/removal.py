@@ -13,12 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg.analysis.loading import ModelSpec, identify, load_source
-from megatron_jreg.analysis.source import (
-    AnalysisError,
-    first_tensor,
-    last_token_mask,
-    planned_layers,
-)
+from megatron_jreg.analysis.source import AnalysisError, first_tensor, last_token_mask, planned_layers
 from megatron_jreg.progress import library_bars, progress_bar
 
 TOP_K = (1, 2, 3)

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.progress import library_bars, show_progress
 
 
-def _stderr(message: str) -> None:
+def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -54,7 +54,7 @@ class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the 
         self.index, self.total, self.measured, self.files = index, total, measured, files
 
 
-def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tuple[list[ModelResult], list[Path]]:
+def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
     """Measure every model of `cfg` on the same samples, one at a time (a series needs one model's memory); returns
     (results, files written). An unreadable --checkpoints match is skipped in one line; Ctrl-C writes what was measured
     and raises `Interrupted`."""
@@ -73,7 +73,7 @@ def run_analysis(cfg: AnalyzeConfig, log: Callable[[str], None] = _stderr) -> tu
             try:
                 if spec.kind.startswith("unreadable: "):
                     raise AnalysisError(spec.kind.removeprefix("unreadable: "))
-                result = _measure_one(cfg, spec, texts, f"[{i}/{len(specs)}]", log)
+                result = _measure_one(cfg, spec, texts, f"[{i}/{len(specs)}]")
             except AnalysisError as e:
                 if spec.flag != "--checkpoints":
                     raise
@@ -92,37 +92,22 @@ def _write(results: list[ModelResult], cfg: AnalyzeConfig) -> list[Path]:
     return write_results(results, cfg.settings(), cfg.output)
 
 
-def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str, log: Callable[[str], None]
-                 ) -> ModelResult:
+def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str) -> ModelResult:
     """Load, measure and release one model; checks its figures (finite, hidden states not all zero)."""
     progress = show_progress(cfg.progress)
     with PeakMemory(cfg.torch_device) as memory, _model_failures(spec):
         with library_bars(progress):  # transformers' loading and GGUF de-quantizing bars follow --progress too
-            source = load_source(
-                spec,
-                dtype=cfg.torch_dtype,
-                device=cfg.torch_device,
-                include_final_norm=cfg.include_final_norm,
-                tokenizer=cfg.tokenizer,
-                stream=cfg.stream,
-                log=lambda line: log(f"{tag} {line}"),
-            )
+            source = load_source(spec, dtype=cfg.torch_dtype, device=cfg.torch_device, tokenizer=cfg.tokenizer,
+                                 include_final_norm=cfg.include_final_norm, stream=cfg.stream,
+                                 log=lambda line: log(f"{tag} {line}"))
         stream = source.streamed
         for note in getattr(source, "notes", ()):
             log(f"    note: {note}")
         try:
-            result = measure(
-                source,
-                texts,
-                spec,
-                batch_size=cfg.batch_size,
-                max_length=cfg.max_length,
-                kind=cfg.distance,
-                padding_side=cfg.padding_side,
-                progress=progress,
-                positions=cfg.positions,
-                remove_layers=(cfg.top_k or default_top_k(source.num_layers)) if cfg.remove_layers else None,
-            )
+            top_k = (cfg.top_k or default_top_k(source.num_layers)) if cfg.remove_layers else None
+            result = measure(source, texts, spec, batch_size=cfg.batch_size, max_length=cfg.max_length,
+                             kind=cfg.distance, padding_side=cfg.padding_side, progress=progress,
+                             positions=cfg.positions, remove_layers=top_k)
             if result.step is None:
                 result.step = getattr(source, "iteration", None)
         finally:
@@ -135,13 +120,13 @@ def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str
     if memory.peak is not None:
         where = "GPU memory allocated" if cfg.torch_device.type == "cuda" else "resident set of this process"
         log(f"    peak memory {memory.peak / 2**30:.2f} GiB ({where}; {'streamed' if stream else 'in memory'})")
-    check_result(result, spec.path, log)
+    check_result(result, spec.path)
     if result.truncated_samples:
         log(f"    {result.truncated_samples} sample(s) truncated to {result.truncated_to}")
     return result
 
 
-def check_result(result: ModelResult, path: Path, log: Callable[[str], None]) -> None:
+def check_result(result: ModelResult, path: Path) -> None:
     """Refuse figures that mean nothing (non-finite Ψ or CE, an all-zero layer, which d would read as 0.5); warn when
     only some tokens are zero."""
     bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_jreg import jreg
-from megatron_jreg.errors import JregError
+from megatron_jreg.errors import JregError, ModelFileError
 
 # The convention labels that end up in results.json and in the plot legends.
 LAYER_IO = "decoder layer input/output (hooks)"
@@ -25,6 +25,15 @@ class AnalysisError(JregError, ValueError):
 
 class UnsupportedArchitectureError(AnalysisError):
     """The decoder layers of a model could not be found."""
+
+
+@contextlib.contextmanager
+def refused_as_analysis(prefix: str = "") -> Iterator[None]:
+    """A model-file refusal as an AnalysisError, its message kept: what a --checkpoints series skips in one line."""
+    try:
+        yield
+    except ModelFileError as e:
+        raise AnalysisError(f"{prefix}{e}") from None
 
 
 class HiddenStateSource(Protocol):

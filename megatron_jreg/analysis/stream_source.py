@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,18 +35,16 @@ from megatron_jreg.analysis.source import (
     masked_displacement_sum,
     planned_layers,
     real_rows,
+    refused_as_analysis,
     state_totals,
     with_hidden,
 )
 from megatron_jreg.dtypes import SAFETENSORS
-from megatron_jreg.errors import IncompleteWeightsError
 from megatron_jreg.hub import check_loading_info
 from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder, safetensors_sources
 from megatron_jreg.progress import library_bars
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, (t, _) in SAFETENSORS.items() if t}
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD = 1 << 20
 
 class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the forward stops after layer ℓ
     pass
@@ -128,13 +127,6 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
 # error naming the file (a truncated download) instead of a bus error.
 
 
-def _streamable(entry: TensorEntry) -> TensorEntry:
-    if entry.dtype not in DTYPES:
-        raise WeightsError(f"{entry.file}: dtype {entry.dtype} cannot be streamed (supported: {', '.join(DTYPES)}); "
-                           "analyze the model without --stream")
-    return entry
-
-
 class SafetensorsFolder:
     """Every tensor of a model folder: `model.safetensors.index.json` with its shards, or the
     `*.safetensors` files themselves when there is no index (headers and index names checked by
@@ -147,12 +139,11 @@ class SafetensorsFolder:
                 f"{self.folder}: no *.safetensors weights (layer streaming reads safetensors only); convert the "
                 "model with `save_pretrained(..., safe_serialization=True)` or analyze it without --stream"
             )
-        tensors = tensors or read_safetensors_folder(self.folder)  # headers read by `inspect_model_folder`
-        self.tensors = {name: _streamable(entry) for name, entry in tensors.items()}
-
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of all tensors, as stored or converted to `dtype`."""
-        return sum(t.numel * (dtype or DTYPES[t.dtype]).itemsize for t in self.tensors.values())
+        self.tensors = tensors or read_safetensors_folder(self.folder)  # headers read by `inspect_model_folder`
+        for entry in self.tensors.values():
+            if entry.dtype not in DTYPES:
+                raise WeightsError(f"{entry.file}: dtype {entry.dtype} cannot be streamed (supported: "
+                                   f"{', '.join(DTYPES)}); analyze the model without --stream")
 
     @staticmethod
     def _read(f: BinaryIO, info: TensorEntry, start: int, nbytes: int) -> torch.Tensor:
@@ -164,21 +155,14 @@ class SafetensorsFolder:
 
     def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors, in their stored dtype; each file is opened once and read in offset order."""
-        wanted = sorted((self.tensors[n].file, self.tensors[n].start, n) for n in names)
+        wanted = sorted(names, key=lambda n: (self.tensors[n].file, self.tensors[n].start))
         out: dict[str, torch.Tensor] = {}
-        current, f = None, None
-        try:
-            for path, _, name in wanted:
-                if path != current:
-                    if f is not None:
-                        f.close()
-                    current, f = path, open(path, "rb")
-                info = self.tensors[name]
-                buf = self._read(f, info, info.start, info.end - info.start)
-                out[name] = buf.view(DTYPES[info.dtype]).reshape(info.shape)
-        finally:
-            if f is not None:
-                f.close()
+        for path, group in itertools.groupby(wanted, key=lambda n: self.tensors[n].file):
+            with open(path, "rb") as f:
+                for name in group:
+                    info = self.tensors[name]
+                    buf = self._read(f, info, info.start, info.end - info.start)
+                    out[name] = buf.view(DTYPES[info.dtype]).reshape(info.shape)
         return out
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
@@ -201,17 +185,14 @@ class SafetensorsFolder:
         return out
 
 
-def return_large_blocks_to_the_os(threshold: int = MMAP_THRESHOLD) -> bool:
+def return_large_blocks_to_the_os() -> bool:
     """Have glibc mmap every block of 1 MiB or more, so freed layers leave the resident set at once (True when set)."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+        return name is not None and bool(ctypes.CDLL(name).mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD := 1 MiB
     except (OSError, AttributeError):
         return False
 
@@ -222,18 +203,9 @@ class StreamingSource(HFSource):
 
     streamed = True
 
-    def __init__(
-        self,
-        folder: Path,
-        tokenizer: Any,
-        label: str,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        include_final_norm: bool = False,
-        config: Any = None,
-        tensors: dict[str, TensorEntry] | None = None,
-    ):
+    def __init__(self, folder: Path, tokenizer: Any, label: str, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", include_final_norm: bool = False, config: Any = None,
+                 tensors: dict[str, TensorEntry] | None = None):
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         return_large_blocks_to_the_os()  # a dropped layer leaves the resident set
@@ -242,10 +214,8 @@ class StreamingSource(HFSource):
         reason = not_streamable(self.folder, config)
         if reason is not None:
             raise AnalysisError(f"--model {folder}: --stream cannot read this model: {reason}; drop --stream")
-        try:
+        with refused_as_analysis(f"--model {folder}: "):
             self.weights = SafetensorsFolder(self.folder, tensors)
-        except WeightsError as e:
-            raise AnalysisError(f"--model {folder}: {e}") from None
         self.dtype = dtype
         super().__init__(_skeleton(config, dtype, device), tokenizer, label, include_final_norm)
         self.device = torch.device(device)
@@ -308,10 +278,8 @@ class StreamingSource(HFSource):
         missing = sorted(k for k in meta if k.startswith(base) and k not in covered and k not in buffers
                          and not any(p.search(k) for p in skip))
         info = {"missing_keys": missing, "unexpected_keys": sorted(unexpected), "mismatched_keys": misshaped}
-        try:
+        with refused_as_analysis():
             check_loading_info(info, type(self.base).__name__, f"--model {self.folder}")
-        except IncompleteWeightsError as e:
-            raise AnalysisError(str(e)) from None
         return groups, (embedding_file, embedding_key)
 
     def _load(self, names: list[str], what: str) -> None:
@@ -322,20 +290,16 @@ class StreamingSource(HFSource):
 
         if not names:
             return
-        try:
+        with refused_as_analysis(f"--model {self.folder}: "):
             tensors = self.weights.load(names)
-        except WeightsError as e:
-            raise AnalysisError(f"--model {self.folder}: {e}") from None
         config = LoadStateDictConfig(dtype=self.dtype, device_map={"": self.device}, weight_mapping=self._mapping)
         with library_bars(False):  # no "Loading weights" bar per layer: the analysis shows its own
             info, _ = convert_and_load_state_dict_in_model(self.model, tensors, config)
         problems = {"unexpected_keys": sorted(info.unexpected_keys), "mismatched_keys": sorted(info.mismatched_keys)}
         if info.conversion_errors:
             problems["unexpected_keys"] += sorted(info.conversion_errors)
-        try:
+        with refused_as_analysis():
             check_loading_info(problems, type(self.base).__name__, f"--model {self.folder} ({what})")
-        except IncompleteWeightsError as e:
-            raise AnalysisError(str(e)) from None
 
     def _start(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], select: bool = True
                ) -> tuple[torch.utils.hooks.RemovableHandle, list[_Batch]]:
@@ -410,12 +374,8 @@ class StreamingSource(HFSource):
             layer.to("meta")
 
     @torch.no_grad()
-    def stream_stats(
-        self,
-        batches: Sequence[tuple[Tensor, Tensor, Tensor]],
-        kind: str,
-        on_batch: Callable[[int], None] | None = None,
-    ) -> dict[str, Tensor]:
+    def stream_stats(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], kind: str,
+                     on_batch: Callable[[int], None] | None = None) -> dict[str, Tensor]:
         """`layer_stats` summed over right-padded (ids, mask, select) batches, one layer in memory at a time; h_0..h_L
         of the selected tokens kept on the CPU. on_batch(tokens) after each batch of each layer."""
         hook, state = self._start(batches)
@@ -465,13 +425,9 @@ class StreamingSource(HFSource):
             return self.logits(batch.ids, batch.mask)
 
     @torch.no_grad()
-    def stream_removal(
-        self,
-        batches: Sequence[tuple[Tensor, Tensor, Tensor]],
-        top_k: Sequence[int],
-        ce_sum: Callable[[Tensor, Tensor], Tensor],
-        on_pass: Callable[[int], None] | None = None,
-    ) -> Tensor:
+    def stream_removal(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
+                       ce_sum: Callable[[Tensor, Tensor], Tensor], on_pass: Callable[[int], None] | None = None
+                       ) -> Tensor:
         """Layer removal one layer in memory at a time: Σ CE [1 + L + len(top_k)] float64 of the model, without each
         layer, without the top k; on_pass(layers) per batch and pass."""
         self._load_head()
