@@ -4,10 +4,11 @@ LAMBADA and other JSONL, WikiText (articles at ` = Title = ` lines), plain text 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+
+from megatron_jreg.fileio import JsonlError, read_jsonl
 
 _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 _PACKAGE_DATA = Path(__file__).resolve().parent.parent / "resources"
@@ -15,16 +16,15 @@ DEFAULT_LAMBADA = _PACKAGE_DATA / "lambada_test.jsonl"
 
 
 def iter_jsonl(path: str | Path, key: str = "text") -> Iterator[str]:
-    """Yield the `key` field of each JSON line; a malformed line raises with its file and line number."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)[key]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: cannot read key {key!r}: {e}") from e
-            yield str(value)
+    """Yield the `key` field of each JSON line; a line without it raises "<file>:<line>: cannot read key ...",
+    the wording analysis/config.py passes on."""
+    try:
+        for line, record in read_jsonl(path):
+            if key not in record:
+                raise JsonlError(Path(path), line, f"has no {key!r} (keys: {sorted(record)[:8]})")
+            yield str(record[key])
+    except JsonlError as e:
+        raise ValueError(f"{e.path}:{e.line}: cannot read key {key!r}: {e.reason}") from None
 
 
 def lambada_passages(path: str | Path = DEFAULT_LAMBADA) -> list[str]:
