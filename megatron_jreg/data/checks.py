@@ -28,11 +28,12 @@ def check_positive(flag: str, value: float | None, minimum: float = 1, allow_non
         raise DataError(f"{flag} must be a finite number >= {minimum:g}, got {value}")
 
 
-def check_output_prefix(prefix: str, flag: str = "--output-prefix") -> Path:
-    """The folder `prefix` writes into, created and proven writable before any work starts."""
+def check_output_prefix(prefix: str, flag: str = "--output-prefix", what: str = "a path prefix",
+                        example: str = "name") -> Path:
+    """The folder the file (or files) `prefix` names go into, created and proven writable before any work."""
     path = Path(prefix)
     if not prefix or prefix.endswith(("/", os.sep)) or path.is_dir():
-        raise DataError(f"{flag} {prefix!r} is a folder; give a path prefix inside it, e.g. {path / 'name'}")
+        raise DataError(f"{flag} {prefix!r} is a folder; give {what} inside it, e.g. {path / example}")
     return check_output_folder(path.parent, f"{flag} {prefix}")
 
 
@@ -63,7 +64,7 @@ def describe_skips(skipped: dict[str, int], examples: dict[str, list[str]]) -> s
 
 def skip_counts(skipped: dict[str, int]) -> str:
     """`reason n, ...` (or "no records"), for the error of a run that found nothing usable."""
-    return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items())) or "no records"
+    return ", ".join(f"{r} {n:,}" for r, n in sorted(skipped.items())) or "no records"
 
 
 @functools.cache

@@ -58,9 +58,7 @@ def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[st
         if os.path.isdir(pattern):
             candidates = sorted(str(p)[:-4] for p in Path(pattern).glob("*.idx"))
         else:
-            candidates = sorted(
-                {_strip_suffix(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))}
-            )
+            candidates = sorted({_strip_suffix(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))})
         found = [p for p in candidates if dataset_exists(p)]
         if not found:
             raise FileNotFoundError(f"--input {pattern}: no finished .bin/.idx pair there")
@@ -79,17 +77,14 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     indexes = [verify_dataset(p) for p in prefixes]
     for p, index in zip(prefixes, indexes):
         if index.dtype != indexes[0].dtype:
-            raise DataError(
-                f"{p}: tokens are {np.dtype(index.dtype).name} but {prefixes[0]} holds "
-                f"{np.dtype(indexes[0].dtype).name}; only datasets made with the same tokenizer can be merged"
-            )
+            dtypes = np.dtype(index.dtype).name, np.dtype(indexes[0].dtype).name
+            raise DataError(f"{p}: tokens are {dtypes[0]} but {prefixes[0]} holds {dtypes[1]}; only datasets made "
+                            "with the same tokenizer can be merged")
     manifests = [read_manifest(p, strict=True) for p in prefixes]
     tokenizers = {str(m["tokenizer"]) for m in manifests if m is not None}
     if len(tokenizers) > 1:
-        raise ValueError(
-            "--input: the shards were made with different tokenizers (see their .manifest.json 'tokenizer'); "
-            "merge only shards of one tokenizer"
-        )
+        raise ValueError("--input: the shards were made with different tokenizers (see their .manifest.json "
+                         "'tokenizer'); merge only shards of one tokenizer")
     if None in manifests:
         _check_document_ends(prefixes)
     described = [[p, bin_path(p).stat().st_size, os.stat(idx_path(p)).st_mtime_ns] for p in prefixes]
@@ -161,19 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0],
                       **example("megatron-jreg merge-datasets --input data/fwe_shard*_text_document "
                                 "--output-prefix data/fwe_text_document"))
-    p.add_argument(
-        "--input", nargs="+", required=True, help="dataset prefixes, directories or globs, in order"
-    )
+    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, directories or globs, in order")
     p.add_argument("--output-prefix", required=True, help="merged dataset prefix (no .bin/.idx)")
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     manifest = merge_datasets(args.input, args.output_prefix)
-    print(
-        f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
-        f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})"
-    )
+    print(f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
+          f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})")
     return 0
 
 

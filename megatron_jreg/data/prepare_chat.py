@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from megatron_jreg.data.chat import (
     special_texts,
     write_tokenizer_with_template,
 )
-from megatron_jreg.data.checks import DataError, check_output_folder, check_positive, describe_skips, skip_counts
+from megatron_jreg.data.checks import DataError, check_output_prefix, check_positive, describe_skips, skip_counts
 from megatron_jreg.data.sources import InputFile, iter_units, jsonl_lines, resolve_inputs
 from megatron_jreg.errors import run_command
 from megatron_jreg.fileio import atomic_write
@@ -112,15 +111,12 @@ class ChatConfig:
                 if value is not None:
                     raise DataError(f"{flag} needs --tokenizer DIR (the Hugging Face tokenizer to train with)")
         check_positive("--seq-length", self.seq_length, minimum=2)
-        out = Path(self.output)
-        if not self.output or self.output.endswith(("/", os.sep)) or out.is_dir():
-            raise DataError(f"--output {self.output!r} is a folder; give a file name, e.g. {out / 'chat.jsonl'}")
-        check_output_folder(out.parent, f"--output {self.output}")
+        check_output_prefix(self.output, "--output", "a file name", "chat.jsonl")
         files = resolve_inputs(list(self.input))
         for f in files:
             if f.kind != "jsonl":
                 raise DataError(f"--input {f.path}: chat data is JSONL (.jsonl, .jsonl.gz, .jsonl.zst)")
-            if Path(f.path) == out.resolve():
+            if Path(f.path) == Path(self.output).resolve():
                 raise DataError(f"--output {self.output} is also an --input; write to another file")
         return files
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_jreg.data.checks import DataError, check_output_folder, check_positive, skip_counts
+from megatron_jreg.data.checks import DataError, check_output_folder, check_output_prefix, check_positive, skip_counts
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
 from megatron_jreg.errors import run_command
@@ -51,40 +51,18 @@ class _Samples:
     def check(self) -> None:
         """After training: no text at all is an error naming the input and the key."""
         if self.count == 0:
-            raise DataError(
-                f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
-                f"{self.json_key!r} ({skip_counts(self.skipped)}); check the files and --json-key"
-            )
+            raise DataError(f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
+                            f"{self.json_key!r} ({skip_counts(self.skipped)}); check the files and --json-key")
 
     def report(self) -> None:
         """Bad records are skipped, never silently: one line on stderr with their counts by reason."""
         if self.skipped:
-            counts = ", ".join(f"{r} {n:,}" for r, n in sorted(self.skipped.items()))
-            print(f"train-tokenizer: skipped records of the input: {counts}", file=sys.stderr)
+            print(f"train-tokenizer: skipped records of the input: {skip_counts(self.skipped)}", file=sys.stderr)
 
 
-def _check_output(output: str, kind: str) -> None:
-    """A .model prefix or a folder, writable, checked before training."""
-    path = Path(output)
-    if kind == "sentencepiece" and (output.endswith(("/", os.sep)) or path.is_dir()):
-        raise DataError(f"--output {output}: is a folder; give a file prefix such as {path / 'tokenizer'}.model")
-    if kind == "hf-bpe" and path.exists() and not path.is_dir():
-        raise DataError(f"--output {output}: is a file; hf-bpe writes a folder, so give a new folder path")
-    check_output_folder(path.parent, f"--output {output}")
-
-
-def train_tokenizer(
-    inputs: list[str],
-    output: str,
-    vocab_size: int,
-    kind: str = "sentencepiece",
-    *,
-    json_key: str = "text",
-    max_chars: int | None = None,
-    hf_split: str | None = None,
-    character_coverage: float = 0.9995,
-    special_tokens: tuple[str, ...] = (),
-) -> str:
+def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str = "sentencepiece", *,
+                    json_key: str = "text", max_chars: int | None = None, hf_split: str | None = None,
+                    special_tokens: tuple[str, ...] = ()) -> str:
     """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`. `max_chars` (the
     inputs' first characters) keeps a run on a large corpus short; `special_tokens` are reserved in the vocabulary
     (as Llama-3 does), so a later chat format or padding needs no new embedding rows."""
@@ -92,7 +70,12 @@ def train_tokenizer(
         raise DataError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     check_positive("--vocab-size", vocab_size, 300, allow_none=False)  # a byte-level vocabulary needs >= 259
     check_positive("--max-chars", max_chars, 1)
-    _check_output(output, kind)
+    if kind == "sentencepiece":
+        check_output_prefix(output, "--output", "a file prefix", "tokenizer.model")
+    elif Path(output).exists() and not Path(output).is_dir():
+        raise DataError(f"--output {output}: is a file; hf-bpe writes a folder, so give a new folder path")
+    else:
+        check_output_folder(Path(output).parent, f"--output {output}")
     samples = _Samples(inputs, json_key, max_chars, hf_split)
     if kind == "sentencepiece":
         import sentencepiece
@@ -100,17 +83,9 @@ def train_tokenizer(
         prefix = output[: -len(".model")] if output.endswith(".model") else output
         try:
             sentencepiece.SentencePieceTrainer.train(
-                sentence_iterator=iter(samples),
-                model_prefix=prefix,
-                vocab_size=vocab_size,
-                model_type="bpe",
-                byte_fallback=True,
-                character_coverage=character_coverage,
-                max_sentence_length=_SP_MAX_SENTENCE,
-                num_threads=os.cpu_count() or 1,
-                minloglevel=2,
-                user_defined_symbols=list(special_tokens),
-            )
+                sentence_iterator=iter(samples), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+                byte_fallback=True, max_sentence_length=_SP_MAX_SENTENCE, num_threads=os.cpu_count() or 1,
+                minloglevel=2, user_defined_symbols=list(special_tokens))
         except RuntimeError as e:  # sentencepiece's C++ errors, e.g. "Vocabulary size too high (..)"
             samples.check()
             flag = "--vocab-size" if "vocab" in str(e).lower() else "--input"
@@ -124,27 +99,18 @@ def train_tokenizer(
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[ENDOFTEXT, *[t for t in special_tokens if t != ENDOFTEXT]],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    specials = [ENDOFTEXT, *[t for t in special_tokens if t != ENDOFTEXT]]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(iter(samples), trainer)
     samples.check()
     samples.report()
     if tokenizer.get_vocab_size() < vocab_size:
-        raise DataError(
-            f"--vocab-size {vocab_size}: this input yields only {tokenizer.get_vocab_size()} tokens (no more "
-            "merges); give more text or --vocab-size <= that"
-        )
+        raise DataError(f"--vocab-size {vocab_size}: this input yields only {tokenizer.get_vocab_size()} tokens (no "
+                        "more merges); give more text or --vocab-size <= that")
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": ENDOFTEXT,
-        "model_max_length": 1 << 30,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ENDOFTEXT, "model_max_length": 1 << 30}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(folder / "tokenizer.json"))  # last: a folder without it is not a tokenizer yet
     return str(folder)
@@ -174,16 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    path = train_tokenizer(
-        args.input,
-        args.output,
-        args.vocab_size,
-        args.kind,
-        json_key=args.json_key,
-        max_chars=args.max_chars,
-        hf_split=args.hf_split,
-        special_tokens=tuple(args.special_tokens),
-    )
+    path = train_tokenizer(args.input, args.output, args.vocab_size, args.kind, json_key=args.json_key,
+                           max_chars=args.max_chars, hf_split=args.hf_split, special_tokens=tuple(args.special_tokens))
     tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
     print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
     return 0
