@@ -44,24 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         **example("megatron-jreg analyze --model path/to/hf-model --data lambada --num-samples 100 "
                   "--output jump_analysis"),
     )
-    p.add_argument(
-        "--model",
-        dest="models",
-        action="append",
-        metavar="PATH",
-        help="HF model folder or hub id (org/name, read from the local cache), GGUF file, or megatron-jreg "
-        "checkpoint directory (repeatable)",
-    )
-    p.add_argument(
-        "--revision",
-        dest="revisions",
-        type=_names,
-        metavar="A,B,...",
-        help="revisions of each --model hub id, read from the local cache (e.g. Pythia's step1000,step2000): a series "
-        "whose step is read from each name; nothing downloads (default: none)",
-    )
+    p.add_argument("--model", dest="models", action="append", metavar="PATH",
+                   help="HF model folder or hub id (org/name, read from the local cache), GGUF file, or megatron-jreg "
+                   "checkpoint directory (repeatable)")
+    p.add_argument("--revision", dest="revisions", type=_names, metavar="A,B,...",
+                   help="revisions of each --model hub id, read from the local cache (e.g. Pythia's "
+                   "step1000,step2000): a series whose step is read from each name; nothing downloads (default: none)")
     p.add_argument("--checkpoints", metavar="GLOB",
-        help="checkpoints of one run, measured in step order (default: none)")
+                   help="checkpoints of one run, measured in step order (default: none)")
     p.add_argument("--data", metavar="SPEC",
                    help="lambada[:FILE] | wikitext:FILE | jsonl:FILE:KEY | text:FILE (default: bundled LAMBADA)")
     p.add_argument("--num-samples", type=_samples, metavar="N|all",
@@ -70,42 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, metavar="T",
                    help="truncate samples to T tokens (default: the model's context length)")
     p.add_argument("--dtype", choices=DTYPES, help="(default: %(default)s)")
-    p.add_argument(
-        "--distance",
-        choices=jreg.DISTANCES,
-        help="angular: arccos(cos)/π (the paper's Ψ); cosine: 1 − cos (default: %(default)s)",
-    )
-    p.add_argument(
-        "--positions",
-        choices=POSITIONS,
-        help="measure over all real tokens, or only each sample's last token, as Gromov et al. do "
-        "(layer removal then scores the prediction of each sample's last token) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--remove-layers",
-        action="store_true",
-        help="also measure layer removal: the increase of next-token cross-entropy when each decoder layer is "
-        "skipped (output := input), and when the top k layers are; costs about L/2 forward passes per batch",
-    )
+    p.add_argument("--distance", choices=jreg.DISTANCES,
+                   help="angular: arccos(cos)/π (the paper's Ψ); cosine: 1 − cos (default: %(default)s)")
+    p.add_argument("--positions", choices=POSITIONS,
+                   help="measure over all real tokens, or only each sample's last token, as Gromov et al. do "
+                   "(layer removal then scores the prediction of each sample's last token) (default: %(default)s)")
+    p.add_argument("--remove-layers", action="store_true",
+                   help="also measure layer removal: the increase of next-token cross-entropy when each decoder layer "
+                   "is skipped (output := input), and when the top k layers are; costs about L/2 forward passes per "
+                   "batch")
     p.add_argument("--top-k", type=_ints, metavar="K,K,...",
                    help="with --remove-layers: the top k layers skipped together (default: 1,2,3, those up to the "
                         "model's number of layers)")
-    p.add_argument(
-        "--include-final-norm",
-        action="store_true",
-        help="the output_hidden_states convention: Ψ_L measured after the final norm",
-    )
+    p.add_argument("--include-final-norm", action="store_true",
+                   help="the output_hidden_states convention: Ψ_L measured after the final norm")
     p.add_argument("--output", type=Path, metavar="DIR",
                    help="folder for results.json, the CSV files and the plots (default: %(default)s)")
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda:0, ... (default: %(default)s)")
     p.add_argument("--tokenizer", metavar="DIR",
-        help="tokenizer folder for models that carry none (default: the model's own)")
-    p.add_argument(
-        "--stream",
-        action=argparse.BooleanOptionalAction,
-        help="read the safetensors one decoder layer at a time, any family (memory: one layer + the samples' "
-        "hidden states); default: stream only when the weights do not fit in free memory",
-    )
+                   help="tokenizer folder for models that carry none (default: the model's own)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction,
+                   help="read the safetensors one decoder layer at a time, any family (memory: one layer + the "
+                   "samples' hidden states); default: stream only when the weights do not fit in free memory")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress bars on stderr (default: when stderr is a terminal)")
     # The defaults are AnalyzeConfig's, said once: one config field per flag (and padding_side, which has none).

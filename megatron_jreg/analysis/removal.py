@@ -3,6 +3,7 @@ and for the top k (ShortGPT; Gromov et al. 2024). `layer_removal` is the library
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,17 +43,9 @@ class RemovalTotals:
         """The figures: CE and ΔCE in nats per predicted token (see `DEFINITION`)."""
         ce = (self.sums / (self.tokens or math.nan)).tolist()
         base, skip, top = ce[0], ce[1 : 1 + self.num_layers], ce[1 + self.num_layers :]
-        return {
-            "definition": DEFINITION,
-            "num_layers": self.num_layers,
-            "predicted_tokens": self.tokens,
-            "base_ce": base,
-            "ce_skip": skip,
-            "delta_ce": [s - base for s in skip],
-            "top_k": list(self.top_k),
-            "ce_skip_top": top,
-            "delta_ce_top": [s - base for s in top],
-        }
+        return {"definition": DEFINITION, "num_layers": self.num_layers, "predicted_tokens": self.tokens,
+                "base_ce": base, "ce_skip": skip, "delta_ce": [s - base for s in skip], "top_k": list(self.top_k),
+                "ce_skip_top": top, "delta_ce_top": [s - base for s in top]}
 
 
 def default_top_k(num_layers: int) -> tuple[int, ...]:
@@ -90,38 +83,6 @@ def next_token_targets(ids: Tensor, mask: Tensor, positions: str = "all") -> Ten
     return targets
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Skipping layers of a model in memory.
-
-
-class _Recorder:
-    """Forward hooks that keep each layer's output of one forward pass (and detect in-place changes)."""
-
-    def __init__(self, layers: Sequence[nn.Module]):
-        self.layers = layers
-        self.outputs: list[Any] = [None] * len(layers)
-        self._versions: list[int] = [0] * len(layers)
-
-    def _keep(self, i: int, output: Any) -> None:
-        self.outputs[i], self._versions[i] = output, first_tensor(output)._version
-
-    def __enter__(self) -> _Recorder:
-        self._handles = [layer.register_forward_hook(lambda m, a, out, i=i: self._keep(i, out))
-                         for i, layer in enumerate(self.layers)]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def check_unchanged(self) -> None:
-        """A recorded output changed in place (by the next layer) cannot answer for its layer."""
-        changed = [i + 1 for i, out in enumerate(self.outputs) if first_tensor(out)._version != self._versions[i]]
-        if changed:
-            raise AnalysisError(f"decoder layer(s) {changed} modify their input in place; layer removal cannot reuse "
-                                "their outputs for this model")
-
-
 @torch.no_grad()
 def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k: tuple[int, ...],
                   on_pass: Callable[[int], None] | None = None) -> Tensor:
@@ -130,9 +91,18 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
     layers = source.layers
     num = len(layers)
     tick = on_pass or (lambda n: None)
-    with _Recorder(layers) as recorder:
+    kept: list[tuple[Any, int]] = [(None, 0)] * num  # each layer's output and its version when made
+
+    def keep(i: int, module: nn.Module, args: tuple, out: Any) -> None:
+        kept[i] = (out, first_tensor(out)._version)
+
+    handles = [layer.register_forward_hook(functools.partial(keep, i)) for i, layer in enumerate(layers)]
+    try:
         sums = [ce_sum(source.logits(ids, mask), targets)]
-    outputs = recorder.outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+    outputs = [out for out, _ in kept]
     tick(num)
 
     def variant(first: int, skipped: Sequence[int]) -> None:
@@ -145,7 +115,10 @@ def batch_removal(source: Any, ids: Tensor, mask: Tensor, targets: Tensor, top_k
         variant(skip, [skip])
     for k in top_k:
         variant(num - k, range(num - k, num))
-    recorder.check_unchanged()
+    changed = [i + 1 for i, (out, version) in enumerate(kept) if first_tensor(out)._version != version]
+    if changed:  # a recorded output changed in place (by the next layer) cannot answer for its layer
+        raise AnalysisError(f"decoder layer(s) {changed} modify their input in place; layer removal cannot reuse "
+                            "their outputs for this model")
     return torch.stack(sums).cpu()  # one host sync per batch
 
 

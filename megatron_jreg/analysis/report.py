@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megatron_jreg.analysis.measure import ModelResult
+from megatron_jreg.fileio import atomic_write, write_json
 
 TABLE_COLUMNS = ("model", "step", "L", "zeta_L", "zeta_L-1", "zeta_L-2", "psi_L", "psi_mid_median", "psi_L_over_mid",
                  "largest_rise_layer", "largest_rise", "residual_growth", "tokens", "distance", "positions")
@@ -47,31 +47,21 @@ DEFINITIONS = {
 
 
 def _finite(x: object) -> object:
-    """NaN/inf → None, so results.json stays valid JSON; anything else unchanged."""
+    """NaN/inf → None, in lists and dicts too, so results.json stays valid JSON; anything else unchanged."""
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def summary_row(result: ModelResult) -> dict:
     """The table row of one model, keyed by TABLE_COLUMNS (plus base_ce and delta_ce_top_k with removal)."""
-    jumps = result.final_jumps
     rise_layer, rise = result.largest_rise
-    row = {
-        "model": result.label,
-        "step": result.step,
-        "L": result.num_layers,
-        "zeta_L": jumps["zeta_L"],
-        "zeta_L-1": jumps["zeta_L-1"],
-        "zeta_L-2": jumps["zeta_L-2"],
-        "psi_L": result.psi[-1],
-        "psi_mid_median": result.psi_mid_median,
-        "psi_L_over_mid": result.psi_ratio,
-        "largest_rise_layer": rise_layer,
-        "largest_rise": rise,
-        "residual_growth": result.residual_growth,
-        "tokens": result.tokens,
-        "distance": result.distance,
-        "positions": result.positions,
-    }
+    row = {"model": result.label, "step": result.step, "L": result.num_layers, **result.final_jumps,
+           "psi_L": result.psi[-1], "psi_mid_median": result.psi_mid_median, "psi_L_over_mid": result.psi_ratio,
+           "largest_rise_layer": rise_layer, "largest_rise": rise, "residual_growth": result.residual_growth,
+           "tokens": result.tokens, "distance": result.distance, "positions": result.positions}
     if result.removal is not None:
         row["base_ce"] = result.removal["base_ce"]
         for k, delta in zip(result.removal["top_k"], result.removal["delta_ce_top"]):
@@ -173,37 +163,18 @@ def format_table(results: list[ModelResult]) -> str:
 def result_record(result: ModelResult) -> dict:
     """The results.json entry of one model: the table row, every layer's figures and the raw totals."""
     rise_layer, rise = result.largest_rise
-    return {
-        **{key: _finite(value) for key, value in summary_row(result).items()},
-        "path": result.path,
-        "kind": result.kind,
-        "revision": result.revision,
-        "model_class": result.model_class,
-        "convention": result.convention,
-        "psi": [_finite(x) for x in result.psi],
-        "zeta_layers": list(range(2, result.num_layers + 1)),
-        "zeta": [_finite(x) for x in result.zeta],
+    return _finite({
+        **summary_row(result), "path": result.path, "kind": result.kind, "revision": result.revision,
+        "model_class": result.model_class, "convention": result.convention, "psi": result.psi,
+        "zeta_layers": list(range(2, result.num_layers + 1)), "zeta": result.zeta,
         "middle_layers": list(result.middle_layers) if result.middle_layers else None,
-        "largest_rise": {"layer": rise_layer, "value": _finite(rise)},
-        "reading": reading(result),
-        "residual_norms": [_finite(x) for x in result.residual_norms],
-        "zero_tokens": result.zero_tokens,
-        "layer_distances": [[_finite(x) for x in row] for row in result.layer_distances],
-        "layer_removal": _removal_record(result.removal),
-        "tokens_per_layer": result.counts,
-        "displacement_sums": result.sums,
-        "samples": result.samples,
-        "truncated_samples": result.truncated_samples,
-        "truncated_to": result.truncated_to,
-        "streamed": result.streamed,
-        "peak_memory_bytes": result.peak_memory_bytes,
-    }
-
-
-def _removal_record(removal: dict | None) -> dict | None:
-    if removal is None:
-        return None
-    return {k: [_finite(x) for x in v] if isinstance(v, list) else _finite(v) for k, v in removal.items()}
+        "largest_rise": {"layer": rise_layer, "value": rise}, "reading": reading(result),
+        "residual_norms": result.residual_norms, "zero_tokens": result.zero_tokens,
+        "layer_distances": result.layer_distances, "layer_removal": result.removal,
+        "tokens_per_layer": result.counts, "displacement_sums": result.sums, "samples": result.samples,
+        "truncated_samples": result.truncated_samples, "truncated_to": result.truncated_to,
+        "streamed": result.streamed, "peak_memory_bytes": result.peak_memory_bytes,
+    })
 
 
 def write_results(results: list[ModelResult], settings: dict, output: Path) -> list[Path]:
@@ -213,7 +184,7 @@ def write_results(results: list[ModelResult], settings: dict, output: Path) -> l
     paths = [output / "results.json", output / "results.csv", output / "layers.csv", output / "layer_distances.csv"]
     payload = {"settings": settings, "definitions": DEFINITIONS, "reference": REFERENCE,
                "models": [result_record(r) for r in results]}
-    paths[0].write_text(json.dumps(payload, indent=2, allow_nan=False, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(paths[0], payload)
     rows = [summary_row(r) for r in results]
     columns = list(TABLE_COLUMNS) + _removal_columns(rows)
     _write_csv(paths[1], columns, ([row.get(c) for c in columns] for row in rows))
@@ -238,7 +209,7 @@ def _layer_rows(results: list[ModelResult]) -> Iterator[list]:
 
 
 def _write_csv(path: Path, header: list[str], rows: Iterable[list]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows(rows)
@@ -397,12 +368,6 @@ def _shown(results: list[ModelResult]) -> list[ModelResult]:
 def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
     """Gromov et al.'s heat-map per model: x = the first layer ℓ (h_ℓ, 0 = embeddings), y = the span n,
     colour = mean d(h_ℓ, h_{ℓ+n}); the bottom row (n = 1) is Ψ. One colour scale for all panels."""
-    return _save(layer_distances_figure(results), path)
-
-
-def layer_distances_figure(results: list[ModelResult]):  # noqa: ANN201 - a matplotlib Figure
-    """`plot_layer_distances`' figure; its title wraps to the figure's width (one panel is 4.6 inches wide, narrower
-    than the measure's label for --positions last)."""
     import numpy as np
 
     shown = _shown(results)
@@ -429,9 +394,10 @@ def layer_distances_figure(results: list[ModelResult]):  # noqa: ANN201 - a matp
     if image is not None:
         fig.colorbar(image, ax=list(axes[: len(shown)]), shrink=0.85, label="mean d")
     note = "" if len(shown) == len(results) else f" ({len(shown)} of {len(results)} models, evenly spaced)"
+    # wraps to the figure's width: one panel is narrower than the measure's label for --positions last
     fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\nd: {measure_label(results)}", fontsize=8,
                  wrap=True)
-    return fig
+    return _save(fig, path)
 
 
 def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
