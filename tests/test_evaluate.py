@@ -457,12 +457,12 @@ def test_help_gives_defaults_and_a_note_explains_a_slow_tokenizer(model_dir, mon
 def test_missing_datasets_stop_before_the_model_loads(
     model_dir, tmp_path, empty_datasets_cache, monkeypatch, capsys
 ):
-    from megatron_jreg.evaluate import cli, runner
+    from megatron_jreg.evaluate import cli
 
     def no_model(cfg):
         raise AssertionError("the model must not load when data is missing")
 
-    monkeypatch.setattr(runner, "load_model", no_model)
+    monkeypatch.setattr(cli, "load_model", no_model)
     empty = tmp_path / "not-a-dataset"
     empty.mkdir()
     argv = [

@@ -108,8 +108,7 @@ def test_generation_config_eos_ends_answers_too(hf_model, tmp_path):
     """A Hugging Face folder's generation_config.json may list more end tokens (Llama-3's <|eot_id|>): each stops."""
     import shutil
 
-    from megatron_jreg.generate.config import GenerateConfig
-    from megatron_jreg.generate.runner import load_chat_model
+    from megatron_jreg.generate.runner import GenerateConfig, load_chat_model
 
     folder = tmp_path / "model"
     shutil.copytree(hf_model, folder)

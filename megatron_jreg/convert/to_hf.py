@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from megatron_jreg.convert import hf_io, llama, tokenizer
-from megatron_jreg.convert.config import parse_size
 from megatron_jreg.convert.verify import (
     Verification,
     compare_logits,
@@ -39,36 +38,24 @@ def export_dtype(name: str | None, args) -> torch.dtype:  # noqa: ANN001 - Megat
     return torch_dtype(name if name is not None else run_dtype(args))
 
 
-def mcore_to_hf(
-    load: str | Path,
-    output: str | Path,
-    iteration: int | None = None,
-    dtype: str | None = None,
-    tokenizer_model: str | None = None,
-    tokenizer_type: str | None = None,
-    verify: bool | None = None,
-    threshold: float | None = None,
-    max_shard_size: str = "5GB",
-    no_tokenizer: bool = False,
-) -> ExportResult:
+def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfig (mcore-to-hf)
     """Export a checkpoint to a LlamaForCausalLM folder; verify None checks logits when both models fit in memory.
     UnsupportedModel, ConversionError and VerificationFailed are raised before `output` appears."""
     from megatron_jreg.checkpoints import Checkpoint
     from megatron_jreg.checkpoints.model import quiet_megatron
+    from megatron_jreg.convert.cli import parse_size
 
     single_process()
-    checkpoint = Checkpoint.open(load, iteration)
+    checkpoint = Checkpoint.open(cfg.load, cfg.iteration)
     iteration, args = checkpoint.iteration, checkpoint.args
     llama.check_megatron_args(args)  # refuse before loading anything
     with quiet_megatron():  # the run's tokenizer and its padding rule come from Megatron-LM
-        source, note = tokenizer.resolve_source(args, tokenizer_model, tokenizer_type, no_tokenizer)
+        source, note = tokenizer.resolve_source(args, cfg.tokenizer_model, cfg.tokenizer_type, cfg.no_tokenizer)
         tok = source.build() if source is not None else None
         if tok is not None:
             tokenizer.check_fits_checkpoint(tok, source, args)
-    out_dtype = export_dtype(dtype, args)
-    max_bytes = parse_size(max_shard_size)
-
-    with staged_output(Path(output)) as tmp:
+    out_dtype = export_dtype(cfg.dtype, args)
+    with staged_output(cfg.output) as tmp:
         vocab_size, vocab_note = _true_vocab_size(tok, args)
         note = "; ".join(n for n in (note, vocab_note) if n)
         model_cfg = llama.LlamaArch.from_args(args, vocab_size)
@@ -81,10 +68,10 @@ def mcore_to_hf(
         loaded = checkpoint.load_model(torch.float32, load_tokenizer=False)
         tensors = {k: v.to(out_dtype) for k, v in llama.megatron_to_hf(loaded.model.state_dict(), model_cfg).items()}
         files += _write_config(tmp, model_cfg, ids, out_dtype)
-        files += hf_io.write_safetensors(tensors, tmp, max_bytes)
+        files += hf_io.write_safetensors(tensors, tmp, parse_size(cfg.max_shard_size))
         del tensors
         verification = None
-        run, why = should_verify(verify, model_cfg.num_parameters())
+        run, why = should_verify(cfg.verify, model_cfg.num_parameters())
         if run:
             device = next(loaded.model.parameters()).device
             tokens = probe_tokens(vocab_size, model_cfg.seq_length)
@@ -94,13 +81,13 @@ def mcore_to_hf(
 
             original = reference(tokens)
             rounded = round_weights(loaded.model, out_dtype)  # the megatron side holds what was written
-            verification = compare_logits(reference, hf_logits_fn(tmp, device), tokens, threshold,
+            verification = compare_logits(reference, hf_logits_fn(tmp, device), tokens, cfg.verify_threshold,
                                           depth=model_cfg.num_layers)
             if rounded:
                 verification.rounding_effect = float((reference(tokens) - original).abs().max())
         else:
             note += f"; {why}"
-    return ExportResult(Path(output), iteration, out_dtype, files, verification, note)
+    return ExportResult(cfg.output, iteration, out_dtype, files, verification, note)
 
 
 def _true_vocab_size(tok, args) -> tuple[int, str]:  # noqa: ANN001

@@ -4,21 +4,29 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 from megatron_jreg.process_env import sleep_while_waiting
 
 sleep_while_waiting()  # before torch loads libgomp, which reads its wait policy once (megatron_jreg/process_env.py)
+import torch
+
+from megatron_jreg import hub
 from megatron_jreg.data.text import DEFAULT_LAMBADA
-from megatron_jreg.errors import run_command
-from megatron_jreg.evaluate.config import EvaluateConfig
-from megatron_jreg.evaluate.models import DTYPES
-from megatron_jreg.evaluate.tasks import PAPER_TASKS, task_pairs
-from megatron_jreg.hub import force_offline
+from megatron_jreg.errors import BadConfigError, UsageError, run_command
+from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
+from megatron_jreg.evaluate.models import DTYPES, CausalLM, ConfigError, check_model_flags, load_hf_lm, load_megatron_lm
+from megatron_jreg.evaluate.results import EvalResults, add_harness
+from megatron_jreg.evaluate.tasks import PAPER_TASKS, check_datasets, task_manager, task_pairs, task_plans
+from megatron_jreg.model_files import read_config
+from megatron_jreg.progress import show_progress
 from megatron_jreg.usage import example
+
+BUILTIN_TASKS = ("lambada",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +68,93 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """What to evaluate and how (one field per flag), validated once so a bad flag costs no model load."""
+
+    hf: Path | None = None  # a Hugging Face folder, or a hub id resolved to its cached snapshot
+    load: Path | None = None
+    iteration: int | None = None
+    tasks: tuple[str, ...] = ("lambada",)
+    lambada_file: Path = DEFAULT_LAMBADA
+    limit: int | None = None  # first N examples of each task
+    batch_size: int = 8
+    max_length: int | None = None  # None: the model's context window
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "auto"
+    output: Path | None = None
+    task_data: dict[str, Path] = field(default_factory=dict)  # lm-eval task -> local dataset copy
+    include_path: tuple[Path, ...] = ()  # folders with extra lm-eval task YAMLs
+    seed: int | None = None  # training seed of the model, recorded so `compare` can pair runs
+    bootstrap_iters: int = 100000  # lm-eval's default; only bootstrapped metrics (perplexity) use it
+    num_fewshot: int | None = None  # lm-eval tasks: examples in each prompt (None: each task's default)
+    progress: bool | None = None  # bars on stderr; None: when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if self.hf is not None:
+            try:
+                object.__setattr__(self, "hf", hub.resolve(self.hf, "--hf"))  # a hub id: its cached snapshot
+            except hub.HubError as e:
+                raise ConfigError(str(e)) from None
+        check_model_flags(self.hf, self.load, self.iteration)
+        if self.hf is not None:
+            try:
+                read_config(Path(self.hf), "--hf")
+            except BadConfigError as e:
+                raise ConfigError(str(e)) from None
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks) or "" in self.tasks:
+            raise ConfigError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
+        if "lambada" in self.tasks and not Path(self.lambada_file).is_file():
+            raise ConfigError(
+                f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)'
+            )
+        for flag, value, least in (
+            ("--limit", self.limit, 1),
+            ("--batch-size", self.batch_size, 1),
+            ("--max-length", self.max_length, 2),
+            ("--bootstrap-iters", self.bootstrap_iters, 0),
+        ):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if self.num_fewshot is not None:
+            if self.num_fewshot < 0:
+                raise ConfigError(f"--num-fewshot {self.num_fewshot}: must be at least 0")
+            if self.num_fewshot > 0 and "lambada" in self.tasks:
+                raise ConfigError(
+                    f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it in a "
+                    "separate run, or use lm-eval's lambada_openai task instead"
+                )
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError(f"--device {self.device}: not a torch device; use cpu, cuda or cuda:N") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: no CUDA device here; use --device cpu")
+        if self.output is not None:  # not created here: a failed run writes nothing
+            out = Path(self.output)
+            if out.is_dir():
+                raise ConfigError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")
+            parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--output {out}: cannot write into {parent}; pass a path you can write to")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        for task, path in self.task_data.items():
+            if task not in self.harness_tasks:
+                raise ConfigError(f"--task-data {task}={path}: {task} is not an lm-eval task in --tasks")
+            if not Path(path).exists():
+                raise ConfigError(f"--task-data {task}={path}: no such file or folder")
+        for path in self.include_path:
+            if not Path(path).is_dir():
+                raise ConfigError(f"--include-path {path}: no such folder")
+
+    @property
+    def harness_tasks(self) -> tuple[str, ...]:
+        """The tasks lm-eval runs (all but the built-in ones)."""
+        return tuple(t for t in self.tasks if t not in BUILTIN_TASKS)
+
+
 def parse_config(argv: list[str] | None) -> EvaluateConfig:
     args = vars(build_parser().parse_args(argv))  # one config field per flag
     args["tasks"] = tuple(t.strip() for t in args["tasks"].split(","))
@@ -69,14 +164,82 @@ def parse_config(argv: list[str] | None) -> EvaluateConfig:
     return EvaluateConfig(**args)
 
 
+def load_model(cfg: EvaluateConfig) -> CausalLM:
+    if cfg.hf is not None:
+        return load_hf_lm(cfg.hf, cfg.device, cfg.dtype, cfg.max_length)
+    return load_megatron_lm(cfg.load, cfg.iteration)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
+    """Run `cfg.tasks` (`manager`: an lm-eval TaskManager to reuse); every task's data is checked before the model
+    loads, so a missing dataset is one UsageError for all tasks before any compute."""
+    hub.force_offline()
+    plans = []
+    if cfg.harness_tasks:
+        manager = manager or task_manager(cfg.harness_tasks, cfg.include_path)
+        plans = task_plans(manager, cfg.harness_tasks, cfg.task_data)
+        if problems := check_datasets(plans):
+            raise UsageError(
+                "these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
+                + "\n  ".join(problems)
+            )
+    passages, skipped = [], None
+    if "lambada" in cfg.tasks:  # read before the model: a broken file stops the run before any compute
+        passages, skipped = read_lambada(cfg.lambada_file)
+        passages = passages[: cfg.limit]
+    model = load_model(cfg)
+    source = cfg.hf if cfg.hf is not None else cfg.load
+    results = EvalResults(
+        model={
+            "kind": "hf" if cfg.hf is not None else "megatron",
+            "path": str(Path(source).resolve()),
+            "iteration": getattr(model, "iteration", cfg.iteration),  # --load: the iteration actually loaded
+            **({"hub_id": hub_id} if cfg.hf is not None and (hub_id := hub.describe(cfg.hf)) else {}),
+        },
+        seed=cfg.seed,
+        config={
+            "tasks": list(cfg.tasks),
+            "limit": cfg.limit,
+            "batch_size": cfg.batch_size,
+            "max_length": model.max_length,
+            "lambada_file": str(cfg.lambada_file) if "lambada" in cfg.tasks else None,
+            "num_fewshot": cfg.num_fewshot,
+            "megatron_jreg": _package_version("megatron-jreg"),
+            "lm_eval": _package_version("lm-eval") if plans else None,
+        },
+    )
+    progress = show_progress(cfg.progress)
+    if "lambada" in cfg.tasks:
+        results.add("lambada", evaluate_lambada(model, passages, cfg.batch_size, progress), len(passages))
+        if skipped:
+            results.skipped["lambada"] = dict(sorted(skipped.items()))
+    if plans:
+        from megatron_jreg.evaluate.harness import run_harness
+
+        raw = run_harness(
+            model, [p.spec for p in plans], manager, cfg.limit, cfg.batch_size, cfg.bootstrap_iters, cfg.num_fewshot,
+            progress,
+        )
+        if raw is not None:  # None on the ranks of a multi-process run that do not report
+            add_harness(results, raw)
+    order = {task: i for i, task in enumerate(cfg.tasks)}
+    results.results = dict(sorted(results.results.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
-    force_offline()  # before anything imports a Hugging Face library
-    from megatron_jreg.evaluate.runner import evaluate
-
-    return run_command("megatron-jreg evaluate", lambda: _run(parse_config(argv), evaluate))
+    hub.force_offline()  # before anything imports a Hugging Face library
+    return run_command("megatron-jreg evaluate", lambda: _run(parse_config(argv)))
 
 
-def _run(cfg: EvaluateConfig, evaluate: Callable[[EvaluateConfig], Any]) -> int:
+def _run(cfg: EvaluateConfig) -> int:
     """Evaluate, write --output first (the scores are never lost to a failing stdout), report skipped examples
     on stderr, print the table."""
     results = evaluate(cfg)

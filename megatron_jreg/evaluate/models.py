@@ -18,6 +18,23 @@ DEFAULT_MAX_LENGTH = 2048
 BIG_TOKENIZER_BYTES = 32 << 20  # a tokenizer.json this large takes transformers minutes to load: said first
 
 
+class ConfigError(JregError, ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None) -> None:
+    """The model flags evaluate and generate share: exactly one of --hf (a folder with config.json) and --load."""
+    if (hf is None) == (load is None):
+        raise ConfigError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM or "
+                          "megatron-jreg checkpoint)")
+    if load is not None and not Path(load).is_dir():
+        raise ConfigError(f"--load {load}: no such checkpoint folder")
+    if iteration is not None and load is None:
+        raise ConfigError("--iteration selects a checkpoint of --load; use it with --load")
+    if hf is not None and not (Path(hf) / "config.json").is_file():
+        raise ConfigError(f"--hf {hf}: no config.json there; pass the folder save_pretrained wrote")
+
+
 class NonFiniteOutput(JregError, ValueError):
     """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer; so
     evaluate and generate stop with one line instead (the weights were finite: the activations overflowed)."""
@@ -34,6 +51,7 @@ def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> 
         fix = "its activations overflow even in float32: the model is broken (analyze shows at which layer)"
     raise NonFiniteOutput(f"the model's logits are NaN/inf on {what}: {fix}; nothing computed from them would be "
                           "a number")
+
 
 @runtime_checkable
 class CausalLM(Protocol):

@@ -60,9 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_jreg.generate.config import GenerateConfig
     from megatron_jreg.generate.questions import read_answers, read_questions
-    from megatron_jreg.generate.runner import generate
+    from megatron_jreg.generate.runner import GenerateConfig, generate
 
     cfg = GenerateConfig(**vars(args))  # one config field per flag
     read_questions(cfg.prompts)  # the files first: a bad line costs no model load
