@@ -201,30 +201,25 @@ def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Na
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, weights uninitialized from any checkpoint."""
-    with quiet_megatron():
-        return _build_model(args, dtype)
-
-
-def _build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
     from megatron_jreg.layer_spec import model_layer_spec
 
-    init_process_group()
-    _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
-    a = _inference_args(args, dtype)
-    try:
-        config = core_transformer_config_from_args(a)
-        model_cfg = gpt_config_from_args(a, config)
-    except (AssertionError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"the checkpoint's args do not describe a GPT model megatron-core can build here "
-                              f"({' '.join(str(e).split())[:200]})") from None
-    model_cfg.transformer_layer_spec = model_layer_spec(bool(getattr(args, "layernorm_scaling", False)))
-    model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups(),
-                                                    pre_process=True, post_process=True)
-    return model.to(dtype)
+    with quiet_megatron():
+        init_process_group()
+        _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
+        a = _inference_args(args, dtype)
+        try:
+            model_cfg = gpt_config_from_args(a, core_transformer_config_from_args(a))
+        except (AssertionError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"the checkpoint's args do not describe a GPT model megatron-core can build here "
+                                  f"({' '.join(str(e).split())[:200]})") from None
+        model_cfg.transformer_layer_spec = model_layer_spec(bool(getattr(args, "layernorm_scaling", False)))
+        model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups(),
+                                                        pre_process=True, post_process=True)
+        return model.to(dtype)
 
 
 def _request(model: torch.nn.Module, ckpt: Path) -> dict:
@@ -315,11 +310,13 @@ def init_process_group() -> None:
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    # a world of one rendezvouses in process: readers started side by side cannot race for a TCP port
-    store = dist.HashStore() if world == 1 else None
-    dist.init_process_group(dist_backend(), store=store, rank=int(os.environ.get("RANK", 0)), world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(dist_backend(), store=one_process_store(), rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=datetime.timedelta(minutes=30))
+
+
+def one_process_store() -> dist.Store | None:
+    """An in-process store for a world of one: processes started side by side cannot race for a TCP port."""
+    return dist.HashStore() if os.environ.get("WORLD_SIZE", "1") == "1" and not dist.is_initialized() else None
 
 
 def _init_model_parallel(seed: int) -> None:

@@ -159,8 +159,8 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
                      f"{'iteration ' + str(previous) if previous is not None else 'no checkpoint'}")
         return None
     ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
-    steps = [_adam_step(o) for o in _torch_adam_distributed(optimizer)]
-    sidecar = record.sidecar(next((s for s in steps if s is not None), None)) if persistent else None
+    steps = [int(states[0]["step"].item()) for o in _torch_adam_distributed(optimizer) if (states := _adam_states(o))]
+    sidecar = record.sidecar(steps[0] if steps else None) if persistent else None
     writer = logging.getLogger(_WRITER_LOG)
     writer_errors = _Collect()
     writer.addFilter(writer_errors)
@@ -190,7 +190,7 @@ def _nonfinite(model, optimizer) -> tuple[tuple[int, int], str | None]:  # noqa:
     import torch
 
     dist = torch.distributed
-    named = [(n, p) for chunk in (model if isinstance(model, list) else [model]) for n, p in chunk.named_parameters()]
+    named = _named_parameters(model)
     state = _optimizer_tensors(optimizer, {id(p): n for n, p in named})
     flags = [~torch.isfinite(t.detach()).all() for _, t in named + state]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -216,12 +216,20 @@ _MAIN_OF = (("float16_groups", "fp32_from_float16_groups"), ("model_float16_grou
             ("model_fp32_groups", "shard_fp32_groups"))
 
 
+def _named_parameters(model) -> list:  # noqa: ANN001 - a model chunk or Megatron-LM's list of them
+    return [(n, p) for chunk in (model if isinstance(model, list) else [model]) for n, p in chunk.named_parameters()]
+
+
+def _optimizers(optimizer) -> list:  # noqa: ANN001 - Megatron-LM's optimizer, chained or not
+    return getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else [])
+
+
 def _optimizer_tensors(optimizer, names: dict[int, str]) -> list[tuple[str, object]]:  # noqa: ANN001
     """The optimizer's floating-point tensors that are not model weights, named after their model parameter."""
     import torch
 
     found: list[tuple[str, object]] = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+    for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
@@ -259,25 +267,14 @@ class _Collect(logging.Filter):
         return False
 
 
-def _free(root: str | Path) -> int:
-    """Free bytes on the file system holding `root` (or its nearest existing parent)."""
-    existing = next((p for p in [Path(root), *Path(root).absolute().parents] if p.exists()), Path("/"))
-    return shutil.disk_usage(existing).free
-
-
-def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def _checkpoint_bytes(model, optimizer) -> int:
     """About the bytes of one checkpoint of this run, for a failed save's "needs about" (no earlier save)."""
     import torch
     from megatron.core import parallel_state
 
-    chunks = model if isinstance(model, list) else [model]
-    params = {id(p): p.numel() * p.element_size() for m in chunks for p in m.parameters()}
+    params = {id(p): p.numel() * p.element_size() for _, p in _named_parameters(model)}
     state = 0
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+    for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         tensors = [p for g in getattr(inner, "param_groups", []) for p in g["params"] if id(p) not in params]
         tensors += [t for st in getattr(inner, "state", {}).values() for t in st.values()
@@ -299,10 +296,10 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
         removed = not ckpt.exists()
     last = Path(save) / (f"iter_{int(previous):07d}" if isinstance(previous, int) else str(previous))
     if previous is not None and last.is_dir():
-        need, basis = _size(last), f"the size of {last.name}"
+        need, basis = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()), f"the size of {last.name}"
     else:
         need, basis = _checkpoint_bytes(model, optimizer), "this run's parameters and optimizer state"
-    free = _free(save)
+    free = shutil.disk_usage(next(p for p in [Path(save), *Path(save).absolute().parents] if p.exists())).free
     full = free < need or any(s in text for s in (f"Errno {errno.ENOSPC}]", f"Errno {errno.EDQUOT}]"))
     if any(s in text for s in PEER_LOST):
         cause = f"another rank stopped during the save: {text}"
@@ -321,13 +318,11 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
     return f"--save {save}: saving iteration {iteration} failed ({cause}); {partial}; {kept}"
 
 
-def _adam_step(opt) -> int | None:
+def _adam_states(opt) -> list[dict]:  # noqa: ANN001 - a DistributedOptimizer over torch's Adam
+    """The per-parameter states of torch's Adam that hold a `step` tensor."""
     import torch
 
-    for state in opt.optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            return int(state["step"].item())
-    return None
+    return [state for state in opt.optimizer.state.values() if isinstance(state.get("step"), torch.Tensor)]
 
 
 def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
@@ -374,11 +369,9 @@ def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
         if step is None:
             print_rank_0("megatron-jreg: the checkpoint does not record torch Adam's step count (saved by "
                          "Megatron-LM without apex/TE); Adam's bias correction restarts")
-        for opt in torch_adam:
-            for state in opt.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    value = state["step"] if step is None else torch.tensor(float(step))
-                    state["step"] = value.to(state["step"]).clone()
+        for state in (state for opt in torch_adam for state in _adam_states(opt)):
+            value = state["step"] if step is None else torch.tensor(float(step))
+            state["step"] = value.to(state["step"]).clone()
     return result
 
 
@@ -398,11 +391,8 @@ def _scheduler_mismatch(root: str | None, message: str) -> str:
 
 def _torch_adam_distributed(optimizer) -> list:
     """The DistributedOptimizers whose inner optimizer is torch's (no apex / TE fused Adam)."""
-    if optimizer is None:
-        return []
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o for o in chained if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+    return [o for o in _optimizers(optimizer) if isinstance(o, distrib_optimizer.DistributedOptimizer)]

@@ -116,15 +116,12 @@ class JregLoop:
                  else f"before training started (iteration {self.start or 0})")
         return f"interrupted (Ctrl-C) {where}; {resume_hint(self.args)}"
 
-    def _records(self, iteration: int) -> bool:
-        """Megatron-LM prints iteration `iteration + 1` (1-based) when this is true."""
-        return self.first_step or (iteration + 1) % self.args.log_interval == 0
-
     # -- events ------------------------------------------------------------------------------------------
     def on_train_step_start(self, iteration: int | None) -> None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        self._record = self._records(iteration or 0)
+        # Megatron-LM prints iteration `iteration + 1` (1-based) then
+        self._record = self.first_step or ((iteration or 0) + 1) % self.args.log_interval == 0
         if self.first_step:
             self.start = self._iteration = iteration or 0
             self.telemetry.begin(self.start, self.folder.record.base)
@@ -185,14 +182,6 @@ class JregLoop:
             advice = f"exit {exit_code}: the divergence is confirmed; lower --lr (or check the data) and resume"
         print_rank_0(f"megatron-jreg train: NaN/Inf loss or gradient at iteration {iteration}{seen}; last good "
                      f"checkpoint: {last}; {advice}")
-
-    def on_log_start(self, log: Mapping[str, Any]) -> str | None:
-        """Before Megatron-LM's training_log (`log`: its arguments by name): the suffix for its console line."""
-        return self.telemetry.on_log_start(log, self.stats)
-
-    def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
-        """After Megatron-LM's training_log; `window_seconds`: what its `interval-time` timer gave the line."""
-        self.telemetry.on_log(log, window_seconds)
 
     def on_eval_start(self, eval_iters: int | None) -> None:
         """Before Megatron-LM's evaluate of `eval_iters` iterations (None: --eval-iters)."""
@@ -261,7 +250,7 @@ class MegatronLoopAdapter:
             from megatron.training import get_timers
 
             log = _bind(signature, args, kwargs)
-            suffix = events.on_log_start(log)
+            suffix = events.telemetry.on_log_start(log, events.stats)
             elapsed: list[float] = []
 
             def read_elapsed(read: Callable) -> Callable:  # the seconds training_log divides for its line
@@ -272,7 +261,7 @@ class MegatronLoopAdapter:
                 makers[PRINT_RANK_LAST] = lambda print_: lambda message: print_(message + suffix)
             with patches.patched(makers, objects={TIMER_ELAPSED: get_timers()("interval-time")}):
                 result = original(*args, **kwargs)
-            events.on_log(log, elapsed[0] if elapsed else None)
+            events.telemetry.on_log(log, elapsed[0] if elapsed else None)
             return result
 
         return training_log

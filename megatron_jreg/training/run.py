@@ -97,15 +97,6 @@ def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return sorted(set(ranks))
 
 
-def _one_process_store():  # -> torch.distributed.Store | None
-    """An in-process store for a world of one: runs started side by side cannot race for a TCP port."""
-    import torch
-
-    if os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized():
-        return torch.distributed.HashStore()
-    return None
-
-
 # The flags torch's optimizers check (their errors name the argument, not the flag).
 _OPTIMIZER_FLAGS = {"adam": "--lr, --adam-beta1, --adam-beta2, --adam-eps, --weight-decay",
                     "sgd": "--lr, --sgd-momentum, --weight-decay"}
@@ -174,6 +165,7 @@ def run(argv: list[str]) -> int:
     from megatron.training import training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_jreg.checkpoints.model import one_process_store
     from megatron_jreg.errors import JregError, LimitReached, limit_reached
     from megatron_jreg.training import checkpointing
     from megatron_jreg.training.data import data_changed, token_beyond_vocabulary, train_valid_test_datasets_provider
@@ -204,7 +196,7 @@ def run(argv: list[str]) -> int:
             with training_patches(args, loop):
                 training.pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                                   partial(forward_step, jreg=loop), get_embedding_ranks=_get_embedding_ranks,
-                                  store=_one_process_store())
+                                  store=one_process_store())
         except SystemExit as e:  # Megatron-LM's exit paths
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except RuntimeError as e:  # a collective whose peer died: one line naming the checkpoint to resume

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_jreg.checkpoints import CheckpointError, install_safe_checkpoint_reader, load_metadata, read_tracker
 from megatron_jreg.checkpoints import resolve as resolve_checkpoint
+from megatron_jreg.checkpoints.args import flag
 from megatron_jreg.checkpoints.files import check_storage_paths, read_legacy_state
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import UsageError
@@ -161,7 +162,7 @@ _RECORDED = {"seed": "--seed", "layernorm_scaling": "--layernorm-scaling"}  # an
 
 def flag_of(key: str) -> str:
     """The flag of a flattened setting: "jreg.min-weight" → "--jreg-min-weight" (JregConfig.record's keys)."""
-    return _RECORDED.get(key) or "--" + key.replace(".", "-").replace("_", "-")
+    return _RECORDED.get(key) or flag(key.replace(".", "_"))
 
 
 def _flat(settings: dict) -> dict:
@@ -200,13 +201,13 @@ def compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) ->
                              f"outputs scaled by 1/√ℓ or not: another model); {'add' if was else 'leave out'} "
                              "--layernorm-scaling, or start a new run from its weights with --finetune")
         changes["layernorm_scaling"] = [was, now_]
-    for key, (flag, why) in _KEPT_ON_RESUME.items():
+    for key, (option, why) in _KEPT_ON_RESUME.items():
         if old.get(key) != new.get(key) and key in saved:
             if not fresh:
                 was = old.get(key)
-                given = f"no {flag}" if new.get(key) is None else f"{flag} {_value(new.get(key))}"
-                trained, keep = ((f"without {flag}", f"leave out {flag}") if was is None
-                                 else (f"with {flag} {_value(was)}", f"give {flag} {_value(was)}"))
+                given = f"no {option}" if new.get(key) is None else f"{option} {_value(new.get(key))}"
+                trained, keep = ((f"without {option}", f"leave out {option}") if was is None
+                                 else (f"with {option} {_value(was)}", f"give {option} {_value(was)}"))
                 raise UsageError(f"{given}: {ckpt} was trained {trained} and a resume must keep it ({why}): {keep}, "
                                  "or start a new run from its weights with --finetune")
             changes[key] = [old.get(key), new.get(key)]

@@ -25,8 +25,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 def param_shards(
     chunk: torch.nn.Module, value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
-) -> Iterator[tuple[torch.nn.Parameter, ShardedTensor]]:
-    """(param, ShardedTensor whose data is `value(param)` or a view of it) for each parameter shard."""
+) -> Iterator[ShardedTensor]:
+    """A ShardedTensor for each parameter shard, its data `value(param)` or a view of the parameter."""
     model = unwrap(chunk)
     sharded = model.sharded_state_dict()
     for name, param in model.named_parameters():
@@ -36,10 +36,9 @@ def param_shards(
         data = param.data if value is None else value(param)
         if isinstance(entry, ShardedTensorFactory):
             built = dataclasses.replace(entry, data=data).build()
-            for sh in built if isinstance(built, list) else [built]:
-                yield param, sh
+            yield from built if isinstance(built, list) else [built]
         elif isinstance(entry, ShardedTensor):
-            yield param, dataclasses.replace(entry, data=data)
+            yield dataclasses.replace(entry, data=data)
 
 
 def global_index(sh: ShardedTensor) -> tuple:
@@ -58,7 +57,7 @@ def _seed(seed: int, key: str, prefix: tuple) -> int:
 def init_layout_independent(chunks: list[torch.nn.Module], config: TransformerConfig, seed: int) -> None:
     """Re-draw every matrix from its global tensor with megatron's init methods; norms/biases untouched."""
     for chunk in chunks:
-        for _, sh in param_shards(chunk):
+        for sh in param_shards(chunk):
             if len(sh.local_shape) < 2:
                 continue
             if sh.key.endswith(_OUTPUT_LAYER_KEYS):
@@ -86,9 +85,9 @@ def gather_full(
     for tests and small models."""
     pieces = []
     for chunk in chunks:
-        for _, sh in param_shards(chunk, value):
-            if sh.replica_id not in (0, (0, 0, 0)) and not _is_first_replica(sh.replica_id):
-                continue
+        for sh in param_shards(chunk, value):
+            if any(r != 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
+                continue  # a copy: the first replica's shard stands for it
             pieces.append((sh.key, tuple(sh.global_shape), global_index(sh), sh.data.detach().float().cpu()))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list = [None] * dist.get_world_size(group)
@@ -100,9 +99,3 @@ def gather_full(
             full[key] = torch.zeros(shape)
         full[key][index] = data
     return full
-
-
-def _is_first_replica(replica_id: object) -> bool:
-    if isinstance(replica_id, tuple):
-        return all(r == 0 for r in replica_id)
-    return replica_id == 0
