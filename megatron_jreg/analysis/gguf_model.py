@@ -47,10 +47,8 @@ def read_gguf(path: Path) -> Any:
         reader = GGUFReader(str(path))
         tensors = list(reader.tensors)
     except Exception as e:  # noqa: BLE001 - any parse failure of the file is the thing to report
-        raise AnalysisError(
-            f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: {one_line(e, 300)}); "
-            "it is truncated or corrupt: download or convert it again"
-        ) from None
+        raise AnalysisError(f"--model {path}: not a readable GGUF file ({size} bytes; {type(e).__name__}: "
+                            f"{one_line(e, 300)}); it is truncated or corrupt: download or convert it again") from None
     if not tensors:
         raise AnalysisError(f"--model {path}: the GGUF file holds no tensors; download or convert it again")
     end = max(t.data_offset + t.n_bytes for t in tensors)

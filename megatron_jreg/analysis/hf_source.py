@@ -148,10 +148,8 @@ class HFSource(HiddenStateSource):
         self.vocab_size = _declared(config, "vocab_size")
         pads = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
         self.pad_id = int(next((t for t in pads if t is not None), 0))  # any id: padding is masked anyway
-        self.head_missing: str | None = None
-        """Why the LM head's weights were not loaded (files without it: the analysis of Ψ never runs it)."""
-        self.notes: list[str] = []
-        """What loading applied or left out, for the log."""
+        self.head_missing: str | None = None  # why the LM head was not loaded (Ψ never runs it)
+        self.notes: list[str] = []  # what loading applied or left out, for the log
         self.device = next(self.base.parameters()).device
 
     @torch.no_grad()
@@ -222,10 +220,8 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None, con
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise AnalysisError(
-            f"cannot load a tokenizer from {where}: {one_line(e, 300)}. Pass --tokenizer DIR (a folder with "
-            "tokenizer.json or the model's original Hugging Face folder)"
-        ) from e
+        raise AnalysisError(f"cannot load a tokenizer from {where}: {one_line(e, 300)}. Pass --tokenizer DIR (a folder "
+                            "with tokenizer.json or the model's original Hugging Face folder)") from e
 
 
 def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -250,10 +246,8 @@ def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32
     except ModelFileError as e:
         raise AnalysisError(str(e)) from None
     except (ValueError, KeyError, OSError) as e:
-        raise AnalysisError(
-            f"--model {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the folder needs the "
-            "model's config.json and weight files"
-        ) from e
+        raise AnalysisError(f"--model {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the "
+                            "folder needs the model's config.json and weight files") from e
     if plan is not None and plan.rope_freqs is not None:
         apply_rope_freqs(model, plan.rope_freqs, f"--model {path}")
     model.to(device)

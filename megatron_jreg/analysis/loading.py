@@ -92,7 +92,14 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
             raise AnalysisError(f"--checkpoints: cannot order {unordered[0]} by step (no number in its name); narrow "
                                 "the glob")
         entries += [(p, "--checkpoints", steps[p]) for p in sorted(matches, key=lambda p: (steps[p], str(p)))]
-    kinds = [_identify(p, flag) for p, flag, _ in entries]
+    kinds = []
+    for p, flag, _ in entries:
+        try:
+            kinds.append(identify(p, flag))
+        except AnalysisError as e:  # a series skips a match not (yet) readable (an iteration being written)
+            if flag != "--checkpoints":
+                raise
+            kinds.append((f"unreadable: {e}", None, None))
     labels = _unique_labels(shown + [p.resolve() for p, _, _ in entries[len(given) :]])
     revs = [r for _, r in given] + [None] * (len(entries) - len(given))
     specs = [ModelSpec(p, label, kind, step, rev, flag, config, files)
@@ -105,17 +112,6 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
             if reason:
                 raise AnalysisError(f"--stream: cannot stream {spec.path}: {reason}; drop --stream")
     return specs
-
-
-def _identify(path: Path, flag: str) -> tuple[str, Any, ModelFolder | None]:
-    """`identify`; for a --checkpoints match that is not (yet) a readable model, ("unreadable: <why>", None,
-    None), so that the series skips it in one line instead of stopping (an iteration still being written)."""
-    try:
-        return identify(path, flag)
-    except AnalysisError as e:
-        if flag != "--checkpoints":
-            raise
-        return f"unreadable: {e}", None, None
 
 
 def _unique_labels(paths: list[Path]) -> list[str]:

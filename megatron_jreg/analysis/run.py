@@ -39,11 +39,9 @@ def _model_failures(spec: ModelSpec) -> Iterator[None]:
     except (AnalysisError, ModelFileError):
         raise
     except _MODEL_CODE_ERRORS as e:
-        raise AnalysisError(
-            f"--model {spec.path}: its model code failed on the samples ({type(e).__name__}: {one_line(e, 200)}); "
-            "its config.json does not describe a model transformers can run, or `megatron-jreg analyze` does not "
-            "support this architecture"
-        ) from e
+        raise AnalysisError(f"--model {spec.path}: its model code failed on the samples ({type(e).__name__}: "
+                            f"{one_line(e, 200)}); its config.json does not describe a model transformers can run, or "
+                            "`megatron-jreg analyze` does not support this architecture") from e
 
 
 class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the CLI with what was saved
@@ -131,10 +129,8 @@ def check_result(result: ModelResult, path: Path) -> None:
     only some tokens are zero."""
     bad = [layer for layer, psi in enumerate(result.psi, 1) if not math.isfinite(psi)]
     if bad:
-        raise AnalysisError(
-            f"--model {path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the activations "
-            "overflow; check the model's weights, or measure with --dtype float32"
-        )
+        raise AnalysisError(f"--model {path}: Ψ is not finite at layer(s) {bad}: the weights hold NaN/inf or the "
+                            "activations overflow; check the model's weights, or measure with --dtype float32")
     if result.removal is not None:
         ce = [result.removal["base_ce"], *result.removal["ce_skip"], *result.removal["ce_skip_top"]]
         if not all(math.isfinite(c) for c in ce):

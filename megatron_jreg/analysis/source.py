@@ -183,10 +183,8 @@ class LayerDisplacementHooks:
             if self.kind is None:
                 return
             if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
-                raise ValueError(
-                    f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
-                    f"{tuple(h_in.shape)} of {type(module).__name__}"
-                )
+                raise ValueError(f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
+                                 f"{tuple(h_in.shape)} of {type(module).__name__}")
             if self.clone_inputs:
                 h_in = h_in.clone()
             self._inputs[index] = (h_in, h_in._version)
@@ -206,10 +204,8 @@ class LayerDisplacementHooks:
                     f"not hidden states of shape {tuple(h_in.shape)}"
                 )
             if h_in._version != version:
-                raise RuntimeError(
-                    f"{type(module).__name__} modified its input hidden states in place, so h_in is lost; "
-                    "measure with LayerDisplacementHooks(..., clone_inputs=True)"
-                )
+                raise RuntimeError(f"{type(module).__name__} modified its input hidden states in place, so h_in is "
+                                   "lost; measure with LayerDisplacementHooks(..., clone_inputs=True)")
             # Kept on the model's device until exit: one host sync per batch, not one per layer.
             self._partial[index].append(masked_displacement_sum(h_in, h_out, self.rows, self.kind))
 
