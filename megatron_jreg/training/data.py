@@ -79,14 +79,9 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int 
     else:
         half = scan_limit_bytes // 2 // tokens.itemsize
         chunks, exact = [tokens[:half], tokens[-half:]], False
-    best = -1
-    step = 1 << 26
-    for chunk in chunks:
-        for i in range(0, len(chunk), step):
-            part = chunk[i : i + step]
-            if len(part):
-                best = max(best, int(part.max()))
-    return best, exact
+    step = 1 << 26  # tokens a part: its max() reads it once
+    parts = (chunk[i : i + step] for chunk in chunks for i in range(0, len(chunk), step))
+    return max((int(part.max()) for part in parts), default=-1), exact
 
 
 def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> UsageError | None:

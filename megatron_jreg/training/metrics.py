@@ -90,10 +90,8 @@ class LossWindow:
     def restore(cls, state: dict) -> LossWindow:
         import torch
 
-        value = state.get("lm_loss_sum")
-        loss = torch.tensor([value], dtype=torch.float) if value is not None else None
-        if loss is not None and torch.cuda.is_available():
-            loss = loss.cuda()
+        value, device = state.get("lm_loss_sum"), "cuda" if torch.cuda.is_available() else "cpu"
+        loss = torch.tensor([value], dtype=torch.float, device=device) if value is not None else None
         return cls(loss, int(state.get("advanced", 0)), int(state.get("skipped", 0)))
 
 

@@ -155,10 +155,8 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
                          "run, or load another folder to start over in this one")
     found = saved_iterations(save)
     tracker = _tracker_text(save)
-    if not found and tracker is None:
-        return
-    if continuing:
-        return  # continuing that folder (its tracker, or one of its iterations)
+    if continuing or (not found and tracker is None):
+        return  # continuing that folder (its tracker, or one of its iterations), or nothing there
     shown = ", ".join(map(str, found[-6:])) if found else "none complete"
     if getattr(args, "jreg_overwrite_save", False):
         if getattr(args, "rank", 0) == 0:
