@@ -144,15 +144,10 @@ def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:
 def load_texts(spec: str, num_samples: int | None) -> list[str]:
     """The first `num_samples` non-empty samples of `--data` (all when None), in file order."""
     fmt, path, key = parse_data_spec(spec)
+    read = {"lambada": text.lambada_passages, "wikitext": text.wikitext_articles, "text": text.text_paragraphs,
+            "jsonl": lambda p: list(text.iter_jsonl(p, key or "text"))}[fmt]
     try:
-        if fmt == "lambada":
-            texts = text.lambada_passages(path)
-        elif fmt == "wikitext":
-            texts = text.wikitext_articles(path)
-        elif fmt == "jsonl":
-            texts = list(text.iter_jsonl(path, key or "text"))
-        else:
-            texts = text.text_paragraphs(path)
+        texts = read(path)
     except UnicodeDecodeError as e:
         raise AnalysisError(
             f"--data {spec!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"

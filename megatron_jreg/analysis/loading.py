@@ -133,14 +133,9 @@ def available_bytes(device: torch.device) -> int:
     (MemAvailable, capped by a cgroup limit when the process runs in a container)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    available = None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
+        available = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):  # no /proc (not Linux), or no MemAvailable line
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()

@@ -272,10 +272,8 @@ def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
     ax = _figure().add_subplot()
     _curves(ax, results, lambda r: [normalized_depth(ell, r.num_layers) for ell in range(1, r.num_layers + 1)],
             lambda r: r.psi)
-    ax.set_xlabel(r"normalised layer index $(\ell - 1) / (L - 1)$")
-    ax.set_ylabel(r"$\Psi_\ell$ = mean $d(h_{\ell-1}, h_\ell)$")
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel=r"normalised layer index $(\ell - 1) / (L - 1)$", xlim=(-0.02, 1.02), ylim=(0, None),
+           ylabel=r"$\Psi_\ell$ = mean $d(h_{\ell-1}, h_\ell)$")
     ax.grid(True, alpha=0.3)
     conventions = sorted({r.convention for r in results})
     ax.set_title(r"$\Psi_\ell$ per decoder layer" + f"\nd: {measure_label(results)}"
@@ -336,8 +334,7 @@ def plot_removal(results: list[ModelResult], path: Path) -> Path:
     _curves(left, measured, layers, lambda r: r.psi)
     _curves(right, measured, layers, lambda r: r.removal["delta_ce"], lambda r: "; " + ", ".join(
         f"top {k} {d:+.4f}" for k, d in zip(r.removal["top_k"], r.removal["delta_ce_top"])))
-    left.set_ylabel(r"$\Psi_\ell$")
-    left.set_ylim(bottom=0)
+    left.set(ylabel=r"$\Psi_\ell$", ylim=(0, None))
     left.set_title(r"$\Psi_\ell$ per decoder layer" + f"\nd: {measure_label(measured)}", fontsize=8)
     right.axhline(0.0, color="0.5", linewidth=0.8)
     right.set_ylabel(r"$\Delta$CE (nats per predicted token)")

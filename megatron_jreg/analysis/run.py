@@ -79,15 +79,11 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
                 continue
             results.append(result)
     except KeyboardInterrupt:
-        files = _write(results, cfg) if results else []
+        files = write_results(results, cfg.settings(), cfg.output) if results else []
         raise Interrupted(i, len(specs), len(results), files) from None
     if not results:
         raise AnalysisError(f"--checkpoints {cfg.checkpoints!r}: no checkpoint could be read (each is named above)")
-    return results, _write(results, cfg)
-
-
-def _write(results: list[ModelResult], cfg: AnalyzeConfig) -> list[Path]:
-    return write_results(results, cfg.settings(), cfg.output)
+    return results, write_results(results, cfg.settings(), cfg.output)
 
 
 def _measure_one(cfg: AnalyzeConfig, spec: ModelSpec, texts: list[str], tag: str) -> ModelResult:

@@ -262,11 +262,10 @@ def gather_rows(h: Tensor, rows: Tensor | None) -> Tensor:
 def batch_stats(sums: Tensor, counts: Tensor, states: Sequence[Tensor], kind: str) -> dict[str, Tensor]:
     """What `HiddenStateSource.layer_stats` returns: {"sums", "counts"} (Ψ totals, [L]) and `state_totals`,
     float64 on the CPU, brought over in one transfer."""
-    totals = state_totals(states, kind)
-    size = len(states)
-    flat = torch.cat([sums.double().to(totals["norm_sums"].device), counts.double().to(totals["norm_sums"].device),
-                      totals["norm_sums"], totals["zero_tokens"], totals["distance_sums"].reshape(-1)]).cpu()
-    num = size - 1
-    parts = flat.split([num, num, size, size, size * size])
-    return {"sums": parts[0], "counts": parts[1], "norm_sums": parts[2], "zero_tokens": parts[3],
-            "distance_sums": parts[4].reshape(size, size)}
+    totals, size = state_totals(states, kind), len(states)
+    on = totals["norm_sums"].device
+    flat = torch.cat([sums.double().to(on), counts.double().to(on), totals["norm_sums"], totals["zero_tokens"],
+                      totals["distance_sums"].reshape(-1)]).cpu()
+    sums, counts, norms, zeros, distances = flat.split([size - 1, size - 1, size, size, size * size])
+    return {"sums": sums, "counts": counts, "norm_sums": norms, "zero_tokens": zeros,
+            "distance_sums": distances.reshape(size, size)}

@@ -173,15 +173,11 @@ class SafetensorsFolder:
         row_bytes = width * dtype.itemsize
         out = torch.empty((len(ids), width), dtype=dtype)
         with open(info.file, "rb") as f:
-            i = 0
-            while i < len(ids):
-                j = i
-                while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-                    j += 1
-                start = info.start + ids[i] * row_bytes
-                buf = self._read(f, info, start, (j - i + 1) * row_bytes)
-                out[i : j + 1] = buf.view(dtype).reshape(j - i + 1, width)
-                i = j + 1
+            for _, group in itertools.groupby(enumerate(ids), key=lambda p: p[1] - p[0]):  # runs of consecutive ids
+                run = list(group)
+                (i, first), count = run[0], len(run)
+                buf = self._read(f, info, info.start + first * row_bytes, count * row_bytes)
+                out[i : i + count] = buf.view(dtype).reshape(count, width)
         return out
 
 
