@@ -7,11 +7,13 @@ small ones, benchmarks/preprocess_throughput.py full-size ones.
   and as an added token of its own id;
 - `llama3_style`: a Llama-3-style byte-level BPE (128,256 pieces): Llama-3's regex as a `Split`
   pre-tokenizer, `ignore_merges`, a BOS post-processor and its 256 special tokens at the end;
-- `sentencepiece_bpe`: a SentencePiece BPE with byte fallback (Llama-2's kind), by `train_tokenizer`.
+- `sentencepiece_bpe`: a SentencePiece BPE with byte fallback (Llama-2's kind), by `train_tokenizer`;
+- `tiktoken_entries`: Megatron-LM's tiktoken JSON of a byte-level BPE.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -90,3 +92,14 @@ def sentencepiece_bpe(path: Path, inputs: list[str], vocab_size: int = 32_000, m
     from megatron_jreg.data.train_tokenizer import train_tokenizer
 
     return train_tokenizer(inputs, str(path), vocab_size, "sentencepiece", max_chars=max_chars)
+
+
+def tiktoken_entries(hf_bpe: str | Path) -> list[dict]:
+    """Megatron-LM's tiktoken JSON from a byte-level BPE folder: 256 bytes, then merged tokens in merge order."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    model = json.loads(Path(hf_bpe, "tokenizer.json").read_text())["model"]
+    pieces = [bytes([b]) for b in range(256)] + [bytes(to_byte[c] for c in "".join(m)) for m in model["merges"]]
+    return [{"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": p.decode("utf-8", "replace")}
+            for i, p in enumerate(pieces)]

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from megatron_jreg.data.tokenizers import _byte_to_unicode
 from megatron_jreg.data.train_tokenizer import train_tokenizer
 
 if TYPE_CHECKING:
@@ -36,7 +35,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (gpt2 / "vocab.json").write_text(json.dumps(model["vocab"]))
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
     (gpt2 / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
     pieces = [bytes([b]) for b in range(256)] + [bytes(to_byte[c] for c in "".join(m)) for m in model["merges"]]
     entries = [{"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": ""} for i, p in enumerate(pieces)]
     (root / "megatron_tiktoken.json").write_text(json.dumps(entries))

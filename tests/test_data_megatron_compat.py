@@ -8,7 +8,6 @@ eod, appended to every non-empty document.
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 from pathlib import Path
@@ -65,24 +64,11 @@ def _megatron_tokenizer(library: str, path: str, **kwargs):
 
 def _tiktoken_json(bpe_folder: str, out: Path) -> int:
     """Megatron-LM's tiktoken vocabulary from a byte-level BPE (bytes, then merges); returns its size."""
-    from megatron_jreg.data.fast_bpe import byte_to_unicode
+    from tests._tokenizers import tiktoken_entries
 
-    to_byte = {c: b for b, c in byte_to_unicode().items()}
-    merges = json.loads(Path(bpe_folder, "tokenizer.json").read_text())["model"]["merges"]
-    pieces = [bytes([b]) for b in range(256)] + [bytes(to_byte[c] for c in "".join(m)) for m in merges]
-    out.write_text(
-        json.dumps(
-            [
-                {
-                    "rank": i,
-                    "token_bytes": base64.b64encode(p).decode(),
-                    "token_str": p.decode("utf-8", "replace"),
-                }
-                for i, p in enumerate(pieces)
-            ]
-        )
-    )
-    return len(pieces)
+    entries = tiktoken_entries(bpe_folder)
+    out.write_text(json.dumps(entries))
+    return len(entries)
 
 
 KINDS = ["HuggingFaceTokenizer", "SmolLM2-style", "Llama-3-style", "SentencePieceTokenizer", "TikTokenizer"]

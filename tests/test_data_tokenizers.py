@@ -4,7 +4,6 @@ clear errors."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -276,22 +275,10 @@ def test_gpt2_bpe_from_vocab_and_merges_matches_transformers(hf_bpe, tmp_path):
     assert [tok.tokenize(t) for t in TRICKY] == [ref(t).input_ids for t in TRICKY]
 
 
-def _tiktoken_entries(hf_bpe: str) -> list[dict]:
-    """Megatron-LM's tiktoken JSON from a byte-level BPE: 256 bytes, then merged tokens in merge order."""
-    from megatron_jreg.data.tokenizers import _byte_to_unicode
-
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
-    model = json.loads(Path(f"{hf_bpe}/tokenizer.json").read_text())["model"]
-    pieces = [bytes([b]) for b in range(256)]
-    pieces += [bytes(to_byte[c] for c in "".join(m)) for m in model["merges"]]
-    return [
-        {"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": p.decode("utf-8", "replace")}
-        for i, p in enumerate(pieces)
-    ]
-
-
 def test_tiktokenizer_megatron_json_and_tiktoken_file(hf_bpe, tmp_path):
-    entries = _tiktoken_entries(hf_bpe)
+    from tests._tokenizers import tiktoken_entries
+
+    entries = tiktoken_entries(hf_bpe)
     (tmp_path / "vocab.json").write_text(json.dumps(entries))
     tok = build_tokenizer("TikTokenizer", str(tmp_path / "vocab.json"), vocab_size=1000 + len(entries))
     assert tok.eod == 2 and tok.pad == 4 and tok.vocab_size == 1000 + len(entries)

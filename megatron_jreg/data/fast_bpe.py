@@ -1,30 +1,6 @@
-"""Megatron-LM's token ids, faster: exact fast engines for the tokenizers people bring to preprocess.
-
-Megatron-LM's tools/preprocess_data.py tokenizes each document with megatron-core's tokenizer: transformers'
-`tokenizer(text).input_ids` for HuggingFaceTokenizer and GPT2BPETokenizer, sentencepiece's `encode_as_ids` for
-the SentencePiece types. `engine_for` gives the same ids from one of two engines, or says why neither applies:
-
-- `TiktokenBPE`: tiktoken's BPE over ranks converted from the tokenizer (its speed per tokenizer kind:
-  docs/results/preprocess_throughput.txt). Two conversions:
-  * a byte-level BPE tokenizer.json (GPT-2/SmolLM2's `ByteLevel`, Llama-3's `Split`+`ByteLevel`), by
-    `byte_level_plan`: ranks in merge order (`tokenizers` merges the pair of lowest merge index; tiktoken the
-    pair whose concatenation has the lowest rank), added tokens as tiktoken's special tokens (both match them
-    leftmost-longest before BPE), the post-processor's BOS/EOS as fixed ids, ids remapped where the vocabulary's
-    ids are not in merge order;
-  * a SentencePiece BPE model, by `sentencepiece_plan`: sentencepiece's own normalizer (the one `encode_as_ids`
-    runs), then ranks in score order (sentencepiece merges the adjacent pair whose concatenation is the piece of
-    highest score, as tiktoken does by rank), a multi-byte character assembled from its bytes before any merge,
-    the text cut before each `▁` (no piece holds `▁` past its first character: checked), user-defined symbols
-    as special tokens.
-  What a conversion does not cover is tokenized by the library itself, per document: a byte the byte-level
-  vocabulary lacks (`tokenizers` drops it and merges across it), a character the SentencePiece model lacks
-  (unknown or byte fallback).
-- `TokenizersBatch`: where no exact tiktoken conversion exists (a normalizer, another pre-tokenizer or model),
-  the `tokenizers` library's `encode_batch_fast` on the same backend transformers calls, per unit of documents,
-  without transformers' Python around each call.
-
-Every engine is checked against megatron-core's tokenizer on a probe text when it is built; the byte identity
-of whole runs is what tests/test_data_megatron_compat.py and benchmarks/preprocess_throughput.py check.
+"""Megatron-LM's token ids, faster: exact engines (tiktoken over ranks converted from the tokenizer, else the
+`tokenizers` library's batch encoding) for the tokenizers people bring to preprocess, each checked against
+megatron-core's own ids on a probe text when built (speeds: docs/results/preprocess_throughput*.txt).
 """
 
 from __future__ import annotations
@@ -50,26 +26,11 @@ class NoConversion(Exception):
     """Why a tokenizer has no exact tiktoken conversion (the message ends the backend's description)."""
 
 
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256+.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    mapping = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in mapping)
-    mapping.update({b: chr(256 + i) for i, b in enumerate(shifted)})
-    return mapping
-
-
 @dataclass
 class Plan:
-    """A tokenizer on tiktoken: `ranks` (bytes -> rank) and `specials` (text -> tiktoken id) for
-    `tiktoken.Encoding`; `table[tiktoken id]` is the tokenizer's id where they differ (None: equal); `prefix`
-    and `suffix` are the post-processor's ids. What the ranks lack: a match of `uncovered` (bytes the byte-level
-    vocabulary lacks) sends the whole document to the library's own encoder; a match of `cut` (characters a
-    SentencePiece model lacks) is cut out of the text and given `cut_ids` (it never merges with its neighbours),
-    unless it is a special token (which `cut` steps over)."""
+    """A tokenizer on tiktoken: `ranks`/`specials` for `tiktoken.Encoding`, `table[tiktoken id]` the tokenizer's id
+    where they differ, the post-processor's `prefix`/`suffix`; text matching `uncovered` goes to the library's own
+    encoder, runs matching `cut` (characters the model lacks, never merged) get `cut_ids`."""
 
     pattern: str
     ranks: dict[bytes, int]
@@ -145,10 +106,8 @@ class TiktokenBPE:
 
 
 class TokenizersBatch:
-    """The `tokenizers` backend transformers calls for `tokenizer(text).input_ids`, called once per batch.
-
-    The live backend (added tokens included) without truncation or padding, as transformers sets it for each
-    call; `canon` maps each id to the id of its token string, which is what megatron-core returns with
+    """The `tokenizers` backend transformers calls for `tokenizer(text).input_ids`, once per batch (without
+    transformers' Python per call); `canon` maps an id to its token string's id, as megatron-core's ids with
     --tokenizer-hf-no-include-special-tokens (`convert_tokens_to_ids(tokenize(text))`)."""
 
     name = "tokenizers"
@@ -257,14 +216,9 @@ def _merge_pairs(merges: list) -> list[tuple[str, str]]:
 
 
 def _check_merges_make_their_pieces(model: dict, merges: list[tuple[str, str]], pieces: list[str]) -> None:
-    """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece.
-
-    tiktoken takes a pre-token found in its ranks as one token, where `tokenizers` (without ignore_merges)
-    merges it; and it merges any adjacent pair whose concatenation is a piece, where `tokenizers` merges only
-    the pairs in its merge list. Both give the same ids when every piece is made by the merges from its own
-    characters: an adjacent pair that is not a merge but concatenates to a piece would, on that piece's
-    characters alone, be a state the merges cannot leave. A trained tokenizer has this property; a merge list
-    edited by hand (a merge moved or repeated) may not."""
+    """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece: then
+    tiktoken (a pre-token in its ranks is one token; any pair concatenating to a piece merges) gives the same ids.
+    A trained tokenizer has this property; a merge list edited by hand may not."""
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
 
@@ -289,8 +243,10 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
     pattern = _pattern(spec.get("pre_tokenizer"))
     prefix, suffix = _template_ids(spec.get("post_processor"))
     specials = _added_tokens(spec.get("added_tokens") or [], split_special)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> printable character map
 
-    alphabet = {ord(c): b for b, c in byte_to_unicode().items()}
+    to_char = bytes_to_unicode()
+    alphabet = {ord(c): b for b, c in to_char.items()}
     latin = {**dict.fromkeys(range(256), 0xFFFF), **alphabet}  # a raw character below 256 is outside the alphabet
 
     def as_bytes(piece: str) -> bytes | None:  # None: a piece no byte-level text can reach
@@ -311,8 +267,8 @@ def byte_level_plan(spec: dict, split_special: bool = False) -> Plan:
         if piece not in vocab:
             raise NoConversion(f"a merge whose piece is not in the vocabulary ({piece!r})")
         made[piece] = vocab[piece]
-    singles = {b: vocab[c] for b, c in byte_to_unicode().items() if c in vocab}
-    present = {c for c in byte_to_unicode().values() if c in vocab}
+    singles = {b: vocab[c] for b, c in to_char.items() if c in vocab}
+    present = {c for c in to_char.values() if c in vocab}
     if len(present) < 256:  # a piece holding a lacking byte is unreachable
         made = {p: i for p, i in made.items() if set(p) <= present}
     _check_merges_make_their_pieces(model, merges, [p for p in made if len(p) > 2])  # two: made by their merge
@@ -489,9 +445,8 @@ def _checked(engine: Engine, reference: Callable[[str], Any], specials: list[str
 
 def engine_for(kind: str, library: Any, reference: Callable[[str], Any]) -> tuple[Engine | None, str]:
     """The fastest exact engine for megatron-core's tokenizer library object `library` of type `kind` (its
-    `tokenize` is `reference`), and the backend's description: `tiktoken`, `tokenizers (no exact tiktoken
-    conversion: ...)`, `megatron-core (no fast path: ...)`, or for TikTokenizer and NullTokenizer, whose
-    megatron-core tokenizers are fast already, `megatron-core (tiktoken)` and `megatron-core (ids in the text)`."""
+    `tokenize` is `reference`), or None, and the backend's description (what preprocess prints: why not faster;
+    TikTokenizer's and NullTokenizer's are fast already)."""
     if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
         return _hf_engine(library, reference)
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):

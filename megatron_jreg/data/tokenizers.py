@@ -29,7 +29,6 @@ from megatron_jreg.data.tokenizer_flags import (
 
 __all__ = ["PROBE_TEXT", "REFUSED_TYPES", "SP_TYPES", "TOKENIZER_TYPES", "Tokenizer", "add_tokenizer_args",
            "build_tokenizer", "from_args", "megatron_args", "tokenizer_defaults"]
-_byte_to_unicode = fast_bpe.byte_to_unicode  # where convert's tests read it
 
 ENDOFTEXT = "<|endoftext|>"
 # What a wrong file gives megatron-core, in one line naming the flag and the fix.

@@ -1,8 +1,5 @@
-"""`megatron-jreg preprocess`: FineWeb-Edu / HF dataset folders / JSONL -> megatron indexed datasets.
-
-Writes `PREFIX_{key}_{document|sentence}.bin/.idx` (Megatron-LM's naming and bytes, through megatron-core's
-tokenizers and IndexedDatasetBuilder) plus a manifest per output, accepting every flag of Megatron-LM's
-tools/preprocess_data.py. One module per concern (docs/data.md, "Code layout", lists them).
+"""`megatron-jreg preprocess`: inputs -> `PREFIX_{key}_{document|sentence}.bin/.idx` with Megatron-LM's names and
+bytes (through megatron-core) plus a manifest each, taking every flag of Megatron-LM's tools/preprocess_data.py.
 """
 
 from typing import Any

@@ -1,11 +1,6 @@
-"""`megatron-jreg preprocess` / `tools/preprocess_data.py`: the command line over `preprocess()`.
-
-Megatron-LM's tools/preprocess_data.py parser (core_v0.19.0): its tokenizer group is Megatron-LM's own
-(`_add_tokenizer_args`, as the table in data/tokenizer_flags.py), its other options keep their names, meanings
-and defaults; megatron-jreg's own flags follow. Two defaults are relaxed, not changed: `--workers` is optional (1)
-and `--input` takes several files, directories or globs. Bad input ends in one line (see
-`megatron_jreg.data.checks`), Ctrl-C too. The flags are read and checked before torch and megatron-core load
-(`--help` waited seconds for them): the driver, which loads them, is imported only to run.
+"""`megatron-jreg preprocess` / `tools/preprocess_data.py`: Megatron-LM's tools/preprocess_data.py parser
+(core_v0.19.0) plus megatron-jreg's flags, read and checked before torch and megatron-core load (the driver, which
+loads them, is imported only to run), so that `--help` and a bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -94,7 +89,7 @@ def _run(cfg: PreprocessConfig) -> int:
     cfg.validate()  # the flags are checked before torch and megatron-core load (with the driver)
     for note in cfg.notes():
         print(note, file=sys.stderr)
-    from megatron_jreg.data.manifest import manifest_path
+    from megatron_jreg.data.indexed import manifest_path
     from megatron_jreg.data.preprocess.driver import preprocess
 
     summary = preprocess(cfg)

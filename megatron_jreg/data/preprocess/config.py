@@ -1,12 +1,6 @@
-"""`PreprocessConfig`: every preprocess flag, Megatron-LM's and ours, checked once before any work.
-
-Megatron-LM's tools/preprocess_data.py flags keep their names, defaults and meaning; its tokenizer flags are its
-own parser group (`megatron.training.arguments._add_tokenizer_args`, as a table in data/tokenizer_flags.py, so
-that nothing here loads torch), kept by their Megatron-LM names in `tokenizer` and handed to megatron-core's
-`build_tokenizer` as they are. Some of them do nothing to the data there (`--padded-vocab-size`, a
-`--tokenizer-model` for NullTokenizer, ...): `notes()` says so in one line each. What megatron-jreg does not run
-is refused in one line with the reason and the fix: `--partitions N` (here `--workers` spreads the work and the
-output keeps the input order), `--find-optimal-num-workers`, a tokenizer with its own Python code.
+"""`PreprocessConfig`: every preprocess flag, Megatron-LM's and ours, checked once before any work. Megatron-LM's
+keep their names, defaults and meaning (its tokenizer flags reach megatron-core's `build_tokenizer` as they are);
+one that does nothing to the data gets a note, one megatron-jreg does not run is refused with the reason and fix.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The progress line of a preprocess run, and its throughput figures for the summary.
-
-One line on stderr every `--log-interval` documents: documents, MB of text and tokens per second, and an
-ETA from the input bytes done (compressed bytes for .gz/.zst, so the ETA tracks what is left to read).
-
-A log line, as Megatron-LM's tools/preprocess_data.py prints ("Processed N documents ..."), not a tqdm bar:
-a bar redraws one line with carriage returns, which in the log file of a batch job is a single line that
-grows all run long (measured: 2,000 redraws of a tqdm bar into a file are 104 KB with 1 newline; a shard of
-FineWeb-Edu takes hours at one redraw per 0.1 s). tqdm formats the ETA (hours past 24 included).
+"""The progress line of a preprocess run and its throughput for the summary: a log line every --log-interval
+documents, as Megatron-LM's tool prints, not a tqdm bar, whose carriage-return redraws make one line that grows
+all run long in a batch job's log. The ETA is from input bytes read (compressed ones for .gz/.zst).
 """
 
 from __future__ import annotations

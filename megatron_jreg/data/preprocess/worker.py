@@ -1,11 +1,5 @@
-"""The work of one unit: parse, filter, split sentences, tokenize, as Megatron-LM's `Encoder.encode` does.
-
-`setup` puts the tokenizer, sentence splitter, keys and filters in this module before the main process forks its
-`--workers` processes, which inherit them (Megatron-LM's tool forks its pool too, and builds the same tokenizer
-with megatron-core's `build_tokenizer` in each worker; here it is built once). `process_unit` turns a unit (a
-JSONL block, a parquet row group, an arrow slice) into the tokens of its kept documents per `--json-keys` key and
-the records it skipped, by reason. The main process writes results in unit order, so the output does not depend
-on the number of workers.
+"""The work of one unit in a worker process: parse, filter, split sentences and tokenize, as Megatron-LM's
+`Encoder.encode` does; `setup` puts the state here before the fork, so the tokenizer is built once, not per worker.
 """
 
 from __future__ import annotations
