@@ -361,11 +361,11 @@ CASES: dict[str, Case] = {
         ("--output-prefix", "is a folder"),
         lambda t, e, o: no_output(t),
     ),
-    "pre-manifest-cannot-be-written": Case(  # the dataset must not stay without its manifest
+    "pre-manifest-cannot-be-written": Case(  # a folder where the manifest goes: no dataset without its manifest
         "preprocess",
-        lambda e, t: pre(e, t) if _mkdir(t / "out" / "x_text_document.manifest.json.partial") else [],
+        lambda e, t: pre(e, t) if _mkdir(t / "out" / "x_text_document.manifest.json") else [],
         2,
-        ("x_text_document.manifest.json.partial",),
+        ("x_text_document.manifest.json",),
         lambda t, e, o: no_output(t),
     ),
     "pre-output-in-a-missing-folder": Case(  # created, as a user would want

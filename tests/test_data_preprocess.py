@@ -342,13 +342,13 @@ def test_ctrl_c_anywhere_in_a_shard_leaves_only_finished_shards(bpe, articles, t
                     raise KeyboardInterrupt
         monkeypatch.setattr(driver, "Builder", Interrupting)
     else:
-        write = driver.write_json_atomic
+        write = driver.write_manifest
 
-        def interrupting(path, data):
-            if "_00001_" in str(path):
+        def interrupting(prefix, **fields):
+            if "_00001_" in str(prefix):
                 raise KeyboardInterrupt
-            write(path, data)
-        monkeypatch.setattr(driver, "write_json_atomic", interrupting)
+            return write(prefix, **fields)
+        monkeypatch.setattr(driver, "write_manifest", interrupting)
     with pytest.raises(Interrupted, match="shard 0 of 2 finished and kept; shard 1's partial files were removed"):
         _run(bpe, files, tmp_path / "out" / "x", output_shards=2)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [

@@ -28,14 +28,19 @@ def idx_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.idx")
 
 
+def manifest_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.manifest.json")
+
+
 def dataset_exists(prefix: str | Path) -> bool:
     """True when both files of a finished dataset exist (partial files never count)."""
     return bin_path(prefix).is_file() and idx_path(prefix).is_file()
 
 
-def remove_dataset(prefix: str | Path) -> None:
-    """Delete a dataset and any partial files of it; the .idx goes first so no half pair looks complete."""
-    for path in (idx_path(prefix), bin_path(prefix)):
+def remove_dataset(*prefixes: str | Path) -> None:
+    """Delete datasets with their manifests and partial files; the manifest, then the .idx go first, so nothing
+    half removed looks finished."""
+    for path in (p(prefix) for prefix in prefixes for p in (manifest_path, idx_path, bin_path)):
         path.unlink(missing_ok=True)
         Path(f"{path}{PARTIAL}").unlink(missing_ok=True)
 

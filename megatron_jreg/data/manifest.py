@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_jreg import __version__
-from megatron_jreg.data.indexed import bin_path, idx_path
+from megatron_jreg.data.indexed import bin_path, idx_path, manifest_path
+from megatron_jreg.fileio import write_json
 
 MANIFEST_FORMAT = "megatron-jreg dataset manifest v1"
-
-
-def manifest_path(prefix: str | Path) -> Path:
-    return Path(f"{prefix}.manifest.json")
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON under a temporary name, fsync, rename: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def fingerprint(obj: Any) -> str:
@@ -38,9 +22,9 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def new_manifest(prefix: str | Path, **fields: Any) -> dict:
-    """The manifest of a finished dataset at `prefix`, with the on-disk sizes of its two files."""
-    return {
+def write_manifest(prefix: str | Path, **fields: Any) -> dict:
+    """Write (and return) the manifest of the finished dataset at `prefix`, with the on-disk sizes of its files."""
+    manifest = {
         "format": MANIFEST_FORMAT,
         "tool": f"megatron-jreg {__version__}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -48,6 +32,8 @@ def new_manifest(prefix: str | Path, **fields: Any) -> dict:
         "files": {"bin_bytes": bin_path(prefix).stat().st_size, "idx_bytes": idx_path(prefix).stat().st_size},
         **fields,
     }
+    write_json(manifest_path(prefix), manifest)
+    return manifest
 
 
 def read_manifest(prefix: str | Path, strict: bool = False) -> dict | None:
@@ -63,10 +49,8 @@ def read_manifest(prefix: str | Path, strict: bool = False) -> dict | None:
         return manifest
     except (OSError, ValueError) as e:
         if strict:
-            raise ValueError(
-                f"{path}: unreadable manifest ({e}); re-create the dataset, or delete the manifest to use the "
-                "dataset without its checks"
-            ) from None
+            raise ValueError(f"{path}: unreadable manifest ({e}); re-create the dataset, or delete the manifest to "
+                             "use the dataset without its checks") from None
         return None
 
 

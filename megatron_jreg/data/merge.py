@@ -25,14 +25,7 @@ from megatron_jreg.data.indexed import (
     remove_dataset,
     verify_dataset,
 )
-from megatron_jreg.data.manifest import (
-    fingerprint,
-    is_complete,
-    manifest_path,
-    new_manifest,
-    read_manifest,
-    write_json_atomic,
-)
+from megatron_jreg.data.manifest import fingerprint, is_complete, read_manifest, write_manifest
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import run_command
 from megatron_jreg.usage import OneLineParser, example
@@ -94,7 +87,6 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
         print(f"{output_prefix}: already merged from the same inputs, skipped", file=sys.stderr)
         return done
     dtype = indexes[0].dtype
-    manifest_path(output_prefix).unlink(missing_ok=True)
     remove_dataset(output_prefix)
     builder = Builder(output_prefix, dtype)  # Megatron-LM's tools/merge_datasets.py: add_index per input
     try:
@@ -109,7 +101,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
         skipped.update((m or {}).get("skipped", {}))
     known = [m for m in manifests if m is not None]
     largest = [m.get("max_token_id") for m in known]  # read by training's vocabulary check; a scan there without
-    manifest = new_manifest(
+    return write_manifest(
         output_prefix,
         fingerprint=fp,
         dtype=np.dtype(dtype).name,
@@ -136,8 +128,6 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
             for p, m, index in zip(prefixes, manifests, indexes)
         ],
     )
-    write_json_atomic(manifest_path(output_prefix), manifest)
-    return manifest
 
 
 def _check_document_ends(prefixes: list[str]) -> None:

@@ -1,12 +1,5 @@
-"""`preprocess(cfg)`: the whole run, from the input files to finished datasets and manifests.
-
-The main process checks the flags and the output folder, builds the tokenizer with megatron-core's
-`build_tokenizer` (Megatron-LM's args), plans the shards, skips those an identical run finished, and for each
-remaining shard streams its work units (`sources.iter_units`, in file order) through `--workers` forked
-processes with a bounded number in flight, adding the documents in unit order to megatron-core's
-IndexedDatasetBuilder (one per `--json-keys` key). Each shard's datasets are written under `.partial` names and
-renamed when complete; its manifest is written last, so an interrupted run never leaves an output that looks
-finished. Ctrl-C ends in one line: which shards are kept, and that the same command resumes.
+"""`preprocess(cfg)`: the whole run, from the input files to finished datasets and manifests, in an order such that
+an interruption (Ctrl-C included) never leaves an output that looks finished, and the same command resumes.
 """
 
 from __future__ import annotations
@@ -27,11 +20,10 @@ import numpy as np
 
 from megatron_jreg.data.checks import DataError, check_output_prefix, describe_skips
 from megatron_jreg.data.indexed import Builder, optimal_dtype, remove_dataset
-from megatron_jreg.data.manifest import is_complete, manifest_path, new_manifest, write_json_atomic
+from megatron_jreg.data.manifest import fingerprint, is_complete, write_manifest
 from megatron_jreg.data.preprocess import worker
 from megatron_jreg.data.preprocess.config import PreprocessConfig
 from megatron_jreg.data.preprocess.progress import Progress
-from megatron_jreg.data.preprocess.shards import output_prefixes, plan_shards, shard_fingerprint
 from megatron_jreg.data.sources import ERROR_REASONS, InputFile, Unit, iter_units, resolve_inputs
 from megatron_jreg.data.tokenizers import file_sha256, from_args
 from megatron_jreg.errors import Interrupted
@@ -63,6 +55,40 @@ class Written:
         self.documents += len(tokens)
 
 
+def _plan_shards(files: list[InputFile], n: int) -> list[list[InputFile]]:
+    """Cut the ordered file list into `n` contiguous groups of roughly equal bytes (each non-empty): shards are
+    whole files, in order, so one node's share is a run of them."""
+    if n > len(files):
+        raise DataError(f"--output-shards {n} but the input has only {len(files)} file(s); shards are made of whole "
+                        f"files, so use --output-shards <= {len(files)} or split the input into more files")
+    total = sum(f.size for f in files)
+    groups: list[list[InputFile]] = [[]]
+    done = 0
+    for i, f in enumerate(files):
+        remaining_files, remaining_groups = len(files) - i, n - len(groups) + 1
+        if groups[-1] and (done >= total * len(groups) / n or remaining_files < remaining_groups):
+            groups.append([])
+        groups[-1].append(f)
+        done += f.size
+    return groups
+
+
+def _output_prefixes(cfg: PreprocessConfig, shard: int, n_shards: int) -> dict[str, str]:
+    """`{json key: dataset prefix}` of one shard: Megatron-LM's `PREFIX_{key}_{level}` for one shard."""
+    base = cfg.output_prefix if n_shards == 1 else f"{cfg.output_prefix}_{shard:05d}"
+    return {k: f"{base}_{k}_{cfg.level}" for k in cfg.json_keys}
+
+
+def _shard_fingerprint(cfg: PreprocessConfig, files: list[InputFile], tokenizer: dict, shard: int, n: int) -> str:
+    """Hash of what a shard's bytes depend on (inputs' path, size and mtime, tokenizer, keys, filters, order): a
+    finished shard with the same one in its manifest is skipped on a rerun."""
+    return fingerprint({
+        "format": 1, "shard": [shard, n], "inputs": [[f.path, f.size, os.stat(f.path).st_mtime_ns] for f in files],
+        "tokenizer": tokenizer, "json_keys": cfg.json_keys, "append_eod": cfg.append_eod, "level": cfg.level,
+        "sentences": [cfg.keep_newlines, cfg.lang] if cfg.split_sentences else None,
+        "filters": [cfg.min_int_score, cfg.min_chars, cfg.max_documents, cfg.on_error, cfg.hf_split]})
+
+
 def _results(units: Iterable[Unit], pool: Any, max_in_flight: int) -> Iterator[worker.UnitResult]:
     """`process_unit` over `units`, in order, with at most `max_in_flight` units pending."""
     if pool is None:
@@ -80,12 +106,9 @@ def _results(units: Iterable[Unit], pool: Any, max_in_flight: int) -> Iterator[w
 def _write_shard(cfg: PreprocessConfig, files: list[InputFile], prefixes: dict[str, str], dtype: type[np.number],
                  pool: Any, progress: Progress, kept_before: int) -> tuple[dict[str, Written], collections.Counter,
                                                                            dict[str, list[str]]]:
-    """Tokenize one shard's files into finished datasets (one per key); returns their counts and the skips.
-
-    Old outputs of the shard go first, so that an interruption leaves nothing that looks finished; any
-    exception (Ctrl-C included) closes the partial files (the caller removes the shard's files).
-    """
-    _remove_shard(prefixes.values())
+    """Tokenize one shard's files into finished datasets (one per key); returns their counts and the skips. Old
+    outputs go first; any exception (Ctrl-C included) closes the partial files (the caller removes them)."""
+    remove_dataset(*prefixes.values())
     written: dict[str, Written] = {}
     skips: collections.Counter = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
@@ -121,25 +144,13 @@ def _write_shard(cfg: PreprocessConfig, files: list[InputFile], prefixes: dict[s
     return written, skips, dict(examples)
 
 
-def _manifest(cfg: PreprocessConfig, prefix: str, key: str, w: Written, **fields: Any) -> dict:
-    """The manifest of one finished dataset: how it was made and what it holds."""
-    return new_manifest(
-        prefix, fingerprint=fields.pop("fingerprint"), shard=fields.pop("shard"), json_key=key, level=cfg.level,
-        dtype=fields.pop("dtype"), documents=w.documents, sequences=w.sequences, tokens=w.tokens,
-        max_token_id=w.max_token_id, tokenizer=fields.pop("tokenizer"), append_eod=cfg.append_eod,
-        filters={"min_int_score": cfg.min_int_score, "min_chars": cfg.min_chars,
-                 "max_documents": cfg.max_documents, "on_error": cfg.on_error},
-        **fields,
-    )
-
-
 def _start_pool(cfg: PreprocessConfig) -> Any:
     """`--workers` forked processes that inherit `worker.STATE` (no tokenizer is rebuilt, nothing re-imported)."""
     # One thread per process (processes give the speed); and rayon's pool, if the tokenizer's checks used it
     # here, does not survive the fork: a worker must not wait on its threads.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # The parent's objects (torch, megatron-core, the tokenizer) out of the collector's reach: a collection in a
-    # worker would otherwise touch them and copy their pages (0.8 s -> 1.4 s on 16 MB, preprocess_throughput.txt).
+    # worker would otherwise touch them and copy their pages (measured: docs/results/preprocess_throughput.txt).
     gc.freeze()  # the workers inherit the frozen state; this process collects as before
     # The workers get SIGTERM's default action, not a handler this process may have (one that only records it):
     # pool.terminate() then ends even a worker stuck before its first line (seen in a pytest process whose gloo
@@ -155,10 +166,8 @@ def _start_pool(cfg: PreprocessConfig) -> Any:
 
 
 def preprocess(cfg: PreprocessConfig) -> dict:
-    """Run the whole pipeline; returns the summary (outputs, counts, skips by reason, throughput).
-
-    Shards already finished by an identical run are skipped; an interrupted shard is redone from its start.
-    """
+    """Run the whole pipeline; returns the summary (outputs, counts, skips by reason, throughput). Shards an
+    identical run finished are skipped; an interrupted shard is redone from its start."""
     cfg.validate()
     check_output_prefix(cfg.output_prefix)
     files = resolve_inputs(cfg.input, cfg.hf_split)
@@ -167,7 +176,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         raise DataError(f"--append-eod: tokenizer {cfg.tokenizer_model} defines no end-of-document token "
                         "(eos_token); add one to its tokenizer_config.json or drop --append-eod")
     dtype = optimal_dtype(tokenizer.vocab_size)
-    shards = plan_shards(files, cfg.output_shards)
+    shards = _plan_shards(files, cfg.output_shards)
     summary: dict[str, Any] = {
         "outputs": [], "documents": 0, "sequences": 0, "tokens": 0, "skipped": {}, "skipped_examples": {},
         "shards": {"written": [], "already_complete": [], "not_written": []},
@@ -176,14 +185,16 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         "sentence_splitter": f"nltk Punkt, --lang {cfg.lang}{' --keep-newlines' * cfg.keep_newlines}"
         if cfg.split_sentences else None,
     }
+    filters = {"min_int_score": cfg.min_int_score, "min_chars": cfg.min_chars, "max_documents": cfg.max_documents,
+               "on_error": cfg.on_error}
     skipped_total: collections.Counter = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
     todo = []
     for i, shard_files in enumerate(shards):
         if cfg.shard_ids and i not in cfg.shard_ids:
             continue
-        prefixes = output_prefixes(cfg, i, len(shards))
-        fp = shard_fingerprint(cfg, shard_files, tokenizer.identity, i, len(shards))
+        prefixes = _output_prefixes(cfg, i, len(shards))
+        fp = _shard_fingerprint(cfg, shard_files, tokenizer.identity, i, len(shards))
         done = [is_complete(p, fp) for p in prefixes.values()]
         if all(done):
             summary["shards"]["already_complete"].append(i)
@@ -215,11 +226,13 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             kept += first.documents
             inputs = [{"path": f.path, "bytes": f.size, "sha256": hashes[f.path].result()} for f in shard_files]
             for k, p in prefixes.items():
-                write_json_atomic(manifest_path(p), _manifest(
-                    cfg, p, k, written[k], fingerprint=fp, shard=[i, len(shards)], dtype=np.dtype(dtype).name,
-                    tokenizer=tokenizer.identity, sentence_splitter=summary["sentence_splitter"],
-                    skipped=dict(sorted(shard_skips.items())), skipped_examples=dict(shard_examples),
-                    inputs=inputs))
+                w = written[k]
+                write_manifest(p, fingerprint=fp, shard=[i, len(shards)], json_key=k, level=cfg.level,
+                               dtype=summary["dtype"], documents=w.documents, sequences=w.sequences, tokens=w.tokens,
+                               max_token_id=w.max_token_id, tokenizer=tokenizer.identity, append_eod=cfg.append_eod,
+                               filters=filters, sentence_splitter=summary["sentence_splitter"],
+                               skipped=dict(sorted(shard_skips.items())), skipped_examples=dict(shard_examples),
+                               inputs=inputs)
             current = None
             summary["shards"]["written"].append(i)
             summary["outputs"] += list(prefixes.values())
@@ -236,7 +249,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
                 unreported.clear()
     except BaseException as e:  # Ctrl-C, a full disk, ...: wherever it lands, the unfinished shard leaves nothing
         if current is not None:
-            _remove_shard(current_prefixes.values())
+            remove_dataset(*current_prefixes.values())
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(_interrupted(summary["shards"], current, len(shards))) from None
         raise
@@ -249,18 +262,11 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     summary["skipped_examples"] = dict(examples)
     summary.update(progress.rates())
     if summary["shards"]["written"] and summary["documents"] == 0:
-        _remove_shard(summary["outputs"])
+        remove_dataset(*summary["outputs"])
         why = describe_skips(summary["skipped"], summary["skipped_examples"]) if summary["skipped"] else "no records"
         raise PreprocessError(f"--input {' '.join(cfg.input)}: no documents kept, so nothing was written ({why}); "
                               "check the files, --json-keys and the filters against the data")
     return summary
-
-
-def _remove_shard(prefixes: Iterable[str]) -> None:
-    """Delete datasets with their manifests and partial files (the manifest first: nothing half looks finished)."""
-    for p in prefixes:
-        manifest_path(p).unlink(missing_ok=True)
-        remove_dataset(p)
 
 
 def _interrupted(shards: dict[str, list[int]], current: int | None, n_shards: int) -> str:
