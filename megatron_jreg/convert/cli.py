@@ -27,6 +27,19 @@ def parse_size(text: str) -> int:
     return int(upper)
 
 
+def check_output_folder(out: Path) -> None:
+    """The output folder is new (or empty) and its parent writable: the result is staged beside it and renamed, so
+    a refusal here costs nothing, while one at the end would cost the whole conversion."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--output {out} exists and is not empty: remove it or choose another folder")
+    parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
+    if not parent.is_dir():
+        raise UsageError(f"--output {out}: {parent} is a file, not a folder; choose another output path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {out}: cannot write in {parent} (permission denied); choose a folder you "
+                         "can write to")
+
+
 @dataclass(frozen=True)
 class ConvertConfig:
     """One conversion. Field names are the flags' (`--tensor-model-parallel-size` → tensor_model_parallel_size);
@@ -55,7 +68,7 @@ class ConvertConfig:
         if self.direction not in DIRECTIONS:
             raise UsageError(f"convert: direction {self.direction!r}: choose one of {', '.join(DIRECTIONS)}")
         object.__setattr__(self, "output", Path(self.output))
-        self._check_output()
+        check_output_folder(self.output)
         threshold = self.verify_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
             raise UsageError(f"--verify-threshold {threshold}: must be a positive finite number")
@@ -65,19 +78,6 @@ class ConvertConfig:
             self._check_export()
         else:
             self._check_import()
-
-    def _check_output(self) -> None:
-        """The output folder is new (or empty) and its parent writable: the result is staged beside it and
-        renamed, so a refusal here costs nothing, while one at the end would cost the whole conversion."""
-        out = self.output
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise UsageError(f"--output {out} exists and is not empty: remove it or choose another folder")
-        parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
-        if not parent.is_dir():
-            raise UsageError(f"--output {out}: {parent} is a file, not a folder; choose another output path")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(f"--output {out}: cannot write in {parent} (permission denied); choose a folder you "
-                             "can write to")
 
     def _check_export(self) -> None:
         if self.load is None:

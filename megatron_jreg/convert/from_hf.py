@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from megatron_jreg.convert.verify import (
     staged_output,
 )
 from megatron_jreg.dtypes import precision_flags
+from megatron_jreg.fileio import write_json
 
 
 @dataclasses.dataclass
@@ -34,8 +34,11 @@ class ImportResult:
 
 def _tokenizer(folder: Path) -> tuple[list[str], int | None, list[str]]:
     """(--tokenizer-* flags of the folder's own tokenizer, its vocabulary size, notes)."""
-    found = hf_io.hf_tokenizer_flags(folder)
-    if found is None:  # Megatron-LM's NullTokenizer then takes --vocab-size (added by the caller)
+    if (folder / "tokenizer.json").is_file():
+        found = "HuggingFaceTokenizer", str(folder.resolve())
+    elif (folder / "tokenizer.model").is_file():
+        found = "SentencePieceTokenizer", str((folder / "tokenizer.model").resolve())
+    else:  # Megatron-LM's NullTokenizer then takes --vocab-size (added by the caller)
         return ["--tokenizer-type", "NullTokenizer"], None, [
             f"{folder} has no tokenizer: train with --tokenizer-type/--tokenizer-model of your own"]
     from megatron_jreg.data.tokenizers import build_tokenizer
@@ -70,7 +73,7 @@ def save_release_checkpoint(output: Path, model: torch.nn.Module, args: argparse
     state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 0}
     with quiet_megatron():
         dist_checkpointing.save(state, str(ckpt))
-    (ckpt / "megatron_jreg.json").write_text(json.dumps(provenance, indent=2))
+    write_json(ckpt / "megatron_jreg.json", provenance)
     write_integrity(ckpt)
     (output / "latest_checkpointed_iteration.txt").write_text("release")
     return ckpt

@@ -14,8 +14,8 @@ import torch
 
 from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
 from megatron_jreg.errors import JregError
+from megatron_jreg.model_files import SAFETENSORS_INDEX
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
@@ -105,11 +105,3 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
         os.chmod(folder / name, 0o666 & ~umask)  # safetensors creates 0600 files; readable like the rest
     return names + ([SAFETENSORS_INDEX] if (folder / SAFETENSORS_INDEX).is_file() else [])
 
-
-def hf_tokenizer_flags(folder: Path) -> tuple[str, str] | None:
-    """(--tokenizer-type, --tokenizer-model) for a Hugging Face folder's own tokenizer, if it has one."""
-    if (folder / "tokenizer.json").is_file():
-        return "HuggingFaceTokenizer", str(folder.resolve())
-    if (folder / "tokenizer.model").is_file():
-        return "SentencePieceTokenizer", str((folder / "tokenizer.model").resolve())
-    return None

@@ -79,7 +79,8 @@ class LlamaArch:
         return cls(
             num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
             ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
-            num_query_groups=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim_of(hf),
+            num_query_groups=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
             vocab_size=int(hf["vocab_size"]), max_position_embeddings=max_pos, seq_length=int(seq_length or max_pos),
             rotary_base=theta, norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -163,10 +164,6 @@ def rope_settings(hf: dict) -> tuple[float, str, dict | None]:
     elif rope_type == "default":
         scaling = None
     return float(theta), rope_type, scaling
-
-
-def head_dim_of(hf: dict) -> int:
-    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
 def check_hf_config(hf: dict) -> None:

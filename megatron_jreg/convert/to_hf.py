@@ -33,11 +33,6 @@ class ExportResult:
     note: str = ""  # why verification was skipped, or what about the tokenizer
 
 
-def export_dtype(name: str | None, args) -> torch.dtype:  # noqa: ANN001 - Megatron-LM's args namespace
-    """--dtype, or by default the precision the checkpoint was trained in (--bf16/--fp16, else float32)."""
-    return torch_dtype(name if name is not None else run_dtype(args))
-
-
 def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfig (mcore-to-hf)
     """Export a checkpoint to a LlamaForCausalLM folder; verify None checks logits when both models fit in memory.
     UnsupportedModel, ConversionError and VerificationFailed are raised before `output` appears."""
@@ -54,7 +49,7 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
         tok = source.build() if source is not None else None
         if tok is not None:
             tokenizer.check_fits_checkpoint(tok, source, args)
-    out_dtype = export_dtype(cfg.dtype, args)
+    out_dtype = torch_dtype(cfg.dtype or run_dtype(args))  # default: the run's precision
     with staged_output(cfg.output) as tmp:
         vocab_size, vocab_note = _true_vocab_size(tok, args)
         note = "; ".join(n for n in (note, vocab_note) if n)

@@ -47,19 +47,15 @@ def _run_type(args) -> str | None:  # noqa: ANN001 - Megatron-LM's args namespac
     return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind  # SFT: an HF tokenizer + prompt format
 
 
-def _run_options(args, tokenizer_type: str) -> dict:  # noqa: ANN001
-    """The `build_tokenizer` options of the run's Megatron-LM tokenizer flags that apply to `tokenizer_type`."""
-    options: dict[str, Any] = {"special_tokens": getattr(args, "special_tokens", None) or None}
-    if tokenizer_type in SP_TYPES:
-        options["sentencepiece_legacy"] = bool(getattr(args, "tokenizer_sentencepiece_legacy", False))
-        options["sentencepiece_ignore_extra_whitespaces"] = bool(
-            getattr(args, "tokenizer_sentencepiece_ignore_extra_whitespaces", True))
-    elif tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
-        options["include_special_tokens"] = not getattr(args, "tokenizer_hf_no_include_special_tokens", False)
-    elif tokenizer_type == "TikTokenizer":
-        options["tiktoken_pattern"] = getattr(args, "tiktoken_pattern", None) or "v2"
-        options["tiktoken_num_special_tokens"] = int(getattr(args, "tiktoken_num_special_tokens", 1000))
-        options["vocab_size"] = getattr(args, "vocab_size", None)
+def _run_options(args) -> dict:  # noqa: ANN001
+    """The `build_tokenizer` options of the run's saved tokenizer flags (each tokenizer reads its own)."""
+    names = ("tiktoken_pattern", "tiktoken_num_special_tokens", "vocab_size", "special_tokens")
+    options = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for ours in ("sentencepiece_legacy", "sentencepiece_ignore_extra_whitespaces"):
+        if getattr(args, f"tokenizer_{ours}", None) is not None:
+            options[ours] = getattr(args, f"tokenizer_{ours}")
+    if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
+        options["include_special_tokens"] = False
     return options
 
 
@@ -100,14 +96,14 @@ def resolve_source(
                 raise ConversionError(
                     f"the run's GPT2BPETokenizer files {missing} (recorded in the checkpoint) do not exist: pass "
                     f"--tokenizer-model DIR with its vocab.json and merges.txt, {_NO_TOKENIZER}")
-            source = TokenizerSource(run_type, None, *files, _run_options(args, run_type), f"the run's {run_type}")
+            source = TokenizerSource(run_type, None, *files, _run_options(args), f"the run's {run_type}")
             return source, f"tokenizer from {files[0]} and {files[1]}"
         model = getattr(args, "tokenizer_model", None)
         if not model or not Path(model).exists():
             raise ConversionError(
                 f"the run's tokenizer {model} ({run_type}, recorded in the checkpoint) does not exist: pass "
                 f"--tokenizer-model with its current location, {_NO_TOKENIZER}")
-        source = TokenizerSource(run_type, model, options=_run_options(args, run_type),
+        source = TokenizerSource(run_type, model, options=_run_options(args),
                                  where=f"the run's tokenizer {model}")
         return source, f"tokenizer from {model}"
     path = Path(tokenizer_model)
@@ -117,7 +113,7 @@ def resolve_source(
     if ttype not in TOKENIZER_TYPES or ttype == "NullTokenizer":
         raise ConversionError(f"--tokenizer-type {ttype}: cannot be written as a Hugging Face tokenizer; export "
                               f"one of {', '.join(t for t in TOKENIZER_TYPES if t != 'NullTokenizer')}")
-    options = _run_options(args, ttype) if ttype == run_type else {}
+    options = _run_options(args) if ttype == run_type else {}
     if ttype == "GPT2BPETokenizer":
         folder = path if path.is_dir() else path.parent
         source = TokenizerSource(ttype, None, str(folder / "vocab.json"), str(folder / "merges.txt"), options)
@@ -216,10 +212,15 @@ def _save_fast(backend: Any, folder: Path, specials: dict[str, str | None], cont
     _patch_config(folder, {"tokenizer_class": "PreTrainedTokenizerFast", **(extra or {})})
 
 
-def _patch_config(folder: Path, updates: dict) -> None:
+def _patch_config(folder: Path, updates: dict, unless_set: dict | None = None) -> None:
+    """tokenizer_config.json with `updates`, and `unless_set` where it has no value; the class by the name both
+    transformers 4.x and 5.x know (5.x's save_pretrained writes `TokenizersBackend`, the same class)."""
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config.update(updates)
+    config.update({k: v for k, v in (unless_set or {}).items() if v and not config.get(k)})
+    if config.get("tokenizer_class") == V5_ONLY_CLASS:
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -274,16 +275,7 @@ def write_tokenizer(tok: Tokenizer, source: TokenizerSource, folder: Path, conte
         for name in TOKENIZER_FILES:
             if (origin / name).is_file():
                 shutil.copy2(origin / name, folder / name)
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) if (
-            folder / "tokenizer_config.json").is_file() else {}
-        updates: dict[str, Any] = {"model_max_length": context_length}
-        if config.get("tokenizer_class") == V5_ONLY_CLASS:  # what transformers 5's save_pretrained writes
-            updates["tokenizer_class"] = "PreTrainedTokenizerFast"  # the same class there, and 4.x knows the name
-        if not config.get("pad_token") and pad:
-            updates["pad_token"] = pad
-        if not config.get("eos_token") and eos:
-            updates["eos_token"] = eos
-        _patch_config(folder, updates)
+        _patch_config(folder, {"model_max_length": context_length}, {"pad_token": pad, "eos_token": eos})
     elif source.type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
         _save_fast(tok.backend_tokenizer(), folder, {"eos": eos, "pad": pad}, context_length)
     elif source.type in SP_TYPES:

@@ -130,9 +130,10 @@ def single_process() -> None:
 def staged_output(output: Path) -> Iterator[Path]:
     """A temporary sibling folder to write into (`fileio.atomic_folder`): renamed to `output` only when the block
     succeeds, deleted when it fails. `output` must not exist, or be an empty folder."""
+    from megatron_jreg.convert.cli import check_output_folder
+
     output = Path(output).absolute()
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ConversionError(f"--output {output} exists and is not empty: remove it or choose another folder")
+    check_output_folder(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with atomic_folder(output) as tmp:
         yield tmp

@@ -13,9 +13,6 @@ from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
 from megatron_jreg.fileio import JsonlError, read_jsonl
 
-# Why a passage cannot be scored: nothing to predict from, or nothing to predict.
-SKIP_REASONS = ("not_a_string", "empty", "one_word", "no_last_word")
-
 
 def split_passage(text: str) -> tuple[str, str]:
     """(context, target) split on single spaces as lambada_openai's `text.split(' ')` does, so our numbers equal
@@ -25,8 +22,8 @@ def split_passage(text: str) -> tuple[str, str]:
 
 
 def skip_reason(value: object) -> str | None:
-    """Why a passage's "text" cannot be scored (one of SKIP_REASONS), or None when it can: the target is
-    the last word, so a passage needs a word before it (context) and a last word that is not empty."""
+    """Why a passage's "text" cannot be scored (nothing to predict from, or nothing to predict), or None when it can:
+    the target is the last word, so a passage needs a word before it and a last word that is not empty."""
     if not isinstance(value, str):
         return "not_a_string"
     if not value.strip():

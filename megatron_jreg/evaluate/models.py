@@ -14,7 +14,7 @@ from megatron_jreg.errors import JregError, ModelFileError, one_line
 from megatron_jreg.model_files import check_finite_weights, check_model_folder, declared_context
 
 DTYPES = ("auto", *WEIGHT_DTYPES)  # auto: the checkpoint's own (float32 on CPU)
-DEFAULT_MAX_LENGTH = 2048
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that declares no context window
 BIG_TOKENIZER_BYTES = 32 << 20  # a tokenizer.json this large takes transformers minutes to load: said first
 
 
@@ -116,21 +116,6 @@ class HFCausalLM:
         return HFDecoder(self.model)
 
 
-def context_length(config: dict, tokenizer_max: int | None) -> int:
-    """The model's context window: the first config field that names one, else the tokenizer's limit
-    when it is a real number (HF uses ~1e30 for 'unset'), else 2048 like lm-eval."""
-    declared = declared_context(config)
-    if declared is not None:
-        return declared
-    if tokenizer_max is not None and 0 < tokenizer_max < 1_000_000:
-        return int(tokenizer_max)
-    return DEFAULT_MAX_LENGTH
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def load_hf_lm(
     path: str | Path, device: str | None = None, dtype: str = "auto", max_length: int | None = None
 ) -> HFCausalLM:
@@ -146,7 +131,7 @@ def load_hf_lm(
             "`hf download REPO --local-dir DIR` on a machine with internet"
         )
     config = check_model_folder(path, "--hf")  # before anything is allocated: config, headers, no code, no pickle
-    device = device or default_device()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
     else:
@@ -169,7 +154,9 @@ def load_hf_lm(
             "model's config.json and weight files"
         ) from None
     check_finite_weights(model.named_parameters(), f"--hf {path}")
-    window = max_length or context_length(config, tokenizer.model_max_length)
+    # the context window: the config's, else the tokenizer's limit when real (HF says ~1e30 for unset), else lm-eval's
+    limit = tokenizer.model_max_length or 0
+    window = max_length or declared_context(config) or (int(limit) if 0 < limit < 1_000_000 else DEFAULT_MAX_LENGTH)
     return HFCausalLM(model.to(device), tokenizer, window)
 
 

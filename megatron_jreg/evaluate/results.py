@@ -42,21 +42,9 @@ class EvalResults:
     def read(cls, path: str | Path) -> EvalResults:
         """A result file written by `evaluate --output` or by lm-eval (recognised by its "n-samples");
         anything else fails naming the file, and so does a "seed" that is not a whole number."""
-        results = cls._read(path)
-        seed = results.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            example = seed.strip() if isinstance(seed, str) and seed.strip().isdigit() else "1"
-            raise ValueError(f'{path}: "seed": {json.dumps(seed)} is not a whole number; write the training seed as '
-                             f'one, e.g. "seed": {example}')
-        return results
-
-    @classmethod
-    def _read(cls, path: str | Path) -> EvalResults:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-            if "n-samples" in data:
-                return cls.from_harness(data)
-            return cls(
+            results = cls.from_harness(data) if "n-samples" in data else cls(
                 results={task: dict(metrics) for task, metrics in data["results"].items()},
                 samples=dict(data.get("samples", {})),
                 model=dict(data.get("model", {})),
@@ -71,6 +59,12 @@ class EvalResults:
             raise ValueError(
                 f"{path}: not a result file of `megatron-jreg evaluate --output` or lm-eval --output_path ({e})"
             ) from e
+        seed = results.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            example = seed.strip() if isinstance(seed, str) and seed.strip().isdigit() else "1"
+            raise ValueError(f'{path}: "seed": {json.dumps(seed)} is not a whole number; write the training seed as '
+                             f'one, e.g. "seed": {example}')
+        return results
 
     @classmethod
     def from_harness(cls, raw: dict[str, Any]) -> EvalResults:

@@ -95,11 +95,6 @@ def task_plans(manager, names: Sequence[str], task_data: Mapping[str, Path]) -> 
     return plans
 
 
-def _eval_split(config: Mapping[str, Any]) -> str | None:
-    """The split lm-eval evaluates: test if the task has one, else validation."""
-    return config.get("test_split") or config.get("validation_split")
-
-
 def _missing(plan: TaskPlan, error: Exception) -> str:
     name, path, subset = plan.name, plan.config["dataset_path"], plan.config.get("dataset_name")
     reason = f"{type(error).__name__}: {one_line(error, 200)}"
@@ -140,7 +135,7 @@ def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
         except Exception as error:  # noqa: BLE001 - any failure to load is the thing to report
             problems.append(_missing(plan, error))
             continue
-        split = _eval_split(config)
+        split = config.get("test_split") or config.get("validation_split")  # what lm-eval evaluates
         if split is not None and split not in data:
             problems.append(
                 f"{plan.name}: dataset {config['dataset_path']} has no split {split!r} (has {list(data)})"
