@@ -22,11 +22,7 @@ SUPPORTED_SUFFIXES = (".parquet", ".arrow", *JSONL_SUFFIXES)
 # Reasons a record is skipped that are errors (--on-error fail stops at the first); the others are filters
 # (below_min_int_score, too_short) or nothing to read (empty, blank_line).
 ERROR_REASONS = (
-    "malformed_json",
-    "missing_key",
-    "not_a_string",
-    "not_utf8",
-    "missing_int_score",
+    "malformed_json", "missing_key", "not_a_string", "not_utf8", "missing_int_score",
     "not_token_ids",  # NullTokenizer: text that is not space-separated ids below --vocab-size
     "unreadable_file",  # nothing of the file could be read
     "corrupt_stream",  # a .gz/.zst that ends early or is corrupt: complete lines before it are kept
@@ -68,9 +64,7 @@ def _hf_folder_files(folder: Path, split: str | None) -> list[Path] | None:
         splits = _read_json(folder / "dataset_dict.json", "DatasetDict index").get("splits", [])
         split = split or ("train" if "train" in splits else None)
         if split not in splits:
-            raise ValueError(
-                f"--input {folder}: a DatasetDict with splits {splits}; choose one with --hf-split"
-            )
+            raise ValueError(f"--input {folder}: a DatasetDict with splits {splits}; choose one with --hf-split")
         folder = folder / split
     if not (folder / "state.json").is_file():
         return None
@@ -78,19 +72,16 @@ def _hf_folder_files(folder: Path, split: str | None) -> list[Path] | None:
     try:
         return [folder / f["filename"] for f in state["_data_files"]]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"--input {folder / 'state.json'}: no '_data_files' list; re-save the dataset folder"
-        ) from None
+        raise ValueError(f"--input {folder / 'state.json'}: no '_data_files' list; re-save the dataset "
+                         "folder") from None
 
 
 def _walk(folder: Path, allow_text: bool) -> list[Path]:
     """Input files under `folder`, hidden ones skipped; an unreadable subfolder is an error, not a gap."""
 
     def fail(error: OSError) -> None:
-        raise ValueError(
-            f"--input {error.filename}: cannot list this folder ({error.strerror}); fix its permissions "
-            "or leave it out of --input"
-        )
+        raise ValueError(f"--input {error.filename}: cannot list this folder ({error.strerror}); fix its permissions "
+                         "or leave it out of --input")
 
     found = []
     for root, dirs, names in os.walk(folder, onerror=fail):
@@ -99,9 +90,7 @@ def _walk(folder: Path, allow_text: bool) -> list[Path]:
     return sorted(p for p in found if p.is_file())
 
 
-def resolve_inputs(
-    patterns: list[str], hf_split: str | None = None, allow_text: bool = False
-) -> list[InputFile]:
+def resolve_inputs(patterns: list[str], hf_split: str | None = None, allow_text: bool = False) -> list[InputFile]:
     """Files named by `--input` (a file, a directory searched recursively or a HF dataset folder, a glob): each
     pattern's files sorted by path, patterns in the order given."""
     files: list[Path] = []
@@ -109,9 +98,7 @@ def resolve_inputs(
         path = Path(pattern)
         if path.is_file():
             if _kind(str(path), allow_text) is None:
-                raise ValueError(
-                    f"--input {path}: unsupported file type; use {', '.join(SUPPORTED_SUFFIXES)}"
-                )
+                raise ValueError(f"--input {path}: unsupported file type; use {', '.join(SUPPORTED_SUFFIXES)}")
             files.append(path)
         elif path.is_dir():
             hf = _hf_folder_files(path, hf_split)
@@ -120,24 +107,18 @@ def resolve_inputs(
                 continue
             found = _walk(path, allow_text)
             if not found:
-                raise ValueError(
-                    f"--input {path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory"
-                )
+                raise ValueError(f"--input {path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory")
             files.extend(found)
         else:
             found = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if _kind(p, allow_text))
             if not found:
-                raise FileNotFoundError(
-                    f"--input {pattern}: no such file, directory, or matching input files"
-                )
+                raise FileNotFoundError(f"--input {pattern}: no such file, directory, or matching input files")
             files.extend(found)
     unique = list(dict.fromkeys(p.resolve() for p in files))
     for p in unique:
         if not os.access(p, os.R_OK):
-            raise ValueError(
-                f"--input {p}: permission denied (not readable by this user); fix its permissions "
-                "or leave it out of --input"
-            )
+            raise ValueError(f"--input {p}: permission denied (not readable by this user); fix its permissions or "
+                             "leave it out of --input")
     return [InputFile(str(p), _kind(str(p), allow_text) or "", p.stat().st_size) for p in unique]
 
 
@@ -190,15 +171,8 @@ def _jsonl_units(file: InputFile, block_bytes: int) -> Iterator[Unit]:
         index, line = index + 1, line + data.count(b"\n", 0, cut)
     read_nothing = index == 0 and not data
     tail = f"; {len(data) - cut} bytes of an incomplete line dropped" if len(data) > cut else ""
-    yield Unit(
-        file.path,
-        "jsonl",
-        index,
-        file.size - consumed,
-        line,
-        error=f"{damage}{tail}",
-        error_reason="unreadable_file" if read_nothing else "corrupt_stream",
-    )
+    yield Unit(file.path, "jsonl", index, file.size - consumed, line, error=f"{damage}{tail}",
+               error_reason="unreadable_file" if read_nothing else "corrupt_stream")
 
 
 def _parquet_units(file: InputFile) -> Iterator[Unit]:
@@ -235,9 +209,7 @@ def _arrow_units(file: InputFile, columns: list[str], rows_per_unit: int) -> Ite
     rows = max(table.num_rows, 1)
     for index, start in enumerate(range(0, table.num_rows, rows_per_unit)):
         piece = table.slice(start, rows_per_unit)
-        yield Unit(
-            file.path, "arrow", index, file.size * piece.num_rows // rows, table=piece, first_row=start
-        )
+        yield Unit(file.path, "arrow", index, file.size * piece.num_rows // rows, table=piece, first_row=start)
 
 
 def iter_units(files: list[InputFile], columns: list[str], block_bytes: int = 1 << 20) -> Iterator[Unit]:
@@ -298,9 +270,7 @@ def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
             out.bad.append((pos, reason, where))
             continue
         if not isinstance(record, dict):
-            out.bad.append(
-                (pos, "malformed_json", f"{where} (a JSON {type(record).__name__}, not an object)")
-            )
+            out.bad.append((pos, "malformed_json", f"{where} (a JSON {type(record).__name__}, not an object)"))
             continue
         values = [record.get(k) for k in keys]
         missing = [k for k, v in zip(keys, values) if v is None]
@@ -312,9 +282,7 @@ def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
             continue
         score = record.get("int_score") if want_score else None
         if want_score and (isinstance(score, bool) or not isinstance(score, int | float)):
-            out.bad.append(
-                (pos, "missing_int_score", f"{where} (no numeric 'int_score' for --min-int-score)")
-            )
+            out.bad.append((pos, "missing_int_score", f"{where} (no numeric 'int_score' for --min-int-score)"))
             continue
         for k, v in zip(keys, values):
             out.texts[k].append(v)
@@ -340,10 +308,8 @@ def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool,
         what = missing[0] if missing else "int_score"
         names = list(file_columns if file_columns is not None else table.column_names)
         shown = ", ".join(names[:10]) + (f", … ({len(names)} in all)" if len(names) > 10 else "")
-        out.bad = [
-            (i, reason, f"{label} {unit.first_row + i} (no column {what!r}; columns: {shown or 'none'})")
-            for i in range(n)
-        ]
+        out.bad = [(i, reason, f"{label} {unit.first_row + i} (no column {what!r}; columns: {shown or 'none'})")
+                   for i in range(n)]
         return out
     columns = {}
     for k in keys:
@@ -398,11 +364,8 @@ def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
         wanted = [c for c in [*keys, *(["int_score"] if want_score else [])] if c in present]
         table = pf.read_row_group(unit.index, columns=wanted)
     except Exception as e:  # a corrupt row group
-        return Records(
-            texts={k: [] for k in keys},
-            count=1,
-            bad=[(0, "unreadable_file", f"{unit.path} row group {unit.index} ({type(e).__name__}: {e})")],
-        )
+        bad = [(0, "unreadable_file", f"{unit.path} row group {unit.index} ({type(e).__name__}: {e})")]
+        return Records(texts={k: [] for k in keys}, count=1, bad=bad)
     return _table_records(unit, table, keys, want_score, present)
 
 

@@ -54,22 +54,12 @@ def file_sha256(*paths: str | Path) -> str:
     return h.hexdigest()
 
 
-def build_tokenizer(
-    tokenizer_type: str,
-    tokenizer_model: str | None = None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    *,
-    tiktoken_pattern: str | None = None,
-    tiktoken_num_special_tokens: int = 1000,
-    vocab_size: int | None = None,
-    special_tokens: list[str] | None = None,
-    include_special_tokens: bool = True,
-    sentencepiece_legacy: bool = False,
-    sentencepiece_ignore_extra_whitespaces: bool = True,
-    null_eod_id: int | None = None,
-    null_pad_id: int = -1,
-) -> Tokenizer:
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None, *, tiktoken_pattern: str | None = None,
+                    tiktoken_num_special_tokens: int = 1000, vocab_size: int | None = None,
+                    special_tokens: list[str] | None = None, include_special_tokens: bool = True,
+                    sentencepiece_legacy: bool = False, sentencepiece_ignore_extra_whitespaces: bool = True,
+                    null_eod_id: int | None = None, null_pad_id: int = -1) -> Tokenizer:
     """`from_args` for keyword options named after Megatron-LM's tokenizer flags (convert and checkpoints)."""
     return from_args(megatron_args(
         tokenizer_type, tokenizer_model, vocab_file=vocab_file, merge_file=merge_file,
