@@ -101,7 +101,7 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
                 raise
             kinds.append((f"unreadable: {e}", None, None))
     labels = _unique_labels(shown + [p.resolve() for p, _, _ in entries[len(given) :]])
-    revs = [r for _, r in given] + [None] * (len(entries) - len(given))
+    revs = [r for _, r in given] + [None] * (len(entries) - len(given))  # --checkpoints matches have none
     specs = [ModelSpec(p, label, kind, step, rev, flag, config, files)
              for (p, flag, step), label, (kind, config, files), rev in zip(entries, labels, kinds, revs)]
     for spec in specs if stream else ():

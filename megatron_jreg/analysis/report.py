@@ -404,9 +404,9 @@ def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
     values = [v for r in results for v in r.residual_norms if math.isfinite(v) and v > 0]
     if values and max(values) / min(values) > 20:
         ax.set_yscale("log")
-    ax.set_xlabel(r"hidden state $h_\ell$ ($\ell$ = 0: embeddings; $\ell$: output of layer $\ell$)")
+    ax.set(xlabel=r"hidden state $h_\ell$ ($\ell$ = 0: embeddings; $\ell$: output of layer $\ell$)",
+           ylabel=r"mean $\Vert h_\ell \Vert$")
     _integer_ticks(ax, "x")
-    ax.set_ylabel(r"mean $\Vert h_\ell \Vert$")
     positions = ", ".join(POSITIONS[p] for p in sorted({r.positions for r in results}))
     ax.set_title(f"residual-stream norm per layer (over {positions})", fontsize=8)
     ax.grid(True, alpha=0.3)
