@@ -115,18 +115,10 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
         level=known[0].get("level") if known else None,
         filters=known[0].get("filters") if known else None,
         skipped=dict(sorted(skipped.items())),
-        inputs=[
-            {
-                "prefix": p,
-                "bin_bytes": bin_path(p).stat().st_size,
-                "idx_bytes": idx_path(p).stat().st_size,
-                "bin_sha256": file_sha256(bin_path(p)),
-                "idx_sha256": file_sha256(idx_path(p)),
-                "documents": index.documents,
-                "manifest": m is not None,
-            }
-            for p, m, index in zip(prefixes, manifests, indexes)
-        ],
+        inputs=[{"prefix": p, "bin_bytes": bin_path(p).stat().st_size, "idx_bytes": idx_path(p).stat().st_size,
+                 "bin_sha256": file_sha256(bin_path(p)), "idx_sha256": file_sha256(idx_path(p)),
+                 "documents": index.documents, "manifest": m is not None}
+                for p, m, index in zip(prefixes, manifests, indexes)],
     )
 
 
