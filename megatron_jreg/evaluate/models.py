@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_jreg import hub
-from megatron_jreg.dtypes import WEIGHT_DTYPES
+from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
 from megatron_jreg.errors import JregError, ModelFileError, one_line
 from megatron_jreg.model_files import check_finite_weights, check_model_folder, declared_context
 
@@ -132,10 +132,8 @@ def load_hf_lm(
         )
     config = check_model_folder(path, "--hf")  # before anything is allocated: config, headers, no code, no pickle
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        torch_dtype: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
+    auto: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
+    weights_dtype = auto if dtype == "auto" else torch_dtype(dtype)
     _note_big_tokenizer(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -145,7 +143,7 @@ def load_hf_lm(
             "tokenizer files save_pretrained writes"
         ) from None
     try:
-        model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=torch_dtype, checked=True)
+        model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=weights_dtype, checked=True)
     except ModelFileError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_jreg.data.checks import DataError, check_output_folder
+from megatron_jreg.dtypes import torch_dtype
 from megatron_jreg.evaluate.decoding import Sampling, complete
 from megatron_jreg.evaluate.models import DTYPES, ConfigError, check_model_flags
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
@@ -149,7 +150,7 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         from megatron_jreg.data.tokenizers import build_tokenizer
         from megatron_jreg.evaluate.models import MegatronCausalLM
 
-        dtype = torch.float32 if cfg.dtype in ("auto", "float32") else getattr(torch, cfg.dtype)
+        dtype = torch_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
         loaded = load_megatron_model(cfg.load, cfg.iteration, dtype=dtype, load_tokenizer=False)
         kind, folder = getattr(loaded.args, "tokenizer_type", None), getattr(loaded.args, "tokenizer_model", None)
         if cfg.tokenizer is not None:
