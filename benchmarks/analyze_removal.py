@@ -112,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         times["streamed"] = [seconds]
         streamer.close()
 
-    ours = torch.tensor([totals.base, *totals.skip, *totals.top], dtype=torch.float64)
+    ours = totals.sums  # [model, each layer skipped, each top k skipped], float64
     diff = float(((ours - naive) / totals.tokens).abs().max())
-    stream_diff = float((torch.tensor([streamed.base, *streamed.skip, *streamed.top]) - ours).abs().max()
-                        / totals.tokens)
+    stream_diff = float((streamed.sums - ours).abs().max() / totals.tokens)
     name = str(model) if args.model else "random SmolLM2-135M-shaped Llama L=30 h=576 FFN=1536 9/3 heads V=49152 tied"
     print(f"model={name} device=cpu threads={args.threads} samples={args.num_samples} tokens={tokens} "
           f"predicted={totals.tokens} batch={args.batch_size} rounds={args.rounds} top_k={','.join(map(str, TOP_K))}")
