@@ -127,6 +127,20 @@ def read_args(ckpt: Path) -> argparse.Namespace:
     return args
 
 
+def tokenizer_options(args: argparse.Namespace) -> dict:
+    """`build_tokenizer`'s options from a run's saved tokenizer flags (each tokenizer reads its own)."""
+    options = {  # our keyword: Megatron-LM's arg (its --tokenizer-* flags), where the run saved one
+        "tiktoken_pattern": "tiktoken_pattern", "tiktoken_num_special_tokens": "tiktoken_num_special_tokens",
+        "vocab_size": "vocab_size", "special_tokens": "special_tokens",
+        "sentencepiece_legacy": "tokenizer_sentencepiece_legacy",
+        "sentencepiece_ignore_extra_whitespaces": "tokenizer_sentencepiece_ignore_extra_whitespaces",
+    }
+    kwargs = {ours: getattr(args, name) for ours, name in options.items() if getattr(args, name, None) is not None}
+    if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
+        kwargs["include_special_tokens"] = False
+    return kwargs
+
+
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
     """The run's tokenizer from its saved options (a mock-data run: `tokenizer_model`'s, else None); not
     Megatron-LM's builder, which fetches gpt2 from the Hub and may run a tokenizer's code."""
@@ -140,18 +154,9 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
     if kind == "SFTTokenizer":  # Megatron-LM's SFT wrapper is a HuggingFace tokenizer plus a prompt format
         kind = "HuggingFaceTokenizer"
     model = tokenizer_model or getattr(args, "tokenizer_model", None)
-    options = {  # our keyword: Megatron-LM's arg (its --tokenizer-* flags), where the run saved one
-        "tiktoken_pattern": "tiktoken_pattern", "tiktoken_num_special_tokens": "tiktoken_num_special_tokens",
-        "vocab_size": "vocab_size", "special_tokens": "special_tokens",
-        "sentencepiece_legacy": "tokenizer_sentencepiece_legacy",
-        "sentencepiece_ignore_extra_whitespaces": "tokenizer_sentencepiece_ignore_extra_whitespaces",
-    }
-    kwargs = {ours: getattr(args, name) for ours, name in options.items() if getattr(args, name, None) is not None}
-    if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
-        kwargs["include_special_tokens"] = False
     try:
         return build_tokenizer(kind, model, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
-                               **kwargs)
+                               **tokenizer_options(args))
     except (ValueError, OSError, KeyError) as e:
         raise CheckpointError(f"tokenizer of the run ({kind} {model}): {e}; pass the tokenizer's current path "
                               "(--tokenizer)") from None

@@ -47,18 +47,6 @@ def _run_type(args) -> str | None:  # noqa: ANN001 - Megatron-LM's args namespac
     return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind  # SFT: an HF tokenizer + prompt format
 
 
-def _run_options(args) -> dict:  # noqa: ANN001
-    """The `build_tokenizer` options of the run's saved tokenizer flags (each tokenizer reads its own)."""
-    names = ("tiktoken_pattern", "tiktoken_num_special_tokens", "vocab_size", "special_tokens")
-    options = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    for ours in ("sentencepiece_legacy", "sentencepiece_ignore_extra_whitespaces"):
-        if getattr(args, f"tokenizer_{ours}", None) is not None:
-            options[ours] = getattr(args, f"tokenizer_{ours}")
-    if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
-        options["include_special_tokens"] = False
-    return options
-
-
 def infer_type(path: Path) -> str:
     """The --tokenizer-type of a tokenizer file or folder, from what it holds."""
     if (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json":
@@ -80,6 +68,8 @@ def resolve_source(
     args, tokenizer_model: str | None, tokenizer_type: str | None, no_tokenizer: bool  # noqa: ANN001
 ) -> tuple[TokenizerSource | None, str]:
     """(the tokenizer to write next to the weights or None, a note), checked before anything is loaded."""
+    from megatron_jreg.checkpoints.model import tokenizer_options  # the run's options, read as the loaders read them
+
     if no_tokenizer:
         if tokenizer_model:
             raise ConversionError("--no-tokenizer and --tokenizer-model contradict each other: give one of them")
@@ -96,14 +86,14 @@ def resolve_source(
                 raise ConversionError(
                     f"the run's GPT2BPETokenizer files {missing} (recorded in the checkpoint) do not exist: pass "
                     f"--tokenizer-model DIR with its vocab.json and merges.txt, {_NO_TOKENIZER}")
-            source = TokenizerSource(run_type, None, *files, _run_options(args), f"the run's {run_type}")
+            source = TokenizerSource(run_type, None, *files, tokenizer_options(args), f"the run's {run_type}")
             return source, f"tokenizer from {files[0]} and {files[1]}"
         model = getattr(args, "tokenizer_model", None)
         if not model or not Path(model).exists():
             raise ConversionError(
                 f"the run's tokenizer {model} ({run_type}, recorded in the checkpoint) does not exist: pass "
                 f"--tokenizer-model with its current location, {_NO_TOKENIZER}")
-        source = TokenizerSource(run_type, model, options=_run_options(args),
+        source = TokenizerSource(run_type, model, options=tokenizer_options(args),
                                  where=f"the run's tokenizer {model}")
         return source, f"tokenizer from {model}"
     path = Path(tokenizer_model)
@@ -113,7 +103,7 @@ def resolve_source(
     if ttype not in TOKENIZER_TYPES or ttype == "NullTokenizer":
         raise ConversionError(f"--tokenizer-type {ttype}: cannot be written as a Hugging Face tokenizer; export "
                               f"one of {', '.join(t for t in TOKENIZER_TYPES if t != 'NullTokenizer')}")
-    options = _run_options(args) if ttype == run_type else {}
+    options = tokenizer_options(args) if ttype == run_type else {}
     if ttype == "GPT2BPETokenizer":
         folder = path if path.is_dir() else path.parent
         source = TokenizerSource(ttype, None, str(folder / "vocab.json"), str(folder / "merges.txt"), options)
