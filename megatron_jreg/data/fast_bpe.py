@@ -1,7 +1,6 @@
 """Megatron-LM's token ids, faster: exact engines (tiktoken over ranks converted from the tokenizer, else the
 `tokenizers` library's batch encoding) for the tokenizers people bring to preprocess, each checked against
-megatron-core's own ids on a probe text when built (speeds: docs/results/preprocess_throughput*.txt).
-"""
+megatron-core's own ids on a probe text when built (docs/results/preprocess_throughput.txt)."""
 
 from __future__ import annotations
 
