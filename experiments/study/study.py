@@ -596,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train and measure only these runs and the runs they start from (an SFT run's "
                         "pretrained model), e.g. to complete a committed study: `study_report.py --merge` then "
                         "adds them to its raw files")
+    p.add_argument("--stage1-raw", type=Path, metavar="DIR",
+                   help="v4: stage 1's raw results (e.g. experiments/study/raw_v4) when its run folders are gone: "
+                        "stage 2 alone, its arm chosen from them by the pre-registered rule")
     p.add_argument("--_post", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_removal", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -686,9 +689,16 @@ def final_records(runs: list[Run]) -> tuple[dict, frozenset]:
     return finals, frozenset(failed)
 
 
-def run_v4(cfg: StudyConfig, pretrain: list[Run], data: Data, code: dict, selected: bool) -> tuple[list[str], int]:
+def run_v4(cfg: StudyConfig, pretrain: list[Run], data: Data, code: dict, selected: bool,
+           stage1_raw: Path | None = None) -> tuple[list[str], int]:
     """Study v4's stages (study_v4_analysis.py): the gate, stage 1, then stage 2 at depth 24 on the arm chosen by
-    the pre-registered rule. Returns (failed run names, exit status)."""
+    the pre-registered rule; with `stage1_raw` (stage 1's committed raw files) stage 2 alone, its arm chosen by
+    the same rule from them. Returns (failed run names, exit status)."""
+    if stage1_raw is not None:
+        import study_v4_report
+
+        _, _, finals, bad = study_v4_report.load(stage1_raw)
+        return _stage2(cfg, {k: v for k, v in finals.items() if not k[0].startswith("d24-")}, bad, data, code)
     stage1 = [r for r in pretrain if not r.arm.startswith("d24-")]
     gate = [r for r in stage1 if r.arm == "baseline" and r.seed in V4A.GATE_SEEDS and not cfg.fallback]
     todo = [r for r in gate if not measured(cfg, r)]
@@ -716,7 +726,10 @@ def run_v4(cfg: StudyConfig, pretrain: list[Run], data: Data, code: dict, select
             return failed, 1
     if cfg.fallback or selected:
         return [], 0
-    finals, bad = final_records(pretrain_runs(cfg))
+    return _stage2(cfg, *final_records(pretrain_runs(cfg)), data, code)
+
+
+def _stage2(cfg: StudyConfig, finals: dict, bad: frozenset, data: Data, code: dict) -> tuple[list[str], int]:
     arm = V4A.stage2_arm(V4A.analyse_stage1(finals, bad))
     (cfg.output / "stage2.json").write_text(json.dumps({"arm": arm}) + "\n")
     runs = stage2_runs(cfg, arm)
@@ -735,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
     if args._post is not None:
         return post_process(args._post.resolve(), removal=args._removal)
     cfg = config_from(args)
+    if args.stage1_raw is not None and (cfg.design != "v4" or cfg.fallback or args.runs
+                                        or not (args.stage1_raw / "study.json").is_file()):
+        raise SystemExit(f"study.py: error: --stage1-raw {args.stage1_raw}: give a folder of v4 raw results "
+                         "(with study.json), with --design v4 and without --fallback or --runs")
     import study_report
 
     report = (args.report or cfg.output / "report.md").resolve()
@@ -778,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if cfg.design == "v4":
         try:
-            failed, status = run_v4(cfg, pretrain, data, code, selected=bool(args.runs))
+            failed, status = run_v4(cfg, pretrain, data, code, selected=bool(args.runs), stage1_raw=args.stage1_raw)
         except Stop:
             print("[study] stopped; the runs saved checkpoints. Run the same command again to resume.", flush=True)
             return 130
@@ -817,7 +834,10 @@ def main(argv: list[str] | None = None) -> int:
         pretrain = list({r.name: r for r in pretrain + stage2_runs(cfg, json.loads(stage2.read_text())["arm"])}
                         .values())
     study_report.export_raw(cfg, pretrain + sft)
-    write_report(cfg, report)
+    if args.stage1_raw is None:
+        write_report(cfg, report)
+    else:
+        report = f"`study_report.py --raw {args.stage1_raw} --merge {cfg.output / 'raw'}` for the report"
     print(f"[study] done in {_clock(time.time() - t0)}: {cfg.output / 'raw'}, {report}", flush=True)
     if failed:
         print(f"[study] failed: {', '.join(failed)} (logs above); run the same command again to retry them",
