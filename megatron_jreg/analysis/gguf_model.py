@@ -70,14 +70,6 @@ def _fields(reader: Any) -> dict[str, Any]:
     return out
 
 
-def _consumed_names(prefixes: set[str]) -> set[str]:
-    """The `ARCH.` key names transformers' loader reads into the config, under any of the architecture's
-    names (the file's, and the model type it renames it to, e.g. qwen2moe → qwen2_moe)."""
-    from transformers.integrations import GGUF_CONFIG_MAPPING
-
-    return {key for prefix in prefixes for key in GGUF_CONFIG_MAPPING.get(prefix, {})}
-
-
 def _head_dim(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
@@ -142,9 +134,9 @@ def _apply_metadata(plan: GgufPlan, arch: str, values: dict[str, Any], consumed:
     return refused
 
 
-def _mapped_tensors(config: Any, arch: str) -> tuple[set[str], bool]:
-    """(GGUF tensor names transformers maps to the parameters of `config`'s model, whether it routes MoE
-    expert tensors itself), from its own name map on a model built on the meta device."""
+def _unused_tensors(config: Any, arch: str, names: list[str]) -> list[str]:
+    """The `names` transformers maps to no parameter of `config`'s model (from its own name map on a model built on
+    the meta device), but MoE expert tensors where its processor routes them itself."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -154,11 +146,7 @@ def _mapped_tensors(config: Any, arch: str) -> tuple[set[str], bool]:
     processor = processor_class(config=config.to_dict())
     routes_experts = "_set_moe_expert_tensor" in vars(processor_class) or "_split_moe_expert_tensor" in vars(
         processor_class)
-    return set(get_gguf_hf_weights_map(model, processor)), routes_experts
-
-
-def _unused_tensors(config: Any, arch: str, names: list[str]) -> list[str]:
-    mapped, routes_experts = _mapped_tensors(config, arch)
+    mapped = set(get_gguf_hf_weights_map(model, processor))
     return [n for n in names if n not in mapped and not (routes_experts and _EXPERTS.search(n))]
 
 
@@ -166,6 +154,7 @@ def plan_gguf(path: Path, where: str) -> GgufPlan:
     """Audit a GGUF file (see the module docstring): the config to load it with, or AnalysisError naming
     the file as unreadable (`read_gguf`) or every key or tensor transformers would drop."""
     from transformers import AutoConfig
+    from transformers.integrations import GGUF_CONFIG_MAPPING
     from transformers.integrations.gguf import is_gguf_arch_supported
 
     reader = read_gguf(path)
@@ -182,8 +171,11 @@ def plan_gguf(path: Path, where: str) -> GgufPlan:
     if is_gguf_arch_supported(arch):  # transformers' own path reports unused tensors (hub.check_loading_info)
         return plan
     model_type = str(config.get_text_config().model_type)
+    # the `ARCH.` key names transformers reads into the config, under any of the architecture's names (the file's,
+    # and the model type it renames it to, e.g. qwen2moe → qwen2_moe)
     prefixes = {arch, model_type, model_type.removesuffix("_text")}
-    refused = _apply_metadata(plan, arch, values, _consumed_names(prefixes))
+    consumed = {key for prefix in prefixes for key in GGUF_CONFIG_MAPPING.get(prefix, {})}
+    refused = _apply_metadata(plan, arch, values, consumed)
     unused = _unused_tensors(config, arch, names)
     for flag, pattern in _BIAS_TENSORS.items():
         if any(pattern.match(n) for n in unused) and getattr(config, flag, None) is False:

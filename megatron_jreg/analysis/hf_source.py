@@ -60,16 +60,9 @@ def auto_config(folder: Path) -> Any:
 def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:
     """(qualified name, layers) of the decoder stack: an `nn.ModuleList` of one block class, of length `expected` when
     given, else the one with the most parameters (shallowest wins a tie); generic, not a table of names."""
-    candidates = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(block) for block in module}) != 1:
-            continue
-        if expected is not None and len(module) != expected:
-            continue
-        params = sum(p.numel() for p in module.parameters())
-        candidates.append((-params if expected is None else 0, name.count("."), name, list(module)))
+    candidates = [(0 if expected else -sum(p.numel() for p in module.parameters()), name.count("."), name, list(module))
+                  for name, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)
+                  and len({type(block) for block in module}) == 1 and expected in (None, len(module))]
     if not candidates:
         want = f"{expected} identical blocks" if expected is not None else "identical blocks"
         raise UnsupportedArchitectureError(
@@ -233,12 +226,9 @@ def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
-    plan = None
-    if gguf_file:
-        plan = plan_gguf(path, f"--model {path}")  # nothing in the file may be dropped by the loader
-        config = plan.config
-    checked = config is not None  # loading.identify checked the folder when it read its config
-    config = config or auto_config(folder)
+    plan = plan_gguf(path, f"--model {path}") if gguf_file else None  # nothing in the file may be dropped by the loader
+    checked = plan is not None or config is not None  # loading.identify checked the folder when it read its config
+    config = plan.config if plan else config or auto_config(folder)
     towers = () if gguf_file else other_towers(config)
     try:
         model = load_causal_lm(folder, where=f"--model {path}", ignore=(HEAD, *towers), gguf_file=gguf_file,

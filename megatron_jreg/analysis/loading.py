@@ -4,13 +4,13 @@ headers and config travel in the `ModelSpec`, so nothing re-reads them."""
 from __future__ import annotations
 
 import glob
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from megatron_jreg import hub
@@ -133,10 +133,7 @@ def available_bytes(device: torch.device) -> int:
     (MemAvailable, capped by a cgroup limit when the process runs in a container)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        available = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
-    except (OSError, TypeError):  # no /proc (not Linux), or no MemAvailable line
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = psutil.virtual_memory().available  # MemAvailable on Linux
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         used = int(Path("/sys/fs/cgroup/memory.current").read_text())

@@ -32,12 +32,8 @@ class RemovalTotals:
 
     num_layers: int
     top_k: tuple[int, ...]
-    sums: Tensor | None = None  # [1 + L + len(top_k)] = [model, layer 1..L skipped, the top k skipped].
-    tokens: int = 0  # Predicted tokens (the same for every variant).
-
-    def add(self, sums: Tensor) -> None:
-        """sums[1 + L + len(top_k)] float64 of one batch."""
-        self.sums = sums if self.sums is None else self.sums + sums
+    sums: Tensor  # [1 + L + len(top_k)] = [model, layer 1..L skipped, the top k skipped].
+    tokens: int  # Predicted tokens (the same for every variant).
 
     def as_dict(self) -> dict:
         """The figures: CE and ΔCE in nats per predicted token (see `DEFINITION`)."""
@@ -137,14 +133,12 @@ def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]]
     """Σ CE of the model and every variant over right-padded (ids, mask, targets) batches; on_pass(n) counts layer
     passes for a bar."""
     ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
-    totals = RemovalTotals(source.num_layers, ks, tokens=sum(int((t != IGNORE).sum()) for _, _, t in batches))
     if hasattr(source, "stream_removal"):
-        totals.add(source.stream_removal(list(batches), ks, ce_sum, on_pass))
-        return totals
-    tick = (lambda n: on_pass(n + 1)) if on_pass else None
-    for ids, mask, targets in batches:
-        totals.add(batch_removal(source, ids, mask, targets, ks, tick))
-    return totals
+        sums = source.stream_removal(list(batches), ks, ce_sum, on_pass)
+    else:
+        tick = (lambda n: on_pass(n + 1)) if on_pass else None
+        sums = sum(batch_removal(source, ids, mask, targets, ks, tick) for ids, mask, targets in batches)
+    return RemovalTotals(source.num_layers, ks, sums, sum(int((t != IGNORE).sum()) for _, _, t in batches))
 
 
 # ----------------------------------------------------------------------------------------------------------

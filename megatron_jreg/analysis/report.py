@@ -13,10 +13,9 @@ from megatron_jreg.fileio import atomic_write, write_json
 
 TABLE_COLUMNS = ("model", "step", "L", "zeta_L", "zeta_L-1", "zeta_L-2", "psi_L", "psi_mid_median", "psi_L_over_mid",
                  "largest_rise_layer", "largest_rise", "residual_growth", "tokens", "distance", "positions")
-_HEADERS = {"model": "model", "step": "step", "L": "L", "zeta_L": "ζ_L", "zeta_L-1": "ζ_L-1", "zeta_L-2": "ζ_L-2",
-            "psi_L": "Ψ_L", "psi_mid_median": "median Ψ mid", "psi_L_over_mid": "Ψ_L/mid",
-            "largest_rise_layer": "rise at", "largest_rise": "rise", "residual_growth": "‖h_L‖/‖h_0‖",
-            "tokens": "tokens", "base_ce": "CE"}
+_HEADERS = {"zeta_L": "ζ_L", "zeta_L-1": "ζ_L-1", "zeta_L-2": "ζ_L-2", "psi_L": "Ψ_L", "psi_mid_median": "median Ψ mid",
+            "psi_L_over_mid": "Ψ_L/mid", "largest_rise_layer": "rise at", "largest_rise": "rise",
+            "residual_growth": "‖h_L‖/‖h_0‖", "base_ce": "CE"}  # other columns: their key
 DISTANCES = {"angular": "angular distance arccos(cos)/π (the paper's Ψ)", "cosine": "cosine distance 1 − cos"}
 POSITIONS = {"all": "all real tokens", "last": "the last token of each sample"}
 JUMP_RATIO = 1.5
@@ -147,7 +146,7 @@ def format_table(results: list[ModelResult]) -> str:
     rows = [summary_row(r) for r in results]
     extra = _removal_columns(rows)
     keys = [k for k in TABLE_COLUMNS if k not in ("distance", "positions", "tokens")] + extra + ["tokens"]
-    headers = [_HEADERS.get(k, f"ΔCE top{k[12:]}") for k in keys]
+    headers = [_HEADERS.get(k, k.replace("delta_ce_top", "ΔCE top")) for k in keys]
     cells = [[_cell(k, row.get(k)) for k in keys] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     line = lambda cs: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cs, widths)))
@@ -236,8 +235,13 @@ def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "tight
     return fig
 
 
-def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
-    fig.savefig(path)
+def _finish(path: Path, *axes, **legend) -> Path:  # noqa: ANN001 - matplotlib Axes
+    """A grid on each of `axes` and a legend with `legend`'s options (none without), then their figure saved."""
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        if legend:
+            ax.legend(**legend)
+    axes[0].figure.savefig(path)
     return path
 
 
@@ -274,12 +278,11 @@ def plot_psi_profiles(results: list[ModelResult], path: Path) -> Path:
             lambda r: r.psi)
     ax.set(xlabel=r"normalised layer index $(\ell - 1) / (L - 1)$", xlim=(-0.02, 1.02), ylim=(0, None),
            ylabel=r"$\Psi_\ell$ = mean $d(h_{\ell-1}, h_\ell)$")
-    ax.grid(True, alpha=0.3)
     conventions = sorted({r.convention for r in results})
     ax.set_title(r"$\Psi_\ell$ per decoder layer" + f"\nd: {measure_label(results)}"
                  + ("" if len(conventions) > 1 else f"\n{conventions[0]}"), fontsize=8)
-    ax.legend(fontsize=7, loc="best", title="checkpoint" if _is_series(results) else None, title_fontsize=7)
-    return _save(ax.figure, path)
+    return _finish(path, ax, fontsize=7, loc="best", title="checkpoint" if _is_series(results) else None,
+                   title_fontsize=7)
 
 
 _JUMP_LABELS = {"zeta_L": r"$\zeta_L$", "zeta_L-1": r"$\zeta_{L-1}$", "zeta_L-2": r"$\zeta_{L-2}$"}
@@ -318,10 +321,7 @@ def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
     if values and all(v == 0 for v in values):
         title += "\nevery ζ is 0: Ψ never rises over the layer below in the top layers"
     ax.set_title(title, fontsize=8)
-    ax.grid(True, alpha=0.3)
-    if keys:
-        ax.legend(fontsize=8)
-    return _save(ax.figure, path)
+    return _finish(path, ax, **({"fontsize": 8} if keys else {}))
 
 
 def plot_removal(results: list[ModelResult], path: Path) -> Path:
@@ -342,9 +342,7 @@ def plot_removal(results: list[ModelResult], path: Path) -> Path:
     for ax in (left, right):
         ax.set_xlabel(r"decoder layer $\ell$")
         _integer_ticks(ax, "x")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
-    return _save(fig, path)
+    return _finish(path, left, right, fontsize=6, loc="best")
 
 
 def _integer_ticks(ax, *axes_names: str) -> None:  # noqa: ANN001 - a matplotlib Axes
@@ -394,7 +392,8 @@ def plot_layer_distances(results: list[ModelResult], path: Path) -> Path:
     # wraps to the figure's width: one panel is narrower than the measure's label for --positions last
     fig.suptitle(f"distance between hidden states h_ℓ and h_ℓ+n{note}\nd: {measure_label(results)}", fontsize=8,
                  wrap=True)
-    return _save(fig, path)
+    fig.savefig(path)
+    return path
 
 
 def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
@@ -409,9 +408,7 @@ def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
     _integer_ticks(ax, "x")
     positions = ", ".join(POSITIONS[p] for p in sorted({r.positions for r in results}))
     ax.set_title(f"residual-stream norm per layer (over {positions})", fontsize=8)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    return _save(ax.figure, path)
+    return _finish(path, ax, fontsize=7, loc="best")
 
 
 def write_plots(results: list[ModelResult], output: Path) -> list[Path]:

@@ -4,7 +4,6 @@ share."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -123,25 +122,18 @@ def with_hidden(output: Any, hidden: Tensor) -> Any:
     return type(output)((hidden, *output[1:]))
 
 
-def _own_input(layer: nn.Module, answer: Any, *args: Any, **kwargs: Any) -> Any:
-    """A skipped layer's answer: its input, in the structure of `answer`."""
-    return with_hidden(answer, layer_input(layer, args, kwargs))
-
-
 @contextlib.contextmanager
 def planned_layers(layers: Sequence[nn.Module], answer: Any, answering: int, skipped: Sequence[int] = ()
                    ) -> Iterator[None]:
     """Within the block: layers[:answering] return `answer` without computing (a recorded output of layer
     `answering`, so the next layer receives it), layers[i] for i in `skipped` return their input in the
     structure of `answer`, the rest compute. Instance `forward`s are set and removed; hooks stay."""
-    touched = []
+    touched = [*layers[:answering], *(layers[i] for i in skipped)]
     try:
-        for i in range(answering):
-            layers[i].forward = lambda *args, **kwargs: answer
-            touched.append(layers[i])
+        for layer in layers[:answering]:
+            layer.forward = lambda *args, **kwargs: answer
         for i in skipped:
-            layers[i].forward = functools.partial(_own_input, layers[i], answer)
-            touched.append(layers[i])
+            layers[i].forward = lambda *a, layer=layers[i], **kw: with_hidden(answer, layer_input(layer, a, kw))
         yield
     finally:
         for layer in touched:
@@ -156,8 +148,6 @@ class LayerDisplacementHooks:
 
     def __init__(self, layers: Sequence[nn.Module], mask: Tensor | None, kind: str | None,
                  clone_inputs: bool = False, last: nn.Module | None = None):
-        if not layers:
-            raise ValueError("no decoder layers to hook")
         self.layers = list(layers)
         self.mask = mask
         self.rows = real_rows(mask)

@@ -41,7 +41,7 @@ from megatron_jreg.analysis.source import (
 )
 from megatron_jreg.dtypes import SAFETENSORS
 from megatron_jreg.hub import check_loading_info
-from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder, safetensors_sources
+from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder
 from megatron_jreg.progress import library_bars
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, (t, _) in SAFETENSORS.items() if t}
@@ -134,11 +134,6 @@ class SafetensorsFolder:
 
     def __init__(self, folder: Path, tensors: dict[str, TensorEntry] | None = None):
         self.folder = Path(folder)
-        if not tensors and not safetensors_sources(self.folder)[2]:
-            raise WeightsError(
-                f"{self.folder}: no *.safetensors weights (layer streaming reads safetensors only); convert the "
-                "model with `save_pretrained(..., safe_serialization=True)` or analyze it without --stream"
-            )
         self.tensors = tensors or read_safetensors_folder(self.folder)  # headers read by `inspect_model_folder`
         for entry in self.tensors.values():
             if entry.dtype not in DTYPES:
@@ -200,13 +195,12 @@ class StreamingSource(HFSource):
     streamed = True
 
     def __init__(self, folder: Path, tokenizer: Any, label: str, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", include_final_norm: bool = False, config: Any = None,
+                 device: torch.device | str = "cpu", include_final_norm: bool = False, config: Any,
                  tensors: dict[str, TensorEntry] | None = None):
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         return_large_blocks_to_the_os()  # a dropped layer leaves the resident set
         self.folder = Path(folder)
-        config = config or auto_config(self.folder)
         reason = not_streamable(self.folder, config)
         if reason is not None:
             raise AnalysisError(f"--model {folder}: --stream cannot read this model: {reason}; drop --stream")
@@ -236,32 +230,26 @@ class StreamingSource(HFSource):
         ignored = set(self.model._keys_to_ignore_on_load_unexpected or ())
         if any(n.endswith("rotary_emb.inv_freq") for n, _ in self.model.named_buffers()):
             ignored.add(r"rotary_emb\.inv_freq")  # legacy per-layer buffers, which transformers skips too
-        ignored.add(r"(^|\.)position_ids$")
-        ignore = re.compile("|".join(f"({p})" for p in ignored))
+        ignore = re.compile("|".join(f"({p})" for p in [*ignored, r"(^|\.)position_ids$"]))
         groups: dict[str, list[str]] = {"rest": []}
         covered, unexpected, misshaped, embedding_file = set(), [], [], None
         layer_prefix = f"{base}{self.layer_path}."
         for name, info in self.weights.tensors.items():
             targets = targets_of(name)
             if not all(t in meta for t in targets):
-                skipped = name.startswith((HEAD, *self._towers)) or targets[0].startswith(HEAD)
-                if not ignore.search(name) and not skipped:
+                if not (ignore.search(name) or name.startswith((HEAD, *self._towers)) or targets[0].startswith(HEAD)):
                     unexpected.append(name)
                 continue
             covered.update(targets)
             if not targets[0].startswith(base):
                 groups.setdefault("head", []).append(name)  # the LM head: read for layer removal only
                 continue
+            if targets in ([name], [embedding_key]) and tuple(info.shape) != tuple(meta[targets[0]].shape):
+                misshaped.append(name)  # converted tensors are checked as they load
             if targets == [embedding_key]:
                 embedding_file = name
-                if tuple(info.shape) != tuple(meta[embedding_key].shape):
-                    misshaped.append(name)
-                continue
-            if name in meta and targets == [name] and tuple(info.shape) != tuple(meta[name].shape):
-                misshaped.append(name)  # converted tensors are checked as they load
-            if targets[0].startswith(layer_prefix):
-                index = targets[0][len(layer_prefix):].split(".", 1)[0]
-                groups.setdefault(index, []).append(name)
+            elif targets[0].startswith(layer_prefix):
+                groups.setdefault(targets[0][len(layer_prefix):].split(".", 1)[0], []).append(name)
             else:
                 groups["rest"].append(name)
         tied = getattr(self.model, "all_tied_weights_keys", {}) or {}
@@ -414,12 +402,6 @@ class StreamingSource(HFSource):
         if unloaded:
             raise AnalysisError(f"--model {self.folder}: the LM head got no tensor for {', '.join(unloaded)}")
 
-    def _logits(self, batch: _Batch, output: Any) -> Tensor:
-        """logits[b, t, V] of the causal LM when the last decoder layer's output is `output` (every layer
-        answers with it): the final norm, the head and whatever the family does after the layers."""
-        with planned_layers(self.layers, output, self.num_layers):
-            return self.logits(batch.ids, batch.mask)
-
     @torch.no_grad()
     def stream_removal(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
                        ce_sum: Callable[[Tensor, Tensor], Tensor], on_pass: Callable[[int], None] | None = None
@@ -432,6 +414,17 @@ class StreamingSource(HFSource):
         skips: dict[int, list[_Batch]] = {}
         finals: dict[int, list[Any]] = {}  # k → the model's output after layer L − k, per batch
         tick = on_pass or (lambda n: None)
+
+        def ce(outputs: Iterable[Any]) -> Tensor:
+            """Σ CE over the batches when the last decoder layer's outputs are `outputs` (every layer answers with
+            them): the final norm, the head and whatever the family does after the layers."""
+            tick(len(base))
+            total = []
+            for batch, output, target in zip(base, outputs, targets):
+                with planned_layers(self.layers, output, self.num_layers):
+                    total.append(ce_sum(self.logits(batch.ids, batch.mask), target))
+            return sum(total)
+
         with hook:
             for i in self._each_layer():
                 for states in skips.values():
@@ -451,14 +444,8 @@ class StreamingSource(HFSource):
                         finals[k] = [b.output for b in base]
                     elif k == self.num_layers and i == 0:
                         finals[k] = [b.output for b in skips[0]]
-            sums = [sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(base, targets))]
-            for j in range(self.num_layers):
-                sums.append(sum(ce_sum(self._logits(b, b.output), t) for b, t in zip(skips.pop(j), targets)))
-                tick(len(base))
-            for k in top_k:
-                sums.append(sum(ce_sum(self._logits(b, out), t) for b, out, t in zip(base, finals[k], targets)))
-                tick(len(base))
-            tick(len(base))
+            sums = [ce(b.output for b in base), *(ce(b.output for b in skips.pop(j)) for j in range(self.num_layers)),
+                    *(ce(finals[k]) for k in top_k)]
         return torch.stack(sums).double().cpu()
 
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
