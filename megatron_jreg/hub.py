@@ -105,10 +105,8 @@ def _check_links(folder: Path, flag: str, repo_id: str) -> None:
     """Snapshot files are symlinks into blobs/; a dangling one is a file whose download never finished."""
     for path in sorted(folder.rglob("*")):
         if path.is_symlink() and not path.exists():
-            raise HubError(
-                f"{flag} {repo_id}: {path.relative_to(folder)} in {folder} points to a blob that is not there "
-                f"(an incomplete download); run `hf download {repo_id}` again and copy the cache here"
-            )
+            raise HubError(f"{flag} {repo_id}: {path.relative_to(folder)} in {folder} points to a blob that is not "
+                           f"there (an incomplete download); run `hf download {repo_id}` again and copy the cache here")
 
 
 def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) -> Path:
@@ -126,17 +124,13 @@ def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) 
         _check_links(folder, flag, repo_id)
         target = folder / rest if rest else folder
         if not target.exists():
-            raise HubError(
-                f"{flag} {text}: the cached snapshot {folder} of {repo_id} has no {rest}; "
-                f"list it with `ls {folder}` and name a file that is there"
-            )
+            raise HubError(f"{flag} {text}: the cached snapshot {folder} of {repo_id} has no {rest}; "
+                           f"list it with `ls {folder}` and name a file that is there")
         return target
     repo_id = readings[0][0] if readings else text
-    raise HubError(
-        f"{flag} {text}: no such file or folder, and no {_repo_folder(repo_id)} in the Hugging Face cache {cache} "
-        f"(HF_HUB_CACHE); on a machine with internet run `hf download {repo_id}` and copy the cache here, "
-        "or pass a local folder"
-    )
+    raise HubError(f"{flag} {text}: no such file or folder, and no {_repo_folder(repo_id)} in the Hugging Face cache "
+                   f"{cache} (HF_HUB_CACHE); on a machine with internet run `hf download {repo_id}` and copy the cache "
+                   "here, or pass a local folder")
 
 
 def hub_unreachable(timeout: float = 3.0) -> str | None:
@@ -195,31 +189,21 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
     unexpected or mismatched tensors (keys starting with one of `ignore` excepted)."""
     skip = tuple(ignore)
     problems = []
-    for field, what in (
-        ("missing_keys", "missing from the files (they would be random)"),
-        ("unexpected_keys", "in the files but not in the model"),
-        ("mismatched_keys", "of the wrong shape"),
-    ):
+    for field, what in (("missing_keys", "missing from the files (they would be random)"),
+                        ("unexpected_keys", "in the files but not in the model"),
+                        ("mismatched_keys", "of the wrong shape")):
         keys = [k if isinstance(k, str) else str(k[0]) for k in info.get(field) or ()]
         keys = [k for k in keys if not (skip and k.startswith(skip))]
         if keys:
             problems.append(f"{len(keys)} weight(s) {what}: {named_keys(keys)}")
     if problems:
-        raise IncompleteWeightsError(
-            f"{where}: the weights do not match {model_class}: {'; '.join(problems)}. The files are incomplete "
-            "or for another architecture: download or convert the model again"
-        )
+        raise IncompleteWeightsError(f"{where}: the weights do not match {model_class}: {'; '.join(problems)}. The "
+                                     "files are incomplete or for another architecture: download or convert the model "
+                                     "again")
 
 
-def load_causal_lm(
-    folder: Path,
-    *,
-    where: str,
-    ignore: Iterable[str] = (),
-    allow_pickle: bool = False,
-    checked: bool = False,
-    **kwargs: Any,
-) -> Any:
+def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), allow_pickle: bool = False,
+                   checked: bool = False, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` (local files, no remote code) after `check_model_folder` (unless
     `checked`: the caller ran it), refusing weights that are missing, unused or of the wrong shape
     (ignore_mismatched_sizes, so that shapes are reported here rather than raised as a RuntimeError pointing at

@@ -43,10 +43,8 @@ def read_config(folder: Path, flag: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadConfigError(f"{flag} {folder}: cannot read {path} ({e}); restore the model's config.json") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise BadConfigError(
-            f"{flag} {folder}: {path} is not a Hugging Face model config (a JSON object with a model_type); "
-            "restore the model's config.json"
-        )
+        raise BadConfigError(f"{flag} {folder}: {path} is not a Hugging Face model config (a JSON object with a "
+                             f"model_type); restore the model's config.json")
     return config
 
 
@@ -338,13 +336,11 @@ def check_weights_fit(config: dict, stored: int, where: str, what: str) -> None:
         return
     h_key, h = hidden
     bounds: list[tuple[str, int, str]] = [(h_key, h * h // 2, f"{h_key}²/2 (one layer)")]
-    for keys, per, text in (
-        (("vocab_size",), h, "× {h} (the embedding)"),
-        (_LAYERS, h * h // 2, "× {h}²/2 (the layers)"),
-        (("intermediate_size", "n_inner", "ffn_dim"), h, "× {h} (one MLP matrix)"),
-        (("n_positions",), h, "× {h} (learned positions)"),
-        (("num_local_experts", "num_experts"), h, "× {h} (one vector per expert)"),
-    ):
+    for keys, per, text in ((("vocab_size",), h, "× {h} (the embedding)"),
+                            (_LAYERS, h * h // 2, "× {h}²/2 (the layers)"),
+                            (("intermediate_size", "n_inner", "ffn_dim"), h, "× {h} (one MLP matrix)"),
+                            (("n_positions",), h, "× {h} (learned positions)"),
+                            (("num_local_experts", "num_experts"), h, "× {h} (one vector per expert)")):
         found = _first(configs, keys)
         if found is not None:
             bounds.append((found[0], found[1] * per, f"{found[0]} {found[1]} " + text.format(h=f"{h_key} {h}")))

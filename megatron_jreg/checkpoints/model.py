@@ -293,14 +293,9 @@ class Checkpoint:
                                   f"{result.unexpected_keys[:5]})")
 
 
-def load_megatron_model(
-    path: str | Path,
-    iteration: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    tokenizer_model: str | None = None,
-    load_tokenizer: bool = True,
-    verify: bool = True,
-) -> MegatronModel:
+def load_megatron_model(path: str | Path, iteration: int | None = None, dtype: torch.dtype = torch.float32,
+                        tokenizer_model: str | None = None, load_tokenizer: bool = True,
+                        verify: bool = True) -> MegatronModel:
     """A checkpoint's model in one call."""
     return Checkpoint.open(path, iteration, verify).load_model(dtype, tokenizer_model, load_tokenizer)
 

@@ -42,9 +42,7 @@ def weight_files(folder: Path) -> list[Path]:
             return [folder / n for n in names]
         if (folder / single).is_file():
             return [folder / single]
-    raise ConversionError(
-        f"--hf {folder}: no model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or {BIN_INDEX}"
-    )
+    raise ConversionError(f"--hf {folder}: no model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or {BIN_INDEX}")
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -61,10 +59,9 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
                     warnings.simplefilter("ignore", UserWarning)
                     part = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
             except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others for non-tensor pickles
-                raise ConversionError(
-                    f"{path}: refused to load (torch.load with weights_only=True reads tensors only and never runs "
-                    f"pickled code): {_load_failure(e)}; convert the file to safetensors where you trust it"
-                ) from None
+                raise ConversionError(f"{path}: refused to load (torch.load with weights_only=True reads tensors only "
+                                      f"and never runs pickled code): {_load_failure(e)}; convert the file to "
+                                      "safetensors where you trust it") from None
         if not isinstance(part, dict):
             what = f"a {type(part).__name__}"
         else:

@@ -94,17 +94,15 @@ class LlamaArch:
         check_megatron_args(args)
         heads = int(args.num_attention_heads)
         groups = int(args.num_query_groups) if args.group_query_attention and args.num_query_groups else heads
-        return cls(
-            num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
-            ffn_hidden_size=int(args.ffn_hidden_size), num_attention_heads=heads, num_query_groups=groups,
-            head_dim=int(args.kv_channels or args.hidden_size // heads), vocab_size=int(vocab_size),
-            max_position_embeddings=int(args.max_position_embeddings), seq_length=int(args.seq_length),
-            rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
-            untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
-            init_method_std=float(args.init_method_std),
-            rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None,
-            layernorm_scaling=bool(getattr(args, "layernorm_scaling", False)),
-        )
+        return cls(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
+                   ffn_hidden_size=int(args.ffn_hidden_size), num_attention_heads=heads, num_query_groups=groups,
+                   head_dim=int(args.kv_channels or args.hidden_size // heads), vocab_size=int(vocab_size),
+                   max_position_embeddings=int(args.max_position_embeddings), seq_length=int(args.seq_length),
+                   rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
+                   untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+                   init_method_std=float(args.init_method_std),
+                   rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None,
+                   layernorm_scaling=bool(getattr(args, "layernorm_scaling", False)))
 
     def megatron_flags(self) -> list[str]:
         """Megatron-LM's flags for this model (the `pretrain_gpt.py` / `megatron-jreg train` spelling)."""
@@ -175,36 +173,27 @@ def check_hf_config(hf: dict) -> None:
     if any(hf.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")):
         raise UnsupportedModel(f"{where}: mixture-of-experts (MoE) layers; megatron-jreg builds dense Llama models")
     if model_type not in _SUPPORTED_TYPES:
-        raise UnsupportedModel(
-            f"{where}: not a Llama-architecture model; supported: {', '.join(_SUPPORTED_TYPES)} "
-            "(LlamaForCausalLM; Mistral without sliding window)"
-        )
+        raise UnsupportedModel(f"{where}: not a Llama-architecture model; supported: {', '.join(_SUPPORTED_TYPES)} "
+                               "(LlamaForCausalLM; Mistral without sliding window)")
     biased = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
     if biased:
-        raise UnsupportedModel(
-            f"{where}: {' and '.join(biased)} = true (linear layers with biases); the Llama mapping has none "
-            "(--disable-bias-linear)"
-        )
+        raise UnsupportedModel(f"{where}: {' and '.join(biased)} = true (linear layers with biases); the Llama mapping "
+                               "has none (--disable-bias-linear)")
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise UnsupportedModel(
-            f"{where}: sliding_window = {hf['sliding_window']} (sliding-window attention); the model would attend "
-            "over the whole sequence"
-        )
+        raise UnsupportedModel(f"{where}: sliding_window = {hf['sliding_window']} (sliding-window attention); the "
+                               "model would attend over the whole sequence")
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"{where}: hidden_act {hf['hidden_act']!r}; the SwiGLU MLP needs silu")
     _, rope_type, scaling = rope_settings(hf)
     if rope_type not in ("default", "llama3"):
-        raise UnsupportedModel(
-            f"{where}: RoPE scaling {rope_type!r}; megatron-core implements plain RoPE and Llama-3.1's 'llama3' "
-            "scaling (--use-rope-scaling) only"
-        )
+        raise UnsupportedModel(f"{where}: RoPE scaling {rope_type!r}; megatron-core implements plain RoPE and "
+                               f"Llama-3.1's 'llama3' scaling (--use-rope-scaling) only")
     if rope_type == "llama3":
         odd = {k: scaling.get(k) for k, v in _LLAMA3_ROPE.items() if float(scaling.get(k, v)) != v}
         if odd or "factor" not in scaling:
-            raise UnsupportedModel(
-                f"{where}: llama3 RoPE scaling with {odd or 'no factor'}; megatron-core's --use-rope-scaling fixes "
-                "low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 (Llama-3.1/3.2's)"
-            )
+            raise UnsupportedModel(f"{where}: llama3 RoPE scaling with {odd or 'no factor'}; megatron-core's "
+                                   "--use-rope-scaling fixes low_freq_factor 1, high_freq_factor 4 and "
+                                   "original_max_position_embeddings 8192 (Llama-3.1/3.2's)")
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % groups:
         raise UnsupportedModel(f"{where}: num_attention_heads {heads} not divisible by num_key_value_heads {groups}")
@@ -235,10 +224,8 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     if getattr(args, "mtp_num_layers", None):
         problems.append("--mtp-num-layers (multi-token prediction)")
     if problems:
-        raise UnsupportedModel(
-            f"this checkpoint's model has {'; '.join(problems)}: it is not a Llama architecture, so no "
-            "Hugging Face LlamaForCausalLM can reproduce it"
-        )
+        raise UnsupportedModel(f"this checkpoint's model has {'; '.join(problems)}: it is not a Llama architecture, so "
+                               "no Hugging Face LlamaForCausalLM can reproduce it")
 
 
 def split_qkv(qkv: torch.Tensor, arch: LlamaArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,9 +283,8 @@ def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str
     if model.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = take("output_layer.weight")[:vocab].clone()
     if left:
-        raise UnsupportedModel(
-            f"megatron parameters with no Llama counterpart: {', '.join(sorted(left)[:5])}; refusing to drop them"
-        )
+        raise UnsupportedModel(f"megatron parameters with no Llama counterpart: {', '.join(sorted(left)[:5])}; "
+                               "refusing to drop them")
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -312,9 +298,7 @@ def _leftover_reason(name: str) -> str:
     return "tensors with no megatron counterpart"
 
 
-def hf_to_megatron(
-    state: dict[str, torch.Tensor], model: LlamaArch, padded_vocab_size: int
-) -> dict[str, torch.Tensor]:
+def hf_to_megatron(state: dict[str, torch.Tensor], model: LlamaArch, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors → a TP=1/PP=1 GPTModel state dict (same dtype; vocabulary zero-padded to
     `padded_vocab_size` rows). Every Hugging Face tensor must be used: leftovers (biases, QK-norm,
     experts, ...) raise, naming them."""
@@ -356,9 +340,8 @@ def hf_to_megatron(
             raise UnsupportedModel("tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
     if left:
         names = sorted(left)
-        raise UnsupportedModel(
-            f"Hugging Face tensors with no counterpart in a megatron-core Llama ({_leftover_reason(names[0])}): "
-            f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        )
+        raise UnsupportedModel(f"Hugging Face tensors with no counterpart in a megatron-core Llama "
+                               f"({_leftover_reason(names[0])}): "
+                               f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
     return out
 

@@ -57,11 +57,9 @@ def infer_type(path: Path) -> str:
         return "TikTokenizer"
     if path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
         return "GPT2BPETokenizer"
-    raise ConversionError(
-        f"--tokenizer-model {path}: not a tokenizer megatron-jreg can export (a folder with tokenizer.json, a "
-        "SentencePiece .model, a tiktoken .json/.tiktoken, or a folder with vocab.json and merges.txt); name its "
-        f"type with --tokenizer-type, {_NO_TOKENIZER}"
-    )
+    raise ConversionError(f"--tokenizer-model {path}: not a tokenizer megatron-jreg can export (a folder with "
+                          "tokenizer.json, a SentencePiece .model, a tiktoken .json/.tiktoken, or a folder with "
+                          f"vocab.json and merges.txt); name its type with --tokenizer-type, {_NO_TOKENIZER}")
 
 
 def resolve_source(

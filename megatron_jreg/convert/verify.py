@@ -47,13 +47,8 @@ def probe_tokens(vocab_size: int, seq_length: int, batch: int = 2, length: int =
     return torch.randint(0, vocab_size, (batch, min(length, seq_length)), generator=gen)
 
 
-def compare_logits(
-    reference: Callable[[torch.Tensor], torch.Tensor],
-    converted: Callable[[torch.Tensor], torch.Tensor],
-    tokens: torch.Tensor,
-    threshold: float | None = None,
-    depth: int = 1,
-) -> Verification:
+def compare_logits(reference: Callable[[torch.Tensor], torch.Tensor], converted: Callable[[torch.Tensor], torch.Tensor],
+                   tokens: torch.Tensor, threshold: float | None = None, depth: int = 1) -> Verification:
     """Run tokens[b, t] through both models (each returns fp32 logits[b, t, V]); raise above threshold
     (default `default_threshold(depth, largest |logit|)`)."""
     with torch.no_grad():
@@ -65,10 +60,9 @@ def compare_logits(
     threshold = default_threshold(depth, scale) if threshold is None else threshold
     diff = float((ref - got).abs().max())
     if not diff <= threshold:  # also catches NaN
-        raise VerificationFailed(
-            f"max_abs_logit_diff={diff:.3e} exceeds the threshold {threshold:.1e} (largest |logit| {scale:.3g}): "
-            "the converted model does not reproduce the source; nothing was written"
-        )
+        raise VerificationFailed(f"max_abs_logit_diff={diff:.3e} exceeds the threshold {threshold:.1e} (largest "
+                                 f"|logit| {scale:.3g}): the converted model does not reproduce the source; nothing "
+                                 "was written")
     return Verification(diff, threshold, scale, (tokens.shape[0], tokens.shape[1]))
 
 
@@ -120,10 +114,8 @@ def single_process() -> None:
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        raise ConversionError(
-            f"the converter runs as one process (found a world of {world} ranks): run it with python, not "
-            "torchrun; checkpoints load at any TP/PP"
-        )
+        raise ConversionError(f"the converter runs as one process (found a world of {world} ranks): run it with "
+                              "python, not torchrun; checkpoints load at any TP/PP")
 
 
 @contextlib.contextmanager

@@ -105,25 +105,18 @@ class EvaluateConfig:
         if not self.tasks or len(set(self.tasks)) != len(self.tasks) or "" in self.tasks:
             raise ConfigError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
         if "lambada" in self.tasks and not Path(self.lambada_file).is_file():
-            raise ConfigError(
-                f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)'
-            )
-        for flag, value, least in (
-            ("--limit", self.limit, 1),
-            ("--batch-size", self.batch_size, 1),
-            ("--max-length", self.max_length, 2),
-            ("--bootstrap-iters", self.bootstrap_iters, 0),
-        ):
+            raise ConfigError(f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)')
+        for flag, value, least in (("--limit", self.limit, 1), ("--batch-size", self.batch_size, 1),
+                                   ("--max-length", self.max_length, 2),
+                                   ("--bootstrap-iters", self.bootstrap_iters, 0)):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
         if self.num_fewshot is not None:
             if self.num_fewshot < 0:
                 raise ConfigError(f"--num-fewshot {self.num_fewshot}: must be at least 0")
             if self.num_fewshot > 0 and "lambada" in self.tasks:
-                raise ConfigError(
-                    f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it in a "
-                    "separate run, or use lm-eval's lambada_openai task instead"
-                )
+                raise ConfigError(f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it "
+                                  f"in a separate run, or use lm-eval's lambada_openai task instead")
         if self.device is not None:
             try:
                 device = torch.device(self.device)
@@ -186,10 +179,8 @@ def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
         manager = manager or task_manager(cfg.harness_tasks, cfg.include_path)
         plans = task_plans(manager, cfg.harness_tasks, cfg.task_data)
         if problems := check_datasets(plans):
-            raise UsageError(
-                "these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
-                + "\n  ".join(problems)
-            )
+            raise UsageError("these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
+                             + "\n  ".join(problems))
     passages, skipped = [], None
     if "lambada" in cfg.tasks:  # read before the model: a broken file stops the run before any compute
         passages, skipped = read_lambada(cfg.lambada_file)

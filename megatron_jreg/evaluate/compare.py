@@ -9,6 +9,7 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from statistics import fmean
 
 from scipy import stats
 
@@ -68,10 +69,8 @@ def metric_direction(
     said = {p: flag for p, run in runs.items() if (flag := run.higher_is_better.get(task, {}).get(base)) is not None}
     if len(set(said.values())) > 1:
         listed = ", ".join(f"{p}: {'higher' if f else 'lower'}" for p, f in said.items())
-        raise ValueError(
-            f"the files disagree on whether {task} {base} is better higher or lower ({listed}); "
-            f"say which with --higher-is-better {base} or --lower-is-better {base}"
-        )
+        raise ValueError(f"the files disagree on whether {task} {base} is better higher or lower ({listed}); "
+                         f"say which with --higher-is-better {base} or --lower-is-better {base}")
     if said:
         return next(iter(said.values())), "lm-eval"
     if base in LOWER_IS_BETTER or base.endswith(("_loss", "_perplexity", "_ppl")):
@@ -92,22 +91,18 @@ def pair_runs(
     if by_order:
         for b, j in zip(baseline, jreg):
             if None not in (seed[b], seed[j]) and seed[b] != seed[j]:
-                raise ValueError(
-                    f"--pair-by-order pairs {b} (seed {seed[b]}) with {j} (seed {seed[j]}); list both arms in the "
-                    "same seed order, or leave out --pair-by-order to pair by seed"
-                )
+                raise ValueError(f"--pair-by-order pairs {b} (seed {seed[b]}) with {j} (seed {seed[j]}); list both "
+                                 "arms in the same seed order, or leave out --pair-by-order to pair by seed")
         return list(zip(baseline, jreg)), "order"
     if unseeded := next((path for path, s in seed.items() if s is None), None):
-        raise ValueError(
-            f'{unseeded}: no "seed" field, so it cannot be paired with its seed\'s run in the other arm; write it '
-            'with `megatron-jreg evaluate --seed N` (or add "seed": N to the file), or pass --pair-by-order '
-            "if --baseline and --jreg list the seeds in the same order"
-        )
+        raise ValueError(f'{unseeded}: no "seed" field, so it cannot be paired with its '
+                         f"seed\'s run in the other arm; write it with `megatron-jreg evaluate --seed N` (or add "
+                         '"seed": N to the file), or pass --pair-by-order if --baseline and --jreg list the seeds in '
+                         "the same order")
     seeds_b, seeds_j = [seed[p] for p in baseline], [seed[p] for p in jreg]
     if len(set(seeds_b)) != len(seeds_b) or sorted(seeds_b) != sorted(seeds_j):
-        raise ValueError(
-            f"seeds do not pair up: --baseline {seeds_b}, --jreg {seeds_j}; each seed must appear once per arm"
-        )
+        raise ValueError(f"seeds do not pair up: --baseline {seeds_b}, --jreg {seeds_j}; each seed must appear once "
+                         "per arm")
     by_seed = {seed[p]: p for p in jreg}
     return [(b, by_seed[seed[b]]) for b in baseline], "seed"
 
@@ -120,14 +115,9 @@ def _agree(task: str, what: str, values: dict[Path, int | None], fix: str) -> No
         raise ValueError(f"{task} was scored with different {what} ({listed}); {fix}")
 
 
-def compare_runs(
-    pairs: list[tuple[Path, Path]],
-    runs: dict[Path, EvalResults],
-    metric_for: dict[str, str],
-    default_metric: str,
-    confidence: float = 0.95,
-    directions: dict[str, bool] | None = None,
-) -> Comparison:
+def compare_runs(pairs: list[tuple[Path, Path]], runs: dict[Path, EvalResults], metric_for: dict[str, str],
+                 default_metric: str, confidence: float = 0.95,
+                 directions: dict[str, bool] | None = None) -> Comparison:
     """Per-task rows and the average over the tasks every file has, refusing tasks scored on different examples or
     shots; the average leaves out groups whose subtasks are compared (they would count twice) and mixed directions."""
     directions = directions or {}
@@ -151,21 +141,17 @@ def compare_runs(
         metric = metric_for.get(task, default_metric)
         higher, source = metric_direction(task, metric, {p: runs[p] for p in paths}, directions)
         if source == ASSUMED:
-            notes.append(
-                f"{task} {metric}: direction unknown, taken as higher is better "
-                f"(--lower-is-better {metric} if lower is better)"
-            )
+            notes.append(f"{task} {metric}: direction unknown, taken as higher is better "
+                         f"(--lower-is-better {metric} if lower is better)")
         b = [float(runs[base].results[task][metric]) for base, _ in pairs]
         j = [float(runs[jr].results[task][metric]) for _, jr in pairs]
         per_task[task] = (b, j)
-        rows[task] = Row(metric, _mean(b), _mean(j), _test(j, b, confidence, higher), source)
+        rows[task] = Row(metric, fmean(b), fmean(j), _test(j, b, confidence, higher), source)
     if len(rows) > 1 and len(pairs) > 1:
         adjusted = holm([row.test.p_value for row in rows.values()])
         rows = {task: replace(row, p_holm=p) for (task, row), p in zip(rows.items(), adjusted)}
-        notes.append(
-            f'{len(rows)} tasks, each tested at {_level(confidence)}: the chance of some false "better" is '
-            'higher; "p better (Holm)" adjusts for it'
-        )
+        notes.append(f'{len(rows)} tasks, each tested at {_level(confidence)}: the chance of some false "better" is '
+                     'higher; "p better (Holm)" adjusts for it')
     groups = {g: s for path in paths for g, s in runs[path].groups.items()}
     average_of = [t for t in tasks if not any(sub in rows for sub in groups.get(t, ()))]
     if left := [t for t in tasks if t not in average_of]:
@@ -174,16 +160,11 @@ def compare_runs(
         notes.append("no average: the tasks mix higher- and lower-is-better metrics")
         average_of = []
     if average_of:
-        avg_b = [_mean([per_task[t][0][i] for t in average_of]) for i in range(len(pairs))]
-        avg_j = [_mean([per_task[t][1][i] for t in average_of]) for i in range(len(pairs))]
+        avg_b = [fmean([per_task[t][0][i] for t in average_of]) for i in range(len(pairs))]
+        avg_j = [fmean([per_task[t][1][i] for t in average_of]) for i in range(len(pairs))]
         higher = rows[average_of[0]].test.higher_is_better
-        rows[AVERAGE] = Row(
-            "/".join(sorted({rows[t].metric for t in average_of})),
-            _mean(avg_b),
-            _mean(avg_j),
-            _test(avg_j, avg_b, confidence, higher),
-            "tasks",
-        )
+        rows[AVERAGE] = Row("/".join(sorted({rows[t].metric for t in average_of})), fmean(avg_b), fmean(avg_j),
+                            _test(avg_j, avg_b, confidence, higher), "tasks")
     return Comparison(rows, skipped, average_of, notes)
 
 
@@ -192,10 +173,6 @@ def _test(jreg: list[float], baseline: list[float], confidence: float, higher: b
     if len(jreg) == 1:
         return untested(jreg[0], baseline[0], confidence, higher)
     return paired_one_sided(jreg, baseline, confidence, higher)
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values)
 
 
 def _level(confidence: float) -> str:
@@ -330,10 +307,8 @@ def check_scores(runs: dict[Path, EvalResults], metric_for: dict[str, str], defa
             metric = metric_for.get(task, default_metric)
             value = metrics.get(metric) if isinstance(metrics, dict) else None
             if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
-                raise ValueError(
-                    f"{path}: {task} {metric} is {value!r}, not a finite score; re-run `megatron-jreg evaluate` "
-                    "for that model, or leave the file out"
-                )
+                raise ValueError(f"{path}: {task} {metric} is {value!r}, not a finite score; re-run `megatron-jreg "
+                                 "evaluate` for that model, or leave the file out")
 
 
 def check_settings(runs: dict[Path, EvalResults]) -> None:
@@ -352,10 +327,8 @@ def _few_seeds_warning(n: int, confidence: float) -> str | None:
         return ("megatron-jreg compare: note: one seed per arm: the scores side by side, without a significance "
                 "test (it needs at least 2 seeds per arm; use at least 3)")
     critical = float(stats.t.ppf(confidence, n - 1))
-    return (
-        f"megatron-jreg compare: warning: only {n} seed pairs: with {n - 1} degree of freedom a one-sided "
-        f"p < {_level(confidence)} needs t > {critical:.2f}; use at least 3 seeds per arm"
-    )
+    return (f"megatron-jreg compare: warning: only {n} seed pairs: with {n - 1} degree of freedom a one-sided p < "
+            f"{_level(confidence)} needs t > {critical:.2f}; use at least 3 seeds per arm")
 
 
 def main(argv: list[str] | None = None) -> int:

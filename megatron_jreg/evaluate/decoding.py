@@ -98,19 +98,10 @@ class MegatronDecoder(Decoder):
         return out[:, -1].float().cpu()
 
 
-def complete(
-    open_decoder: Callable[[int, int], Decoder],
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    window: int,
-    vocab_size: int,
-    stop_ids: set[int],
-    sampling: Sampling = Sampling(),
-    generators: list[torch.Generator | None] | None = None,
-    stopped: Callable[[int, list[int]], bool] | None = None,
-    pad_id: int = 0,
-) -> list[Completion]:
+def complete(open_decoder: Callable[[int, int], Decoder], prompts: list[list[int]], *, max_new_tokens: int, window: int,
+             vocab_size: int, stop_ids: set[int], sampling: Sampling = Sampling(),
+             generators: list[torch.Generator | None] | None = None,
+             stopped: Callable[[int, list[int]], bool] | None = None, pad_id: int = 0) -> list[Completion]:
     """Continue every prompt (shorter than `window`) until a stop id, `max_new_tokens`, a full `window` or
     `stopped(row, generated_ids)`; open_decoder(batch, length) gives the `Decoder`. Columns from `vocab_size` on
     (megatron's padding) never win; non-finite logits raise NonFiniteOutput (decoded, they end answers silently)."""

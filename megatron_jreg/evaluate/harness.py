@@ -22,9 +22,7 @@ def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
     document needs no stop string: generation stops at the `eod` token itself."""
     kwargs = dict(gen_kwargs)
     if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-        raise ValueError(
-            f"generate_until: sampling was requested ({kwargs}); this adapter decodes greedily only"
-        )
+        raise ValueError(f"generate_until: sampling was requested ({kwargs}); this adapter decodes greedily only")
     until = kwargs.get("until")
     stop = [until] if isinstance(until, str) else list(until or [])
     for key in ("max_gen_toks", "max_new_tokens", "max_tokens"):
@@ -139,27 +137,14 @@ def quiet_git_hash() -> Iterator[None]:
         yield
 
 
-def run_harness(
-    model: CausalLM,
-    specs: Sequence[str | dict[str, Any]],
-    manager,
-    limit: int | None = None,
-    batch_size: int = 8,
-    bootstrap_iters: int = 100000,
-    num_fewshot: int | None = None,
-    progress: bool = False,
-) -> dict[str, Any]:
+def run_harness(model: CausalLM, specs: Sequence[str | dict[str, Any]], manager, limit: int | None = None,
+                batch_size: int = 8, bootstrap_iters: int = 100000, num_fewshot: int | None = None,
+                progress: bool = False) -> dict[str, Any]:
     """lm-eval's `simple_evaluate` on `model` (its seeds and metrics; each task's few-shot default
     unless `num_fewshot` is given); raw output."""
     import lm_eval
 
     with quiet_git_hash():
-        return lm_eval.simple_evaluate(
-            model=HarnessLM(model, batch_size, progress),
-            tasks=list(specs),
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=False,
-        )
+        return lm_eval.simple_evaluate(model=HarnessLM(model, batch_size, progress), tasks=list(specs),
+                                       task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                                       bootstrap_iters=bootstrap_iters, log_samples=False)

@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import stdev
 
 from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.models import CausalLM
@@ -63,24 +64,16 @@ def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
     return passages, skipped
 
 
-def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(variance / n)
-
-
 def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
-    """{acc, acc_stderr, perplexity, perplexity_stderr} from the per-passage target scores."""
+    """{acc, acc_stderr, perplexity, perplexity_stderr} from the per-passage target scores (stderr: the sample
+    standard deviation over √n, None for one passage)."""
     if not scored:
         raise ValueError("LAMBADA: no passages to score; check --lambada-file and --limit")
-    acc, acc_stderr = _mean_and_stderr([float(s.greedy) for s in scored])
-    mean_nll, nll_stderr = _mean_and_stderr([-s.logprob for s in scored])
-    perplexity = math.exp(mean_nll)
+    n, hits, nll = len(scored), [float(s.greedy) for s in scored], [-s.logprob for s in scored]
+    acc_stderr, nll_stderr = (stdev(hits) / math.sqrt(n), stdev(nll) / math.sqrt(n)) if n > 1 else (None, None)
+    perplexity = math.exp(sum(nll) / n)
     return {
-        "acc": acc,
+        "acc": sum(hits) / n,
         "acc_stderr": acc_stderr,
         "perplexity": perplexity,
         "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr,

@@ -126,10 +126,8 @@ def load_hf_lm(
 
     path = hub.resolve(path, "--hf")
     if not (path / "config.json").is_file():
-        raise ModelFileError(
-            f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
-            "`hf download REPO --local-dir DIR` on a machine with internet"
-        )
+        raise ModelFileError(f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
+                             "`hf download REPO --local-dir DIR` on a machine with internet")
     config = check_model_folder(path, "--hf")  # before anything is allocated: config, headers, no code, no pickle
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     auto: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
@@ -138,19 +136,15 @@ def load_hf_lm(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelFileError(
-            f"--hf {path}: cannot load its tokenizer ({one_line(e, 300)}); the folder needs tokenizer.json or the "
-            "tokenizer files save_pretrained writes"
-        ) from None
+        raise ModelFileError(f"--hf {path}: cannot load its tokenizer ({one_line(e, 300)}); the folder needs "
+                             "tokenizer.json or the tokenizer files save_pretrained writes") from None
     try:
         model = hub.load_causal_lm(path, where=f"--hf {path}", dtype=weights_dtype, checked=True)
     except ModelFileError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelFileError(
-            f"--hf {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the folder needs the "
-            "model's config.json and weight files"
-        ) from None
+        raise ModelFileError(f"--hf {path}: transformers cannot load it as a causal LM ({one_line(e, 300)}); the "
+                             f"folder needs the model's config.json and weight files") from None
     check_finite_weights(model.named_parameters(), f"--hf {path}")
     # the context window: the config's, else the tokenizer's limit when real (HF says ~1e30 for unset), else lm-eval's
     limit = tokenizer.model_max_length or 0

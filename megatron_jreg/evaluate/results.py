@@ -56,9 +56,8 @@ class EvalResults:
                 groups={group: list(tasks) for group, tasks in data.get("groups", {}).items()},
             )
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-            raise ValueError(
-                f"{path}: not a result file of `megatron-jreg evaluate --output` or lm-eval --output_path ({e})"
-            ) from e
+            raise ValueError(f"{path}: not a result file of `megatron-jreg evaluate --output` or lm-eval --output_path "
+                             f"({e})") from e
         seed = results.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             example = seed.strip() if isinstance(seed, str) and seed.strip().isdigit() else "1"

@@ -53,9 +53,8 @@ class PairedTest:
 def _check_scores(name: str, values: Sequence[float]) -> None:
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(
-                f"{name} score {i} is {value!r}, not a finite number; leave that seed out of both arms or re-evaluate"
-            )
+            raise ValueError(f"{name} score {i} is {value!r}, not a finite number; leave that seed out of both arms or "
+                             "re-evaluate")
 
 
 def paired_one_sided(

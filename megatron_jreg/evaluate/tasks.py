@@ -56,10 +56,8 @@ def task_config(manager, name: str) -> dict[str, Any]:
     from lm_eval.tasks._yaml_loader import load_yaml
 
     if name not in manager.all_tasks:
-        raise UsageError(
-            f"--tasks {name}: not an lm-eval task; run `lm_eval ls tasks` for the names, or pass "
-            "--include-path DIR with a task YAML that defines it"
-        )
+        raise UsageError(f"--tasks {name}: not an lm-eval task; run `lm_eval ls tasks` for the names, or pass "
+                         "--include-path DIR with a task YAML that defines it")
     if name not in manager.all_subtasks:
         raise UsageError(f"--tasks {name}: an lm-eval group or tag; list the tasks it contains instead")
     entry = manager.task_index[name]
@@ -99,23 +97,18 @@ def _missing(plan: TaskPlan, error: Exception) -> str:
     name, path, subset = plan.name, plan.config["dataset_path"], plan.config.get("dataset_name")
     reason = f"{type(error).__name__}: {one_line(error, 200)}"
     if plan.replaced_dataset is not None:
-        return (
-            f"{name}: --task-data {name}={path} does not load ({reason}). It must be a copy "
-            f"of the dataset repository: `hf download --repo-type dataset {plan.replaced_dataset} "
-            "--local-dir DIR` (for a repository that holds a loading script add "
-            "`--revision refs/convert/parquet`)."
-        )
+        return (f"{name}: --task-data {name}={path} does not load ({reason}). It must be a copy of the dataset "
+                f"repository: `hf download --repo-type dataset {plan.replaced_dataset} --local-dir DIR` (for a "
+                "repository that holds a loading script add `--revision refs/convert/parquet`).")
     import datasets
 
     load_args = repr(path) + (f", {subset!r}" if subset else "")
     where = f" (config {subset})" if subset else ""
-    return (
-        f"{name}: needs the Hugging Face dataset {path}{where}, which is not in the datasets cache "
-        f"{datasets.config.HF_DATASETS_CACHE} ({reason}). Fix: on a machine with internet run "
-        f'`python -c "import datasets; datasets.load_dataset({load_args})"` and copy its HF_DATASETS_CACHE '
-        "folder here (or point HF_DATASETS_CACHE at the copy), or run "
-        f"`hf download --repo-type dataset {path} --local-dir DIR` and pass --task-data {name}=DIR."
-    )
+    return (f"{name}: needs the Hugging Face dataset {path}{where}, which is not in the datasets cache "
+            f'{datasets.config.HF_DATASETS_CACHE} ({reason}). Fix: on a machine with internet run `python -c "import '
+            f'datasets; datasets.load_dataset({load_args})"` and copy its HF_DATASETS_CACHE folder here (or point '
+            f"HF_DATASETS_CACHE at the copy), or run `hf download --repo-type dataset {path} --local-dir DIR` and pass "
+            f"--task-data {name}=DIR.")
 
 
 def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
@@ -137,7 +130,5 @@ def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
             continue
         split = config.get("test_split") or config.get("validation_split")  # what lm-eval evaluates
         if split is not None and split not in data:
-            problems.append(
-                f"{plan.name}: dataset {config['dataset_path']} has no split {split!r} (has {list(data)})"
-            )
+            problems.append(f"{plan.name}: dataset {config['dataset_path']} has no split {split!r} (has {list(data)})")
     return problems
