@@ -69,7 +69,6 @@ def check_messages(record: Any) -> tuple[list[dict[str, str]] | None, str, str]:
     return clean, "", ""
 
 
-
 def load_template(spec: str) -> tuple[str, str]:
     """(template text, its name) for `--chat-template NAME|FILE`; a DataError names the flag otherwise."""
     if spec in TEMPLATES:
@@ -81,19 +80,14 @@ def load_template(spec: str) -> tuple[str, str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"--chat-template {spec}: cannot read it as UTF-8 text ({e})") from None
-    _compile(text, f"--chat-template {spec}")
-    return text, path.name
-
-
-def _compile(template: str, what: str) -> None:
-    """A jinja syntax error in a template becomes one DataError line (transformers' own environment)."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own environment
 
     try:
-        _compile_jinja_template(template)
+        _compile_jinja_template(text)
     except jinja2.TemplateError as e:
-        raise DataError(f"{what}: not a valid jinja chat template ({e})") from None
+        raise DataError(f"--chat-template {spec}: not a valid jinja chat template ({e})") from None
+    return text, path.name
 
 
 def load_hf_tokenizer(folder: str | Path, flag: str = "--tokenizer"):  # noqa: ANN201 - a transformers tokenizer
@@ -147,10 +141,9 @@ def write_tokenizer_with_template(source: Path, output: Path, tokenizer, templat
     `pad_token`, when given), written whole or not at all; the source's other templates are left out."""
     from transformers.utils.hub import CHAT_TEMPLATE_FILE
 
-    if output.exists():
-        if not (output / MARKER).is_file():
-            raise DataError(f"--tokenizer-output {output}: exists and was not written by prepare-chat; remove it or "
-                            "choose another folder")
+    if output.exists() and not (output / MARKER).is_file():
+        raise DataError(f"--tokenizer-output {output}: exists and was not written by prepare-chat; remove it or "
+                        "choose another folder")
     check_output_folder(output.parent, f"--tokenizer-output {output}")
     with atomic_folder(output) as tmp:  # plain mkdir and copies: the modes the umask gives
         for name in tokenizer_files(source, tokenizer):

@@ -27,8 +27,6 @@ class ChatTargets:
             if isinstance(node, PreTrainedTokenizerBase):
                 return node
             node = getattr(node, "_tokenizer", None)
-            if node is None:
-                break
         raise ValueError("--sft: the tokenizer has no chat template support (use --tokenizer-type SFTTokenizer "
                          "with a Hugging Face tokenizer folder)")
 
@@ -51,10 +49,9 @@ class ChatTargets:
             if turn["role"] != "assistant":
                 continue
             start = len(self._render(conversation[:k], True))
-            end = len(self._render(conversation[: k + 1], False))
-            if not 0 <= start <= end <= len(tokens) or self._render(conversation[: k + 1], False) != list(
-                tokens[:end]
-            ):
+            rendered = self._render(conversation[: k + 1], False)
+            end = len(rendered)
+            if start > end or rendered != list(tokens[:end]):
                 raise ValueError("--sft: the chat template does not render conversation prefixes consistently; "
                                  "use a template whose turns are appended in order")
             target[start:end] = tokens[start:end]

@@ -55,8 +55,8 @@ class Builder:
     files and renames them into place; `abort` deletes them (a failed run leaves nothing behind)."""
 
     def __init__(self, prefix: str | Path, dtype: type[np.number]) -> None:
-        self.prefix = str(prefix)
-        self.partial = [Path(f"{bin_path(prefix)}{PARTIAL}"), Path(f"{idx_path(prefix)}{PARTIAL}")]
+        self.final = [bin_path(prefix), idx_path(prefix)]
+        self.partial = [Path(f"{path}{PARTIAL}") for path in self.final]
         self.partial[0].parent.mkdir(parents=True, exist_ok=True)
         indexed_dataset = megatron_package().core.datasets.indexed_dataset
         self.builder = indexed_dataset.IndexedDatasetBuilder(str(self.partial[0]), dtype=dtype)
@@ -64,7 +64,7 @@ class Builder:
 
     def finalize(self) -> None:
         self.builder.finalize(str(self.partial[1]))
-        for path, final in zip(self.partial, (bin_path(self.prefix), idx_path(self.prefix))):
+        for path, final in zip(self.partial, self.final):
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(path, final)
@@ -104,18 +104,16 @@ def verify_dataset(prefix: str | Path) -> Dataset:
         state = "truncated" if size < expected else "longer than its header says"
         raise ValueError(f"{path}: {state} ({size:,} bytes; {n_seq:,} sequences and {max(n_doc - 1, 0):,} documents "
                          f"need {expected:,}); {_FIX}")
+    inconsistent = ValueError(f"{path}: inconsistent index (sequence lengths, pointers or document boundaries); {_FIX}")
     try:
         index = indexed_dataset.IndexedDataset(str(prefix), mmap=False).index
     except AssertionError:  # the reader's own consistency asserts
-        index = None
-    if index is not None:
-        lengths = index.sequence_lengths.astype(np.int64)
-        itemsize = np.dtype(index.dtype).itemsize
-        pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * itemsize]) if len(lengths) else lengths
-        docs = index.document_indices
-    if (index is None or (lengths < 0).any() or not np.array_equal(index.sequence_pointers, pointers)
+        raise inconsistent from None
+    lengths, docs = index.sequence_lengths.astype(np.int64), index.document_indices
+    itemsize = np.dtype(index.dtype).itemsize
+    if ((lengths < 0).any() or not np.array_equal(index.sequence_pointers, (np.cumsum(lengths) - lengths) * itemsize)
             or len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or (np.diff(docs) < 0).any()):
-        raise ValueError(f"{path}: inconsistent index (sequence lengths, pointers or document boundaries); {_FIX}")
+        raise inconsistent
     bin_bytes, needed = bin_path(prefix).stat().st_size, int(lengths.sum()) * itemsize
     if bin_bytes != needed:
         state = "truncated" if bin_bytes < needed else "longer than its index says"

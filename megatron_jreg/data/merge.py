@@ -10,6 +10,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,10 +35,7 @@ PROG = "megatron-jreg merge-datasets"
 
 
 def _strip_suffix(path: str) -> str:
-    for suffix in (".bin", ".idx", ".manifest.json"):
-        if path.endswith(suffix):
-            return path[: -len(suffix)]
-    return path
+    return re.sub(r"\.(bin|idx|manifest\.json)$", "", path)
 
 
 def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[str]:
@@ -96,25 +94,18 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     except BaseException:
         builder.abort()
         raise
-    skipped: collections.Counter = collections.Counter()
-    for m in manifests:
-        skipped.update((m or {}).get("skipped", {}))
     known = [m for m in manifests if m is not None]
-    largest = [m.get("max_token_id") for m in known]  # read by training's vocabulary check; a scan there without
+    first, every = (known or [{}])[0], len(known) == len(prefixes)  # tokenizer and max_token_id: only if every
+    skipped: collections.Counter = collections.Counter()
+    for m in known:
+        skipped.update(m.get("skipped", {}))
+    largest = [m.get("max_token_id") for m in known]  # read by training's vocabulary check (else it scans the .bin)
     return write_manifest(
-        output_prefix,
-        fingerprint=fp,
-        dtype=np.dtype(dtype).name,
-        documents=sum(i.documents for i in indexes),
-        sequences=sum(i.sequences for i in indexes),
-        tokens=sum(i.tokens for i in indexes),
-        max_token_id=max(largest) if len(known) == len(prefixes) and all(isinstance(x, int) for x in largest)
-        else None,
-        tokenizer=known[0]["tokenizer"] if known and len(known) == len(prefixes) else None,  # else not known
-        append_eod=known[0].get("append_eod") if known else None,
-        level=known[0].get("level") if known else None,
-        filters=known[0].get("filters") if known else None,
-        skipped=dict(sorted(skipped.items())),
+        output_prefix, fingerprint=fp, dtype=np.dtype(dtype).name, documents=sum(i.documents for i in indexes),
+        sequences=sum(i.sequences for i in indexes), tokens=sum(i.tokens for i in indexes),
+        max_token_id=max(largest) if every and all(isinstance(x, int) for x in largest) else None,
+        tokenizer=first["tokenizer"] if every else None, append_eod=first.get("append_eod"),
+        level=first.get("level"), filters=first.get("filters"), skipped=dict(sorted(skipped.items())),
         inputs=[{"prefix": p, "bin_bytes": bin_path(p).stat().st_size, "idx_bytes": idx_path(p).stat().st_size,
                  "bin_sha256": file_sha256(bin_path(p)), "idx_sha256": file_sha256(idx_path(p)),
                  "documents": index.documents, "manifest": m is not None}
@@ -143,16 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(args: argparse.Namespace) -> int:
-    manifest = merge_datasets(args.input, args.output_prefix)
-    print(f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
-          f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(PROG, lambda: _run(args))
+
+    def body() -> int:
+        manifest = merge_datasets(args.input, args.output_prefix)
+        print(f"merged {len(manifest['inputs'])} datasets into {args.output_prefix}.bin/.idx: "
+              f"{manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']})")
+        return 0
+
+    return run_command(PROG, body)
 
 
 if __name__ == "__main__":

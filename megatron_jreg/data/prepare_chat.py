@@ -10,10 +10,8 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megatron_jreg.data.chat import (
     SIMPLE_TEMPLATE,
@@ -73,17 +71,6 @@ class ChatSummary:
                          f"--sft-tokenizer-prompt-format default --data-path {self.output}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def iter_records(files: list[InputFile], summary: ChatSummary) -> Iterator[tuple[Any, str]]:
-    """(parsed JSON, "file:line") of every line of the files, in order; unreadable lines are counted in
-    `summary` and skipped. A damaged .gz/.zst ends its file after the last complete line before the damage."""
-    for unit in iter_units(files, ["messages"]):
-        for where, record, reason in jsonl_lines(unit):
-            if reason is None:
-                yield record, where
-            else:
-                summary.skip(reason, where)
 
 
 @dataclass(frozen=True)
@@ -170,8 +157,12 @@ def prepare_chat(cfg: ChatConfig) -> ChatSummary:
 
         hf = _setup_tokenizer(cfg, summary)
         targets, specials = ChatTargets(hf), special_texts(hf)
+    lines = (line for unit in iter_units(files, ["messages"]) for line in jsonl_lines(unit))
     with atomic_write(cfg.output) as f:  # the mode the umask gives, as every output
-        for record, where in iter_records(files, summary):
+        for where, record, reason in lines:  # a damaged .gz/.zst ends after its last complete line
+            if reason is not None:
+                summary.skip(reason, where)
+                continue
             messages, reason, detail = check_messages(record)
             if messages is None:
                 summary.skip(reason, f"{where} ({detail})")
@@ -226,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        cfg = ChatConfig(tuple(args.input), args.output, args.tokenizer, args.chat_template, args.tokenizer_output,
-                         args.pad_token, args.seq_length)
-        print(prepare_chat(cfg).describe())
+        print(prepare_chat(ChatConfig(**{**vars(args), "input": tuple(args.input)})).describe())
         return 0
 
     return run_command(PROG, body)

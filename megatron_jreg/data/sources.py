@@ -40,15 +40,8 @@ def _kind(path: str, allow_text: bool) -> str | None:
     name = path.lower()
     if name.endswith(".manifest.json"):  # our own manifests, when outputs sit next to the inputs
         return None
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(".arrow"):
-        return "arrow"
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if allow_text and name.endswith(TEXT_SUFFIXES):
-        return "text"
-    return None
+    kinds = {"parquet": (".parquet",), "arrow": (".arrow",), "jsonl": JSONL_SUFFIXES, "text": TEXT_SUFFIXES}
+    return next((k for k, suffixes in kinds.items() if name.endswith(suffixes) and (allow_text or k != "text")), None)
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -161,18 +154,14 @@ def _jsonl_units(file: InputFile, block_bytes: int) -> Iterator[Unit]:
     except (StreamDamaged, OSError) as e:
         damage = str(e)
     data = b"".join(parts)
-    if damage is None:
-        if data:
-            yield Unit(file.path, "jsonl", index, file.size - consumed, line, data)
-        return
-    cut = data.rfind(b"\n") + 1
+    cut = len(data) if damage is None else data.rfind(b"\n") + 1
     if cut:
-        yield Unit(file.path, "jsonl", index, 0, line, data[:cut])
+        yield Unit(file.path, "jsonl", index, file.size - consumed if damage is None else 0, line, data[:cut])
         index, line = index + 1, line + data.count(b"\n", 0, cut)
-    read_nothing = index == 0 and not data
-    tail = f"; {len(data) - cut} bytes of an incomplete line dropped" if len(data) > cut else ""
-    yield Unit(file.path, "jsonl", index, file.size - consumed, line, error=f"{damage}{tail}",
-               error_reason="unreadable_file" if read_nothing else "corrupt_stream")
+    if damage is not None:
+        tail = f"; {len(data) - cut} bytes of an incomplete line dropped" if len(data) > cut else ""
+        yield Unit(file.path, "jsonl", index, file.size - consumed, line, error=f"{damage}{tail}",
+                   error_reason="unreadable_file" if index == 0 and not data else "corrupt_stream")
 
 
 def _parquet_units(file: InputFile) -> Iterator[Unit]:

@@ -10,9 +10,8 @@ from pathlib import Path
 
 from megatron_jreg.fileio import JsonlError, read_jsonl
 
-_WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
-_PACKAGE_DATA = Path(__file__).resolve().parent.parent / "resources"
-DEFAULT_LAMBADA = _PACKAGE_DATA / "lambada_test.jsonl"
+_WIKITEXT_TITLE = re.compile(r"^(?= = [^=].* = $)", re.MULTILINE)  # split before each title line
+DEFAULT_LAMBADA = Path(__file__).resolve().parent.parent / "resources" / "lambada_test.jsonl"
 
 
 def iter_jsonl(path: str | Path, key: str = "text") -> Iterator[str]:
@@ -34,16 +33,8 @@ def lambada_passages(path: str | Path = DEFAULT_LAMBADA) -> list[str]:
 
 def wikitext_articles(path: str | Path) -> list[str]:
     """Split a WikiText file into articles at its top-level ` = Title = ` lines."""
-    articles: list[list[str]] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if _WIKITEXT_TITLE.match(line.rstrip("\n")):
-                articles.append([])
-            if not articles:
-                articles.append([])
-            articles[-1].append(line)
-    texts = ["".join(lines).strip() for lines in articles]
-    return [t for t in texts if t]
+    articles = _WIKITEXT_TITLE.split(Path(path).read_text(encoding="utf-8"))
+    return [t.strip() for t in articles if t.strip()]
 
 
 def text_paragraphs(path: str | Path) -> list[str]:

@@ -48,15 +48,13 @@ class _Samples:
                 if self.max_chars is not None and used >= self.max_chars:
                     return
 
-    def check(self) -> None:
-        """After training: no text at all is an error naming the input and the key."""
+    def check(self, report: bool = True) -> None:
+        """After training: no text at all is an error naming the input and the key; records skipped are never
+        silent (`report`: one line on stderr with their counts by reason)."""
         if self.count == 0:
             raise DataError(f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
                             f"{self.json_key!r} ({skip_counts(self.skipped)}); check the files and --json-key")
-
-    def report(self) -> None:
-        """Bad records are skipped, never silently: one line on stderr with their counts by reason."""
-        if self.skipped:
+        if report and self.skipped:
             print(f"train-tokenizer: skipped records of the input: {skip_counts(self.skipped)}", file=sys.stderr)
 
 
@@ -87,11 +85,10 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str =
                 byte_fallback=True, max_sentence_length=_SP_MAX_SENTENCE, num_threads=os.cpu_count() or 1,
                 minloglevel=2, user_defined_symbols=list(special_tokens))
         except RuntimeError as e:  # sentencepiece's C++ errors, e.g. "Vocabulary size too high (..)"
-            samples.check()
+            samples.check(report=False)
             flag = "--vocab-size" if "vocab" in str(e).lower() else "--input"
             raise DataError(f"{flag}: SentencePiece cannot train on this input: {str(e).strip()[:300]}") from None
         samples.check()
-        samples.report()
         return f"{prefix}.model"
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -104,7 +101,6 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str =
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(iter(samples), trainer)
     samples.check()
-    samples.report()
     if tokenizer.get_vocab_size() < vocab_size:
         raise DataError(f"--vocab-size {vocab_size}: this input yields only {tokenizer.get_vocab_size()} tokens (no "
                         "more merges); give more text or --vocab-size <= that")
@@ -139,17 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(args: argparse.Namespace) -> int:
-    path = train_tokenizer(args.input, args.output, args.vocab_size, args.kind, json_key=args.json_key,
-                           max_chars=args.max_chars, hf_split=args.hf_split, special_tokens=tuple(args.special_tokens))
-    tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
-    print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(PROG, lambda: _run(args))
+
+    def body() -> int:
+        path = train_tokenizer(args.input, args.output, args.vocab_size, args.kind, json_key=args.json_key,
+                               max_chars=args.max_chars, hf_split=args.hf_split,
+                               special_tokens=tuple(args.special_tokens))
+        tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
+        print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
+        return 0
+
+    return run_command(PROG, body)
 
 
 if __name__ == "__main__":
