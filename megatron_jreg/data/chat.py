@@ -123,14 +123,9 @@ def own_template(tokenizer) -> str | None:  # noqa: ANN001
 def tokenizer_files(folder: Path, tokenizer) -> list[str]:  # noqa: ANN001 - a transformers tokenizer
     """The files of `folder` that make up `tokenizer`, by the names its class reads and `save_pretrained`
     writes: never the model's weights or config, nor chat templates (the copy gets its own)."""
-    from transformers.tokenization_utils_base import (
-        ADDED_TOKENS_FILE,
-        FULL_TOKENIZER_FILE,
-        SPECIAL_TOKENS_MAP_FILE,
-        TOKENIZER_CONFIG_FILE,
-    )
+    from transformers import tokenization_utils_base as base
 
-    names = {ADDED_TOKENS_FILE, FULL_TOKENIZER_FILE, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE}
+    names = {base.ADDED_TOKENS_FILE, base.FULL_TOKENIZER_FILE, base.SPECIAL_TOKENS_MAP_FILE, base.TOKENIZER_CONFIG_FILE}
     names |= {v for v in getattr(tokenizer, "vocab_files_names", {}).values() if isinstance(v, str)}
     return sorted(name for name in names if (folder / name).is_file())
 

@@ -16,16 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_jreg.data import indexed
 from megatron_jreg.data.checks import DataError, check_output_prefix
-from megatron_jreg.data.indexed import (
-    Builder,
-    bin_path,
-    dataset_exists,
-    document_end_token,
-    idx_path,
-    remove_dataset,
-    verify_dataset,
-)
+from megatron_jreg.data.indexed import bin_path, idx_path
 from megatron_jreg.data.manifest import fingerprint, is_complete, read_manifest, write_manifest
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import run_command
@@ -43,14 +36,14 @@ def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[st
     prefixes: list[str] = []
     for pattern in patterns:
         stripped = _strip_suffix(pattern)
-        if dataset_exists(stripped):
+        if indexed.dataset_exists(stripped):
             prefixes.append(stripped)
             continue
         if os.path.isdir(pattern):
             candidates = sorted(str(p)[:-4] for p in Path(pattern).glob("*.idx"))
         else:
             candidates = sorted({_strip_suffix(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))})
-        found = [p for p in candidates if dataset_exists(p)]
+        found = [p for p in candidates if indexed.dataset_exists(p)]
         if not found:
             raise FileNotFoundError(f"--input {pattern}: no finished .bin/.idx pair there")
         prefixes.extend(found)
@@ -65,7 +58,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
     prefixes = resolve_prefixes(inputs, exclude=output_prefix)
     if not prefixes:
         raise DataError("--input: nothing to merge (only the output itself matched); name the shards to merge")
-    indexes = [verify_dataset(p) for p in prefixes]
+    indexes = [indexed.verify_dataset(p) for p in prefixes]
     for p, index in zip(prefixes, indexes):
         if index.dtype != indexes[0].dtype:
             dtypes = np.dtype(index.dtype).name, np.dtype(indexes[0].dtype).name
@@ -85,8 +78,8 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
         print(f"{output_prefix}: already merged from the same inputs, skipped", file=sys.stderr)
         return done
     dtype = indexes[0].dtype
-    remove_dataset(output_prefix)
-    builder = Builder(output_prefix, dtype)  # Megatron-LM's tools/merge_datasets.py: add_index per input
+    indexed.remove_dataset(output_prefix)
+    builder = indexed.Builder(output_prefix, dtype)  # Megatron-LM's tools/merge_datasets.py: add_index per input
     try:
         for p in prefixes:
             builder.add_index(p)
@@ -116,7 +109,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> dict:
 def _check_document_ends(prefixes: list[str]) -> None:
     """Shards without a manifest (Megatron-LM's tools write none) still tell the token every document ends with
     (the eod, with --append-eod): two shards ending with different ones were made differently, refused."""
-    ends = [(p, end) for p in prefixes if (end := document_end_token(p)) is not None]
+    ends = [(p, end) for p in prefixes if (end := indexed.document_end_token(p)) is not None]
     for p, end in ends[1:]:
         if end != ends[0][1]:
             raise DataError(f"--input: every document of {ends[0][0]} ends with token {ends[0][1]} and every one of "

@@ -13,18 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_jreg.data.chat import (
-    SIMPLE_TEMPLATE,
-    TEMPLATES,
-    check_messages,
-    load_hf_tokenizer,
-    load_template,
-    own_template,
-    probe,
-    reserved_pad,
-    special_texts,
-    write_tokenizer_with_template,
-)
+from megatron_jreg.data import chat
 from megatron_jreg.data.checks import DataError, check_output_prefix, check_positive, describe_skips, skip_counts
 from megatron_jreg.data.sources import InputFile, iter_units, jsonl_lines, resolve_inputs
 from megatron_jreg.errors import run_command
@@ -110,19 +99,17 @@ class ChatConfig:
 
 def _setup_tokenizer(cfg: ChatConfig, summary: ChatSummary):  # noqa: ANN202 - a transformers tokenizer
     """The tokenizer to check records with: the given folder when it has the chat template to use, else a
-    copy written with it (`write_tokenizer_with_template`)."""
+    copy written with it (`chat.write_tokenizer_with_template`)."""
     source = Path(cfg.tokenizer)
-    tokenizer = load_hf_tokenizer(source)
-    own = own_template(tokenizer)
-    if cfg.chat_template is not None:
-        template, name = load_template(cfg.chat_template)
-    elif own is not None:
+    tokenizer = chat.load_hf_tokenizer(source)
+    own = chat.own_template(tokenizer)
+    if cfg.chat_template is None and own is not None:
         template, name = own, "the tokenizer's own"
     else:
-        template, name = SIMPLE_TEMPLATE, "simple"
+        template, name = chat.load_template("simple" if cfg.chat_template is None else cfg.chat_template)
     pad = cfg.pad_token
-    if pad is None and (tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id):
-        pad = reserved_pad(tokenizer)
+    if pad is None and (tokenizer.pad_token_id in (None, tokenizer.eos_token_id)):
+        pad = chat.reserved_pad(tokenizer)
         if pad is not None:
             summary.notes.append(f"pad token: {pad}, reserved in the vocabulary (the tokenizer set none)")
     summary.template = name
@@ -130,16 +117,16 @@ def _setup_tokenizer(cfg: ChatConfig, summary: ChatSummary):  # noqa: ANN202 - a
         summary.tokenizer = str(source)
     else:
         vocabulary = len(tokenizer)
-        folder = write_tokenizer_with_template(source, cfg.tokenizer_folder(), tokenizer, template, pad)
-        tokenizer = load_hf_tokenizer(folder, "--tokenizer-output")
-        if own_template(tokenizer) != template:
+        folder = chat.write_tokenizer_with_template(source, cfg.tokenizer_folder(), tokenizer, template, pad)
+        tokenizer = chat.load_hf_tokenizer(folder, "--tokenizer-output")
+        if chat.own_template(tokenizer) != template:
             raise DataError(f"--tokenizer-output {folder}: transformers does not read the written chat template back")
         summary.tokenizer, summary.tokenizer_written = str(folder), True
         if len(tokenizer) != vocabulary:
             summary.notes.append(f"--pad-token {pad} is a new token: the vocabulary grows from {vocabulary} to "
                                  f"{len(tokenizer)} (the model's embedding needs a row for it)")
-    probe(tokenizer, f"--chat-template {cfg.chat_template}" if cfg.chat_template else f"--tokenizer {source}")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+    chat.probe(tokenizer, f"--chat-template {cfg.chat_template}" if cfg.chat_template else f"--tokenizer {source}")
+    if tokenizer.pad_token_id in (None, tokenizer.eos_token_id):
         summary.notes.append(
             "the tokenizer pads with its EOS: Megatron-LM's SFTDataset masks every target equal to the pad id, so "
             "the EOS that ends each answer gets no loss and the model does not learn to stop; give --pad-token "
@@ -156,14 +143,14 @@ def prepare_chat(cfg: ChatConfig) -> ChatSummary:
         from megatron_jreg.data.chat_targets import IGNORE_INDEX, ChatTargets
 
         hf = _setup_tokenizer(cfg, summary)
-        targets, specials = ChatTargets(hf), special_texts(hf)
+        targets, specials = ChatTargets(hf), chat.special_texts(hf)
     lines = (line for unit in iter_units(files, ["messages"]) for line in jsonl_lines(unit))
     with atomic_write(cfg.output) as f:  # the mode the umask gives, as every output
         for where, record, reason in lines:  # a damaged .gz/.zst ends after its last complete line
             if reason is not None:
                 summary.skip(reason, where)
                 continue
-            messages, reason, detail = check_messages(record)
+            messages, reason, detail = chat.check_messages(record)
             if messages is None:
                 summary.skip(reason, f"{where} ({detail})")
                 continue
@@ -201,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a local Hugging Face tokenizer folder: check each conversation with it (default: none, the "
                    "records' structure only)")
     p.add_argument("--chat-template", metavar="NAME|FILE",
-                   help=f"template when the tokenizer has none ({', '.join(TEMPLATES)} or a .jinja file; default "
+                   help=f"template when the tokenizer has none ({', '.join(chat.TEMPLATES)} or a .jinja file; default "
                    "simple); given, it replaces the tokenizer's own in the copy")
     p.add_argument("--tokenizer-output", metavar="DIR",
                    help="where the tokenizer copy with the template goes (default: OUTPUT's name + _tokenizer)")

@@ -93,11 +93,9 @@ def resolve_inputs(patterns: list[str], hf_split: str | None = None, allow_text:
             if _kind(str(path), allow_text) is None:
                 raise ValueError(f"--input {path}: unsupported file type; use {', '.join(SUPPORTED_SUFFIXES)}")
             files.append(path)
+        elif path.is_dir() and (hf := _hf_folder_files(path, hf_split)) is not None:
+            files.extend(hf)
         elif path.is_dir():
-            hf = _hf_folder_files(path, hf_split)
-            if hf is not None:
-                files.extend(hf)
-                continue
             found = _walk(path, allow_text)
             if not found:
                 raise ValueError(f"--input {path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory")
@@ -232,10 +230,7 @@ def jsonl_lines(unit: Unit) -> Iterator[tuple[str, Any, str | None]]:
     if unit.error is not None:
         yield f"{unit.path}:{unit.first_line} ({unit.error})", None, unit.error_reason
         return
-    lines = unit.data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for offset, raw in enumerate(lines):
+    for offset, raw in enumerate(unit.data.removesuffix(b"\n").split(b"\n")):
         where = f"{unit.path}:{unit.first_line + offset}"
         if not raw.strip():
             yield where, None, "blank_line"

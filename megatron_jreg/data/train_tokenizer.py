@@ -58,9 +58,9 @@ class _Samples:
             print(f"train-tokenizer: skipped records of the input: {skip_counts(self.skipped)}", file=sys.stderr)
 
 
-def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str = "sentencepiece", *,
+def train_tokenizer(input: list[str], output: str, vocab_size: int, kind: str = "sentencepiece", *,
                     json_key: str = "text", max_chars: int | None = None, hf_split: str | None = None,
-                    special_tokens: tuple[str, ...] = ()) -> str:
+                    special_tokens: list[str] | tuple[str, ...] = ()) -> str:
     """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`. `max_chars` (the
     inputs' first characters) keeps a run on a large corpus short; `special_tokens` are reserved in the vocabulary
     (as Llama-3 does), so a later chat format or padding needs no new embedding rows."""
@@ -74,7 +74,7 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str =
         raise DataError(f"--output {output}: is a file; hf-bpe writes a folder, so give a new folder path")
     else:
         check_output_folder(Path(output).parent, f"--output {output}")
-    samples = _Samples(inputs, json_key, max_chars, hf_split)
+    samples = _Samples(input, json_key, max_chars, hf_split)
     if kind == "sentencepiece":
         import sentencepiece
 
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        path = train_tokenizer(args.input, args.output, args.vocab_size, args.kind, json_key=args.json_key,
-                               max_chars=args.max_chars, hf_split=args.hf_split,
-                               special_tokens=tuple(args.special_tokens))
+        path = train_tokenizer(**vars(args))
         tokenizer_type = "SentencePieceTokenizer" if args.kind == "sentencepiece" else "HuggingFaceTokenizer"
         print(f"trained {args.kind} tokenizer: --tokenizer-type {tokenizer_type} --tokenizer-model {path}")
         return 0
