@@ -236,6 +236,13 @@ def signature_drift(name: str, expected: tuple[str, ...], fn: Callable) -> str |
             f"({WRITTEN_FOR}): {'; '.join(parts)}; update megatron_jreg.patches and its wrapper")
 
 
+def arguments(function: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call of `function` (a patched original, its parameters checked) by parameter name, defaults filled in."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def check(target: str, original: Any) -> None:
     """SignatureDrift when `original` is not the function the table's entry for `target` was written for."""
     patch = entry(target)

@@ -6,32 +6,30 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
-import inspect
 import logging
 import os
 import re
 import shutil
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from megatron_jreg import patches
 from megatron_jreg.checkpoints import CheckpointError, failure_text, verify_integrity, write_integrity
-from megatron_jreg.checkpoints.files import TRACKER, checkpoint_files, digest_files, share
-from megatron_jreg.errors import FAILED, JregError, UsageError, limit_reached
+from megatron_jreg.checkpoints.files import TRACKER, checkpoint_files, digest_files, iteration_dir, share
+from megatron_jreg.compat import device
+from megatron_jreg.errors import Failed, JregError, UsageError, limit_reached
 from megatron_jreg.training.run_folder import tracked
 from megatron_jreg.training.run_record import RunRecord, Start, write_sidecar
 
 
-class SaveError(JregError, RuntimeError):
+class SaveError(Failed, RuntimeError):
     """A checkpoint save that failed (disk full, write error); the message is one line (exit 1)."""
 
-    exit_code = FAILED
 
-
-class RankLost(JregError, RuntimeError):
+class RankLost(Failed, RuntimeError):
     """Another rank died during a collective; the message is one line naming the checkpoint to resume (exit 1)."""
-
-    exit_code = FAILED
 
 
 def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None:
@@ -62,7 +60,7 @@ DIST_SAVE = "megatron.core.dist_checkpointing.save"
 def _dist_save(original, pending: dict, *a, **k):  # noqa: ANN001
     """dist_checkpointing.save without its rank-0 manifest, then `finish_save` (at once, or when --async-save's
     request finalizes)."""
-    call = _bound(original, a, k)
+    call = patches.arguments(original, a, k)
     call["verify_integrity"] = False
     result = original(**call)
     from megatron.training import get_args
@@ -78,18 +76,11 @@ def _dist_save(original, pending: dict, *a, **k):  # noqa: ANN001
 
 def _all_gather(value: object) -> list:
     """`value` from every rank, in rank order (a world of one: itself)."""
-    import torch
-
     if torch.distributed.get_world_size() == 1:
         return [value]
     values: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(values, value)
     return values
-
-
-def _first_error(values: list) -> str | None:
-    """The first rank's error text among the gathered outcomes (a str is an error)."""
-    return next((v for v in values if isinstance(v, str)), None)
 
 
 def digest_threads() -> int:
@@ -100,8 +91,6 @@ def digest_threads() -> int:
 def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
     """Before the tracker names a save: megatron_jreg.json, then (with `digest`) each rank digests its `share`
     (still in its page cache) and rank 0 writes integrity.json; a failure on any rank raises on all."""
-    import torch
-
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
     listed: list = [None]
@@ -123,18 +112,13 @@ def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
     except OSError as e:
         mine = f"[Errno {e.errno}] {e.strerror}: {e.filename}"
     gathered = _all_gather(mine)
-    failed = _first_error(gathered)
+    failed = next((v for v in gathered if isinstance(v, str)), None)  # the first rank's error
     if failed is not None:
         raise OSError(f"digesting the saved files failed ({failed})")
     if rank == 0:
         write_integrity(ckpt, {name: digest for part in gathered for name, digest in part.items()})
     if world > 1:
         dist.barrier()
-
-
-def _bound(original, a: tuple, k: dict) -> dict:  # noqa: ANN001
-    """The call's arguments by name (their order is Megatron-LM's, checked by megatron_jreg.patches)."""
-    return inspect.signature(original).bind(*a, **k).arguments
 
 
 def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # noqa: ANN001
@@ -144,7 +128,7 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
     from megatron.training.checkpointing import get_checkpoint_name
 
     args = get_args()
-    call = _bound(original, a, k)
+    call = patches.arguments(original, a, k)
     iteration, model, optimizer = call["iteration"], call["model"], call["optimizer"]
     if args.save is None:
         return None  # Megatron-LM's NaN and signal exits save even without --save
@@ -161,9 +145,16 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
     ckpt = Path(get_checkpoint_name(args.save, iteration, return_base_dir=True))
     steps = [int(states[0]["step"].item()) for o in _torch_adam_distributed(optimizer) if (states := _adam_states(o))]
     sidecar = record.sidecar(steps[0] if steps else None) if persistent else None
-    writer = logging.getLogger(_WRITER_LOG)
-    writer_errors = _Collect()
-    writer.addFilter(writer_errors)
+    writer, errors = logging.getLogger(_WRITER_LOG), []
+
+    def collect(record: logging.LogRecord) -> bool:
+        """The writer's error records, kept off the console: the only place its OSError text survives (Megatron-LM
+        re-raises "<class 'OSError'>"); the SaveError line carries the first."""
+        if record.levelno >= logging.ERROR:
+            errors.append(record.getMessage())
+        return record.levelno < logging.ERROR
+
+    writer.addFilter(collect)
     pending["record"] = sidecar
     try:
         result = original(*a, **k)
@@ -174,12 +165,12 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
         if not persistent:
             raise
-        cause = writer_errors.messages[0].rsplit("error: ", 1)[-1] if writer_errors.messages else failure_text(e)
+        cause = errors[0].rsplit("error: ", 1)[-1] if errors else failure_text(e)
         raise SaveError(_save_failure(args.save, iteration, ckpt, previous, cause, model, optimizer)) from e
     finally:
         pending.clear()
-        writer.removeFilter(writer_errors)
-    for message in writer_errors.messages:  # logged without failing the save: show them after all
+        writer.removeFilter(collect)
+    for message in errors:  # logged without failing the save: show them after all
         writer.error(message)
     return result
 
@@ -187,20 +178,17 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
 def _nonfinite(model, optimizer) -> tuple[tuple[int, int], str | None]:  # noqa: ANN001 - Megatron-LM objects
     """((weight, optimizer state) tensors holding NaN/Inf over all ranks, the first's name), in one reduction; the
     optimizer's state counts too: an inf exp_avg_sq leaves the weights finite yet the checkpoint useless."""
-    import torch
-
     dist = torch.distributed
     named = _named_parameters(model)
     state = _optimizer_tensors(optimizer, {id(p): n for n, p in named})
     flags = [~torch.isfinite(t.detach()).all() for _, t in named + state]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device())
     for part, items in enumerate((flags[:len(named)], flags[len(named):])):
         by_device: dict = {}  # an offloaded optimizer keeps its state on the host
         for flag in items:
             by_device.setdefault(flag.device, []).append(flag)
         for group in by_device.values():
-            counts[part] += torch.stack(group).sum().to(device)
+            counts[part] += torch.stack(group).sum().to(counts.device)
     if dist.get_world_size() > 1:
         dist.all_reduce(counts)
     weights, moments = counts.tolist()
@@ -226,8 +214,6 @@ def _optimizers(optimizer) -> list:  # noqa: ANN001 - Megatron-LM's optimizer, c
 
 def _optimizer_tensors(optimizer, names: dict[int, str]) -> list[tuple[str, object]]:  # noqa: ANN001
     """The optimizer's floating-point tensors that are not model weights, named after their model parameter."""
-    import torch
-
     found: list[tuple[str, object]] = []
     for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
@@ -252,24 +238,8 @@ _WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
-class _Collect(logging.Filter):
-    """The checkpoint writer's error records, kept off the console: the only place its OSError text survives
-    (Megatron-LM re-raises "<class 'OSError'>"); the SaveError line carries the first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        self.messages.append(record.getMessage())
-        return False
-
-
 def _checkpoint_bytes(model, optimizer) -> int:
     """About the bytes of one checkpoint of this run, for a failed save's "needs about" (no earlier save)."""
-    import torch
     from megatron.core import parallel_state
 
     params = {id(p): p.numel() * p.element_size() for _, p in _named_parameters(model)}
@@ -288,14 +258,12 @@ def _checkpoint_bytes(model, optimizer) -> int:
 
 def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, model, optimizer) -> str:
     """The one line for a failed save (`text`: the writer's error), after removing the partial folder."""
-    import torch
-
     removed = False
     if int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0 and ckpt.exists() and previous != iteration:
         shutil.rmtree(ckpt, ignore_errors=True)
         removed = not ckpt.exists()
-    last = Path(save) / (f"iter_{int(previous):07d}" if isinstance(previous, int) else str(previous))
-    if previous is not None and last.is_dir():
+    last = iteration_dir(save, previous) if previous is not None else None
+    if last is not None and last.is_dir():
         need, basis = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()), f"the size of {last.name}"
     else:
         need, basis = _checkpoint_bytes(model, optimizer), "this run's parameters and optimizer state"
@@ -320,14 +288,11 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
 
 def _adam_states(opt) -> list[dict]:  # noqa: ANN001 - a DistributedOptimizer over torch's Adam
     """The per-parameter states of torch's Adam that hold a `step` tensor."""
-    import torch
-
     return [state for state in opt.optimizer.state.values() if isinstance(state.get("step"), torch.Tensor)]
 
 
 def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
     """Megatron-LM's load_checkpoint after every rank verified its share of the digests."""
-    import torch
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
@@ -340,7 +305,7 @@ def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
         except CheckpointError as e:
             outcome = str(e)
         gathered = _all_gather(outcome)
-        failed = _first_error(gathered)
+        failed = next((v for v in gathered if isinstance(v, str)), None)  # the first rank's error
         if failed is not None:
             raise UsageError(f"--load: {failed}")
         if gathered[0] is None:
@@ -349,7 +314,7 @@ def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
         else:
             print_rank_0(f"megatron-jreg: verified {sum(gathered)} file(s) of {start.ckpt} against integrity.json"
                          f"{f' ({len(gathered)} ranks)' if len(gathered) > 1 else ''}")
-    optimizer = _bound(original, a, k).get("optimizer")
+    optimizer = patches.arguments(original, a, k)["optimizer"]
     torch_adam = _torch_adam_distributed(optimizer) if start else []
     for opt in torch_adam:
         if not opt.optimizer.state:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import os
 import signal
 import sys
@@ -13,6 +12,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -61,14 +62,12 @@ class JregLoop:
             self._pid = os.getpid()
             self._sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
-    # -- model builder hook --------------------------------------------------------------------------
     def attach(self, model_chunks: list) -> list:
         """Post-wrap hook of the model builder: JREG on this rank's (DDP-wrapped) chunks."""
         self.plugin = JregPlugin(model_chunks, self.cfg)
         return model_chunks
 
     def patch_makers(self) -> dict[str, Callable]:
-        """The wrappers of Megatron-LM's loop functions that raise this loop's events (for patches.patched)."""
         return MegatronLoopAdapter(self).makers()
 
     def close(self) -> None:
@@ -80,7 +79,6 @@ class JregLoop:
         if self.plugin is not None:
             self.plugin.remove_hooks()
 
-    # -- Ctrl-C ---------------------------------------------------------------------------------------------
     def _on_sigint(self, signum: int, frame: object) -> None:
         """Ctrl-C: stop at the end of the step, all ranks alike (before training, or pressed again: at once)."""
         if os.getpid() != self._pid:  # a forked data worker (Ctrl-C reaches the whole process group): keep serving
@@ -97,8 +95,6 @@ class JregLoop:
 
     def _stop_if_interrupted(self, agree: bool = True) -> None:
         """Interrupted on every rank if any saw Ctrl-C; the collective (a host sync) only where ranks log (`agree`)."""
-        import torch
-
         stop = self._interrupted
         if _ranks() > 1:
             if not agree:
@@ -111,15 +107,11 @@ class JregLoop:
             raise Interrupted(self._interrupted_line())
 
     def _interrupted_line(self) -> str:
-        """"interrupted at iteration N; last checkpoint M ...; resume with ..." (one line)."""
         where = (f"at iteration {self._iteration}" if not self.first_step
                  else f"before training started (iteration {self.start or 0})")
         return f"interrupted (Ctrl-C) {where}; {resume_hint(self.args)}"
 
-    # -- events ------------------------------------------------------------------------------------------
     def on_train_step_start(self, iteration: int | None) -> None:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         # Megatron-LM prints iteration `iteration + 1` (1-based) then
         self._record = self.first_step or ((iteration or 0) + 1) % self.args.log_interval == 0
         if self.first_step:
@@ -129,16 +121,16 @@ class JregLoop:
 
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
         """After Megatron-LM's train_step; `result` by TRAIN_STEP_RESULT's names."""
+        done = (iteration or 0) + 1  # the iteration Megatron-LM prints (1-based)
         self.stats = self.plugin.finish_step() if self._record else None
         self._warn_zero_states(self.stats)
         if self._nonfinite is None and self.stats is not None and self.stats.first_nonfinite_layer is not None:
-            self._nonfinite = ((iteration or 0) + 1, self.stats.first_nonfinite_layer)  # where NaN/Inf states began
-        exit_code = result["exit_code"]
-        if result["should_exit"] and exit_code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-                                                   EXIT_CODE_RESUME_TO_DISAMBIGUATE):
-            self._report_divergence((iteration or 0) + 1, exit_code)
+            self._nonfinite = (done, self.stats.first_nonfinite_layer)  # where NaN/Inf states began
+        if result["should_exit"] and result["exit_code"] in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                                             EXIT_CODE_RESUME_TO_DISAMBIGUATE):
+            self._report_divergence(done, result["exit_code"])
             return
-        self._iteration = (iteration or 0) + 1
+        self._iteration = done
         self.first_step = False
         self._stop_if_interrupted(agree=self._record)
 
@@ -186,11 +178,9 @@ class JregLoop:
     def on_eval_start(self, eval_iters: int | None) -> None:
         """Before Megatron-LM's evaluate of `eval_iters` iterations (None: --eval-iters)."""
         a = self.args
-        if eval_iters is None:
-            eval_iters = a.eval_iters
         microbatches = a.eval_global_batch_size // (a.eval_micro_batch_size * a.data_parallel_size
                                                     * a.gtp_weight_remat_size)
-        self.plugin.start_step(microbatches * eval_iters, record=True)
+        self.plugin.start_step(microbatches * (a.eval_iters if eval_iters is None else eval_iters), record=True)
 
     def on_eval_end(self, result: Mapping[str, Any]) -> None:
         """After Megatron-LM's evaluate; `result` by EVALUATE_RESULT's names."""
@@ -210,8 +200,6 @@ class JregLoop:
 
 
 def _ranks() -> int:
-    import torch
-
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
@@ -243,13 +231,13 @@ class MegatronLoopAdapter:
                                                                 _named(TRAIN_STEP, TRAIN_STEP_RESULT, result)))
 
     def training_log(self, original: Callable) -> Callable:
-        signature, events = inspect.signature(original), self.events
+        events = self.events
 
         @functools.wraps(original)
         def training_log(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             from megatron.training import get_timers
 
-            log = _bind(signature, args, kwargs)
+            log = patches.arguments(original, args, kwargs)
             suffix = events.telemetry.on_log_start(log, events.stats)
             elapsed: list[float] = []
 
@@ -279,24 +267,16 @@ class MegatronLoopAdapter:
 
 def _around(original: Callable, before: Callable[[dict], None], after: Callable[[dict, Any], None]) -> Callable:
     """`original` wrapped: `before(call)` and `after(call, result)` around it, `call` its arguments by name."""
-    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        call = _bind(signature, args, kwargs)
+        call = patches.arguments(original, args, kwargs)
         before(call)
         result = original(*args, **kwargs)
         after(call, result)
         return result
 
     return wrapper
-
-
-def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by parameter name, defaults filled in."""
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound.arguments
 
 
 def _named(function: str, names: tuple[str, ...], result: tuple) -> dict[str, Any]:
