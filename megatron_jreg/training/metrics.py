@@ -4,6 +4,7 @@ the file equals an uninterrupted run's across resumes (fields: docs/training.md;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -47,9 +48,8 @@ def write_scalars(stats: JregStats, step: int, prefix: str) -> None:
     if writer is not None:
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
-        total = sum(stats.psi)
-        if total > 0:
-            psi = stats.psi
+        psi = stats.psi
+        if sum(psi) > 0:
             writer.add_histogram_raw(
                 f"{prefix}/psi_per_layer", min=1, max=len(psi), num=len(psi),
                 sum=float(sum(ell * p for ell, p in enumerate(psi, 1))),
@@ -187,10 +187,10 @@ class _AboveBar:
     def flush(self) -> None:
         self._stream.flush()
 
-    def release(self):  # noqa: ANN201 - the wrapped stream, with any unfinished line written
+    def release(self) -> None:
+        """Any unfinished line, written to the wrapped stream."""
         self._stream.write(self._pending)
         self._pending = ""
-        return self._stream
 
     def __getattr__(self, name: str):  # noqa: ANN204 - fileno, isatty, encoding, ...
         return getattr(self._stream, name)
@@ -205,22 +205,23 @@ class Progress:
         self.enabled = bool(default if enabled is None else enabled) and bool(train_iters)
         self.train_iters = train_iters or 0
         self._bar: _MegatronRateBar | None = None
-        self._streams: tuple | None = None
-        self._handlers: list[tuple[logging.StreamHandler, object]] = []
+        self._restore = contextlib.ExitStack()  # the streams and logging handlers as they were
 
     def start(self, iteration: int) -> None:
         """At the run's first step (after setup; `iteration` > 0 on a resume)."""
         if not self.enabled or self._bar is not None:
             return
-        self._streams = (sys.stdout, sys.stderr)
         self._bar = _MegatronRateBar(total=self.train_iters, initial=iteration, desc="train", unit="it",
                                      file=sys.stderr, dynamic_ncols=True, mininterval=0.5, leave=True)
-        above = {id(s): _AboveBar(s, self._bar) for s in self._streams}
-        sys.stdout, sys.stderr = above[id(self._streams[0])], above[id(self._streams[1])]
+        above = {id(s): _AboveBar(s, self._bar) for s in (sys.stdout, sys.stderr)}
+        for stream in above.values():
+            self._restore.callback(stream.release)
+        self._restore.enter_context(contextlib.redirect_stdout(above[id(sys.stdout)]))
+        self._restore.enter_context(contextlib.redirect_stderr(above[id(sys.stderr)]))
         loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
         for handler in {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}:
             if isinstance(handler, logging.StreamHandler) and id(vars(handler).get("stream")) in above:
-                self._handlers.append((handler, handler.setStream(above[id(handler.stream)])))
+                self._restore.callback(handler.setStream, handler.setStream(above[id(handler.stream)]))
 
     def update(self, iteration: int, seconds_per_iteration: float | None = None) -> None:
         if self._bar is None:
@@ -236,13 +237,7 @@ class Progress:
             return
         self._bar.close()
         self._bar = None
-        for handler, stream in self._handlers:
-            handler.setStream(stream)
-        self._handlers.clear()
-        for stream in (sys.stdout, sys.stderr):
-            if isinstance(stream, _AboveBar):
-                stream.release()
-        sys.stdout, sys.stderr = self._streams
+        self._restore.close()
 
 
 _ADVANCED, _SKIPPED = "advanced iterations", "skipped iterations"  # Megatron-LM's training_log counters
@@ -294,13 +289,12 @@ class Telemetry:
         line, iteration = self._line, log["iteration"]
         seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
         if line["row"]:
-            self._log_record(iteration, log["learning_rate"], log["grad_norm"], line["stats"], seconds, log)
+            self._log_record(log, line["stats"], seconds)
             if line["on_grid"]:
                 self.window = LossWindow()
         self.progress.update(iteration, seconds)
 
-    def _log_record(self, iteration: int, lr, grad_norm, stats: JregStats | None, seconds: float | None,  # noqa: ANN001
-                    log_kwargs: Mapping[str, Any]) -> None:
+    def _log_record(self, log: Mapping[str, Any], stats: JregStats | None, seconds: float | None) -> None:
         """One --metrics-file record, its time and throughput the console line's, as Megatron-LM computes them."""
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training.training import num_floating_point_operations
@@ -309,12 +303,13 @@ class Telemetry:
         batch = (args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
                  * get_num_microbatches())
         flops = num_floating_point_operations(
-            args, batch, seqlen_squared_sum_in_batch=log_kwargs.get("seqlen_squared_sum_in_batch"),
-            total_real_tokens_in_batch=log_kwargs.get("total_real_tokens_in_batch"))
-        timed = seconds is not None and seconds > 0
+            args, batch, seqlen_squared_sum_in_batch=log.get("seqlen_squared_sum_in_batch"),
+            total_real_tokens_in_batch=log.get("total_real_tokens_in_batch"))
+        timed, iteration = seconds is not None and seconds > 0, log["iteration"]
         record = {
             "iteration": iteration, "consumed_samples": args.consumed_train_samples, "lm_loss": self.window.mean(),
-            "lr": lr, "grad_norm": grad_norm, "iteration_ms": 1000 * seconds if seconds is not None else None,
+            "lr": log["learning_rate"], "grad_norm": log["grad_norm"],
+            "iteration_ms": 1000 * seconds if seconds is not None else None,
             "tokens_per_sec": batch * args.seq_length / seconds if timed else None,
             "tflops_per_rank": flops / seconds / 1e12 / args.world_size if timed else None,
         }
