@@ -12,7 +12,9 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_pg_rank
 from torch import Tensor
 
 from megatron_jreg import jreg, jreg_kernels
@@ -158,9 +160,6 @@ def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, Trans
 
     A chunk without a `decoder` (not a GPT model) holds none; MTP blocks are not part of the decoder.
     """
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from megatron.core.utils import get_attr_wrapped_model, get_pg_rank
-
     out = []
     for chunk in model_chunks:
         try:
@@ -177,12 +176,7 @@ def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, Trans
 
 def sequence_split_mask(mask: Tensor | None, tp_rank: int, tp_size: int) -> Tensor | None:
     """[b, s] token mask → the [s/tp, b] rows this rank holds under sequence parallelism."""
-    if mask is None:
-        return None
-    rows = mask.t()
-    if tp_size == 1:
-        return rows.contiguous()
-    return rows.chunk(tp_size, dim=0)[tp_rank].contiguous()
+    return None if mask is None else mask.t().chunk(tp_size, dim=0)[tp_rank].contiguous()
 
 
 @dataclass
@@ -204,8 +198,6 @@ class JregPlugin:
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
         if not model_chunks:
             raise ValueError("JregPlugin needs the model chunks of this rank")
-        from megatron.core.utils import get_model_config
-
         self.chunks = list(model_chunks)
         self.mcfg = get_model_config(model_chunks[0])  # the TransformerConfig under the DDP/Float16 wrappers
         self.num_layers = self.mcfg.num_layers
@@ -246,10 +238,8 @@ class JregPlugin:
         loss_scale: Tensor | float = 1.0
         if self.mcfg.grad_scale_func is not None:  # the optimizer's loss scale, kept on device (no sync)
             loss_scale = self.mcfg.grad_scale_func(torch.ones((), device=_device())).detach()
-        if self.mcfg.calculate_per_token_loss:
-            self._scale = loss_scale
-        else:
-            self._scale = loss_scale * self._cp / num_microbatches
+        per_token = self.mcfg.calculate_per_token_loss
+        self._scale = loss_scale if per_token else loss_scale * self._cp / num_microbatches
         self._next = Microbatch(None, None, None, self._scale)
         want_hooks = self.penalize or record
         if want_hooks and not self._handles:
@@ -266,16 +256,13 @@ class JregPlugin:
     def set_token_mask(self, mask: Tensor | None, loss_tokens: Tensor | float | None = None) -> None:
         """The next microbatch on this rank: token mask [b, s] (after the CP split; None = all real) and
         its loss-token count over the whole microbatch (all CP slices; None = its real-token count)."""
-        real = None
-        rows = None
+        real = rows = None
         if mask is not None:
             real = mask.float().sum()
             if self._cp > 1:
-                from megatron.core import parallel_state
-
                 dist.all_reduce(real, group=parallel_state.get_context_parallel_group())
             real = real.clamp_min(1.0)  # a microbatch without real tokens adds 0 (not 0/0) to Ψ
-            tp_rank = _tp_rank() if self._sp else 0
+            tp_rank = parallel_state.get_tensor_model_parallel_rank() if self._sp else 0
             rows = sequence_split_mask(mask.bool(), tp_rank, self._tp if self._sp else 1)
         self._next = Microbatch(rows, real, loss_tokens, self._scale)
 
@@ -289,8 +276,6 @@ class JregPlugin:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(shares)
         shares = shares.cpu()
-        from megatron.core import parallel_state
-
         dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         angular, cosine, zero = (shares / max(self._microbatches, 1) / dp).unbind(1)
         if not self.penalize:
@@ -407,10 +392,4 @@ class JregPlugin:
     def _all_tokens(self, h: Tensor) -> float:
         """Tokens of the whole microbatch from this rank's hidden rows h[s_local, b, h]."""
         return float(h.shape[0] * h.shape[1] * (self._tp if self._sp else 1) * self._cp)
-
-
-def _tp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank()
 
