@@ -186,14 +186,15 @@ def _loss_ignores_user_targets(argv: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.training.training import get_train_valid_test_num_samples
 
+    from megatron_jreg import patches
     from megatron_jreg.training.data import train_valid_test_datasets_provider
     from megatron_jreg.training.run import parse_and_validate, teardown
-    from megatron_jreg.training.sft import install_chat_targets
+    from megatron_jreg.training.sft import CHAT_TARGETS, chat_targets
     from megatron_jreg.training.step import loss_func
 
     try:
         parse_and_validate(argv)
-        install_chat_targets()
+        patches.apply({CHAT_TARGETS: chat_targets})  # until teardown, as training_patches does around a run
         parallel_state.initialize_model_parallel()
         train_ds, _, _ = train_valid_test_datasets_provider(get_train_valid_test_num_samples())
         sample = train_ds[0]

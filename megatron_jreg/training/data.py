@@ -156,19 +156,12 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
         with open(args.per_dataset_sequences_path) as f:
             sequences_per_dataset = json.load(f)
     fields = dict(
+        {name: getattr(args, name) for name in _SAME_NAMES},
         random_seed=args.seed, sequence_length=args.seq_length, tokenizer=get_tokenizer(),
-        blend=blend, blend_per_split=blend_per_split, split=args.split, sequences_per_dataset=sequences_per_dataset,
-        multiple_validation_sets=args.multiple_validation_sets, full_validation=args.full_validation,
-        path_to_cache=args.data_cache_path, object_storage_cache_path=args.object_storage_cache_path,
-        mmap_bin_files=args.mmap_bin_files, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        blend=blend, blend_per_split=blend_per_split, sequences_per_dataset=sequences_per_dataset,
+        path_to_cache=args.data_cache_path, create_attention_mask=args.create_attention_mask_in_dataloader,
         fast_cache_load=args.dataloader_fast_cache_load, defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
-        context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
-        hybrid_context_parallel=args.hybrid_context_parallel,
         inter_document_masking=args.dataloader_inter_document_masking,
     )
     if args.fim_data:
@@ -176,12 +169,17 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
 
         extra_tokens = {"prefix": args.fim_prefix_token, "middle": args.fim_middle_token,
                         "suffix": args.fim_suffix_token, "pad": args.fim_pad_token, "eod": args.fim_eod_token}
-        return GPTFIMDatasetConfig(
-            **fields, fim_rate=args.fim_rate, fim_spm_rate=args.fim_spm_rate, fim_extra_tokens=extra_tokens,
-            fim_split_sample=args.fim_split_sample, fim_fragment_rate=args.fim_fragment_rate,
-            fim_no_prefix=args.fim_no_prefix,
-        )
+        return GPTFIMDatasetConfig(**fields, **{name: getattr(args, name) for name in _FIM_NAMES},
+                                   fim_extra_tokens=extra_tokens)
     return GPTDatasetConfig(**fields)
+
+
+# pretrain_gpt.py's dataset config fields named as their flags
+_SAME_NAMES = ("split", "multiple_validation_sets", "full_validation", "object_storage_cache_path", "mmap_bin_files",
+               "num_dataset_builder_threads", "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+               "mid_level_dataset_surplus", "allow_ambiguous_pad_tokens", "context_parallel_size",
+               "data_parallel_size", "hybrid_context_parallel")
+_FIM_NAMES = ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix")
 
 
 def _built_on_rank(vp_stage: int | None = None, packed: bool = False) -> bool:

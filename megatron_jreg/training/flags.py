@@ -44,12 +44,8 @@ def preset_flags(name: str) -> list[str]:
 def expand_preset(argv: list[str]) -> list[str]:
     """Put the preset's architecture flags before the user's (explicit flags then override them)."""
     for i, arg in enumerate(argv):
-        name = None
-        if arg == "--model-preset" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--model-preset="):
-            name = arg.split("=", 1)[1]
-        if name is not None:
+        if arg.startswith("--model-preset=") or (arg == "--model-preset" and i + 1 < len(argv)):
+            name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             if name not in PRESETS:
                 raise UsageError(f"--model-preset {name!r} is unknown: choose one of {', '.join(PRESETS)}")
             return preset_flags(name) + argv
@@ -79,7 +75,6 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _escape_bare_percent(parser)
     for key, value in example(EXAMPLE).items():
         setattr(parser, key, value)
-
 
     def error(message: str) -> None:  # argparse would print Megatron-LM's 800-flag usage first
         raise UsageError(message)

@@ -80,8 +80,6 @@ def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig,
     return args, jreg, start
 
 
-
-
 def _get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """Ranks holding word embeddings (pretrain_gpt.py:480-492, core_v0.19.0)."""
     from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
@@ -131,11 +129,6 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
     return setup_model_and_optimizer
 
 
-def _no_compile(_original):  # noqa: ANN001, ANN202
-    """compile_helpers as a no-op: the wheel ships the helpers compiled but not their Makefile."""
-    return lambda: None
-
-
 @contextlib.contextmanager
 def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-LM's args, training.loop.JregLoop
     """The TRAINING-scope rows of PATCHES, applied around `pretrain` and undone after it, also when it raises."""
@@ -145,7 +138,8 @@ def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-L
 
     makers = {**loop.patch_makers(), **checkpointing.patch_makers(loop.folder.record),
               "megatron.training.training.setup_model_and_optimizer": _build_errors_as_usage,
-              "megatron.core.datasets.utils.compile_helpers": _no_compile}
+              # the wheel ships the dataset helpers compiled but not their Makefile: a no-op
+              "megatron.core.datasets.utils.compile_helpers": lambda _original: lambda: None}
     if args.sft and args.sft_tokenizer_prompt_format in ("default", "identity"):
         makers[CHAT_TARGETS] = chat_targets  # loss on assistant tokens only (Megatron-LM's SFTTokenizer: on all)
     with patches.patched(makers):

@@ -4,6 +4,7 @@ run's checkpoints refused or moved aside, and where a stopped run resumes from."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import json
@@ -98,11 +99,9 @@ class SaveLock:
         if self._fd < 0:
             return
         _HELD.discard(str(self.path.resolve()))
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
                 self.path.unlink()
-        except FileNotFoundError:
-            pass
         os.close(self._fd)  # closing drops the lock
         self._fd = -1
 
@@ -149,7 +148,7 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
     save = Path(args.save)
     continuing = root is not None and (Path(root).resolve() == save.resolve()
                                        or save.resolve() in Path(root).resolve().parents)
-    if continuing and getattr(args, "jreg_overwrite_save", False):
+    if continuing and args.jreg_overwrite_save:
         raise UsageError(f"--overwrite-save with --load {root}, inside --save {args.save}: the run would load the "
                          "checkpoint that --overwrite-save moves aside first; drop --overwrite-save to continue that "
                          "run, or load another folder to start over in this one")
@@ -158,8 +157,8 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
     if continuing or (not found and tracker is None):
         return  # continuing that folder (its tracker, or one of its iterations), or nothing there
     shown = ", ".join(map(str, found[-6:])) if found else "none complete"
-    if getattr(args, "jreg_overwrite_save", False):
-        if getattr(args, "rank", 0) == 0:
+    if args.jreg_overwrite_save:
+        if args.rank == 0:
             aside = _move_aside(save)
             print(f"megatron-jreg: --overwrite-save: the checkpoints of the run that wrote {args.save} before "
                   f"(iterations {shown}; {tracker or 'no tracker'}) moved to {aside}, so that no reader mixes them "

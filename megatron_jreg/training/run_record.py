@@ -101,9 +101,7 @@ def tokenizer_sha256(args: argparse.Namespace) -> str | None:
     return _sha256_of(*(str(Path(f).resolve()) for f in files))
 
 
-@functools.lru_cache(maxsize=4)
-def _sha256_of(*paths: str) -> str:
-    return file_sha256(*paths)
+_sha256_of = functools.lru_cache(maxsize=4)(file_sha256)
 
 
 def run_settings(args: argparse.Namespace, jreg: JregConfig) -> dict:
@@ -136,18 +134,17 @@ def saved_settings(ckpt: Path) -> dict | None:
     if isinstance(recorded, dict):
         return recorded
     if not (ckpt / ".metadata").is_file():
-        legacy = read_legacy_state(ckpt)
-        saved = legacy.get("args") if legacy is not None else None
-        return _settings_from_args(saved) if isinstance(saved, argparse.Namespace) else None
-    from megatron.core import dist_checkpointing
-    from megatron.core.safe_globals import register_safe_globals
+        state = read_legacy_state(ckpt)
+    else:
+        from megatron.core import dist_checkpointing
+        from megatron.core.safe_globals import register_safe_globals
 
-    register_safe_globals()
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(ckpt))  # no_dist: no process group needed
-    except Exception:  # noqa: BLE001 - an unreadable common state is reported by the load itself
-        return None
-    saved = common.get("args") if isinstance(common, dict) else None
+        register_safe_globals()
+        try:
+            state = dist_checkpointing.load_common_state_dict(str(ckpt))  # no_dist: no process group needed
+        except Exception:  # noqa: BLE001 - an unreadable common state is reported by the load itself
+            return None
+    saved = state.get("args") if isinstance(state, dict) else None
     return _settings_from_args(saved) if isinstance(saved, argparse.Namespace) else None
 
 
@@ -226,7 +223,6 @@ class RunRecord:
         self.base = start.sidecar if start else {}  # the record of the checkpoint this run starts from
         self.history: list[dict] = list(self.base.get("history") or [])
         self.loop_fields: Callable[[], dict] | None = None
-        self._settings: dict | None = None
         if start is not None:
             self._continue(start)
 
@@ -254,12 +250,10 @@ class RunRecord:
             print_rank_0(f"megatron-jreg: {start.ckpt} (iteration {start.iteration}) continues with changed settings "
                          f"from iteration {first}: {what}; recorded in each checkpoint's megatron_jreg.json `history`")
 
-    @property
+    @functools.cached_property
     def settings(self) -> dict:
         """run_settings of this run (computed when first needed: a run that neither loads nor saves needs none)."""
-        if self._settings is None:
-            self._settings = run_settings(self.args, self.jreg)
-        return self._settings
+        return run_settings(self.args, self.jreg)
 
     def sidecar(self, torch_adam_step: int | None) -> dict:
         """The megatron_jreg.json of a save of this run."""

@@ -18,13 +18,6 @@ def chat_targets(tokenizer):  # noqa: ANN001, ANN201 - Megatron-LM's tokenizer o
     return tokenizer if isinstance(tokenizer, ChatTargets) else ChatTargets(tokenizer)
 
 
-def install_chat_targets() -> None:
-    """Megatron-LM's global tokenizer wrapped in `ChatTargets` until teardown (runs: training_patches)."""
-    from megatron_jreg import patches
-
-    patches.apply({CHAT_TARGETS: chat_targets})
-
-
 def real_token_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
     """tokens[b, s] → bool [b, s], False on the padding SFTDataset puts after a pack's last conversation."""
     is_pad = tokens == pad

@@ -43,10 +43,8 @@ def param_shards(
 
 def global_index(sh: ShardedTensor) -> tuple:
     """Index of this shard inside its global tensor (integers on prepended axes such as layers)."""
-    idx: list = list(sh.global_offset[: sh.prepend_axis_num])
-    for off, size in zip(sh.global_offset[sh.prepend_axis_num :], sh.local_shape):
-        idx.append(slice(off, off + size))
-    return tuple(idx)
+    lead, offsets = sh.global_offset[: sh.prepend_axis_num], sh.global_offset[sh.prepend_axis_num :]
+    return (*lead, *(slice(off, off + size) for off, size in zip(offsets, sh.local_shape)))
 
 
 def _seed(seed: int, key: str, prefix: tuple) -> int:

@@ -18,6 +18,11 @@ from megatron.core.utils import (
     get_batch_on_this_cp_rank,
     get_batch_on_this_tp_rank,
 )
+from megatron.training import get_args, get_timers, get_tokenizer
+from megatron.training.training import update_seqlen_stats_from_cu_seqlens
+from megatron.training.utils import is_first_or_last_pipeline_stage
+
+from megatron_jreg.training.sft import packed_attention_mask, real_token_mask
 
 stimer = StragglerDetector()  # Megatron-LM's process-wide straggler timers (--log-straggler), pretrain_gpt.py:79
 # SPIKY_LOSS_FACTOR and BATCH_KEYS: pretrain_gpt.py:185 and 83-94 (core_v0.19.0)
@@ -31,9 +36,6 @@ _JREG_KEYS = ("real_mask", "loss_tokens")
 def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tokens: bool = False) -> dict:
     """This rank's microbatch {BATCH_KEYS: tensor or None} plus JREG's `real_mask` [b, s] and `loss_tokens`
     (pretrain_gpt.py:97-181, core_v0.19.0)."""
-    from megatron.training import get_args
-    from megatron.training.utils import is_first_or_last_pipeline_stage
-
     args = get_args()
     packed = bool(args.sft or args.dataloader_inter_document_masking)
     mtp_here = mtp_on_this_rank(layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
@@ -81,10 +83,6 @@ def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tok
 
 def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
     """(real-token mask [b, s] or None, loss-token count or None), one broadcast from TP rank 0."""
-    from megatron.training import get_args, get_tokenizer
-
-    from megatron_jreg.training.sft import real_token_mask
-
     if not sft and not count_loss_tokens:
         return None, None
     args = get_args()
@@ -107,8 +105,6 @@ def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """(Σ loss over loss_mask[b, s], token count, report) from output_tensor[b, s]: pretrain_gpt.py:209-279
     (core_v0.19.0), its plain branch (--logits-load-dir refused, no ModelOpt)."""
-    from megatron.training import get_args
-
     args = get_args()
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
@@ -135,8 +131,6 @@ def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
     cu_seqlens = batch["cu_seqlens"]
     if cu_seqlens is None:
         return None
-    from megatron.training.training import update_seqlen_stats_from_cu_seqlens
-
     cu_seqlens = cu_seqlens.squeeze(0)
     padded = batch["cu_seqlens_padded"]
     padded = padded.squeeze(0) if padded is not None else None
@@ -155,8 +149,6 @@ def _packed_seq_params(batch: dict, seq_length: int) -> PackedSeqParams | None:
 def forward_step(data_iterator, model, jreg=None):  # noqa: ANN001
     """(output, loss function) of one microbatch: pretrain_gpt.py:282-358 (core_v0.19.0) without the refused
     `return_schedule_plan` branch; `jreg`: the run's JregLoop."""
-    from megatron.training import get_args, get_timers
-
     args = get_args()
     timers = get_timers()
     plugin = jreg.plugin if jreg is not None else None
@@ -167,8 +159,6 @@ def forward_step(data_iterator, model, jreg=None):  # noqa: ANN001
         batch = get_batch(data_iterator, config, get_attr_wrapped_model(model, "vp_stage"), count_loss_tokens)
     packed_seq_params = _packed_seq_params(batch, args.seq_length)
     if packed_seq_params is not None and args.transformer_impl == "local":
-        from megatron_jreg.training.sft import packed_attention_mask
-
         # the local spec's attention takes no packed sequences: the same attention as a block-diagonal mask
         # over the flattened microbatch (flatten_batch_for_packed_sequences: micro-batch × seq-length tokens)
         batch["attention_mask"] = packed_attention_mask(packed_seq_params.cu_seqlens_q,
