@@ -26,13 +26,10 @@ _device_rng = torch.Generator()  # stands in for the CUDA default generator
 class _NullStream:
     """Enough of torch.cuda.Stream/Event for megatron's grad-sync and p2p code to run synchronously."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def _nothing(self, *args: Any) -> None:
-        pass
-
-    wait_stream = wait_event = record = synchronize = _nothing
+    __init__ = wait_stream = wait_event = record = synchronize = _nothing
 
     def record_event(self, *args: Any) -> _NullStream:
         return self
@@ -165,10 +162,8 @@ def apply_cpu_compat() -> bool:
 
 
 def apply_cpu_training_compat(args: Any | None = None) -> bool:
-    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (DEVELOPERS.md, "megatron-core on CPU").
-
-    With `args` (a parsed Megatron-LM namespace) the distributed backend is switched to gloo.
-    Returns True when active (no CUDA)."""
+    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (DEVELOPERS.md, "megatron-core on CPU"),
+    and `args` (a parsed Megatron-LM namespace) set to gloo without CUDA kernels; True when active (no CUDA)."""
     if not apply_cpu_compat():
         return False
     patches.apply_process(_CPU_TRAINING_PATCHES)
@@ -204,15 +199,11 @@ _CU_ERRORS = {100: "the driver sees no CUDA device (CUDA_ERROR_NO_DEVICE)",
               999: "unknown CUDA error (often a driver that needs a reboot after an update, or no /dev/nvidia-uvm)"}
 
 
-def _cuda_version(code: int) -> str:
-    return f"{code // 1000}.{code % 1000 // 10}"
-
-
 def driver_report(lib: Any, built: str) -> str:
     """What the CUDA driver library `lib` (libcuda.so.1) says, against the CUDA version torch is built for."""
     version = ctypes.c_int(0)
-    driver = _cuda_version(version.value) if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value \
-        else None
+    found = lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value
+    driver = f"{version.value // 1000}.{version.value % 1000 // 10}" if found else None
     if driver is not None and int(driver.split(".")[0]) < int(built.split(".")[0]):
         return (f"the NVIDIA driver supports CUDA {driver} but torch is built for CUDA {built}: update the driver, or "
                 f"install a torch built for CUDA {driver.split('.')[0]}.x")

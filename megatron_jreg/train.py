@@ -46,26 +46,17 @@ def _help_cache() -> Path:
     return root / f"train-help-{key.hexdigest()[:16]}.json"
 
 
-# Formatters that print a help string as given (HelpFormatter's subclasses that change it, e.g.
-# ArgumentDefaultsHelpFormatter, would add to the already expanded text).
-_PLAIN_FORMATTERS = ("HelpFormatter", "RawDescriptionHelpFormatter", "RawTextHelpFormatter")
-
-
 def help_layout(parser: argparse.ArgumentParser) -> dict:
     """What `parser.format_help()` reads, as JSON-ready data free of the terminal width: sections, each
     flag's strings, metavar, nargs, choices and help with its %(default)s-style fields filled in, the
-    mutually exclusive groups. `render_help` wraps it at the width of the terminal it prints to."""
-    formatter_name = parser.formatter_class.__name__
-    if getattr(argparse, formatter_name, None) is not parser.formatter_class or formatter_name not in _PLAIN_FORMATTERS:
-        raise TypeError(f"help_layout: {formatter_name} may rewrite help strings; use one of {_PLAIN_FORMATTERS}")
+    mutually exclusive groups. `render_help` wraps it at the width of the terminal it prints to. For argparse's
+    formatters that print a help string as given (`usage.example`'s), a parser without subcommands."""
     formatter = parser._get_formatter()
     group_of = {id(a): i for i, g in enumerate(parser._action_groups) for a in g._group_actions}
     mutex = [m for m in parser._mutually_exclusive_groups if m._group_actions]
     mutex_of = {id(a): j for j, m in enumerate(mutex) for a in m._group_actions}
     actions = []
     for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            raise TypeError("help_layout: subcommands are not kept")
         text = a.help
         if isinstance(text, str) and text is not argparse.SUPPRESS:
             text = formatter._expand_help(a).replace("%", "%%")
@@ -74,7 +65,8 @@ def help_layout(parser: argparse.ArgumentParser) -> dict:
                         "required": a.required, "help": text, "usage": a.format_usage() if a.option_strings else None,
                         "group": group_of[id(a)], "mutex": mutex_of.get(id(a))})
     return {"prog": parser.prog, "usage": parser.usage, "description": parser.description, "epilog": parser.epilog,
-            "formatter": formatter_name, "groups": [[g.title, g.description] for g in parser._action_groups],
+            "formatter": parser.formatter_class.__name__,
+            "groups": [[g.title, g.description] for g in parser._action_groups],
             "mutex": [[group_of[id(m._group_actions[0])], m.required] for m in mutex], "actions": actions}
 
 
