@@ -241,6 +241,12 @@ def test_sentencepiece_bpe_runs_on_tiktoken(tmp_path, byte_fallback):
     processor = tok.megatron._tokenizer.tokenizer
     lacking = [i for i in tok.tokenize("x \U0001f600\U0001f680 y") if processor.is_byte(i) or processor.is_unknown(i)]
     assert len(lacking) == (8 if byte_fallback else 1)  # two emoji: their 8 bytes, or one unknown piece
+    if byte_fallback:  # a lacking character sharing its first two bytes with one the model has: its 3 bytes
+        ranks = tok._engine.plan.ranks
+        shared = next(c for c in map(chr, range(0x800, 0xD800)) if c.encode()[:2] in ranks
+                      and c.encode() not in ranks and processor.normalize(c) == f"\u2581{c}")
+        _same_ids_as_megatron_core(tok, [f"a{shared}b {shared}{shared}", shared, f"{shared}😀東"])
+        assert sum(map(processor.is_byte, tok.tokenize(f"x {shared}"))) == 3
 
 
 def test_sentencepiece_unigram_and_legacy_mode_say_why_they_have_no_fast_path(tmp_path):

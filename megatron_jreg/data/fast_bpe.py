@@ -29,7 +29,8 @@ class NoConversion(Exception):
 class Plan:
     """A tokenizer on tiktoken: `ranks`/`specials` for `tiktoken.Encoding`, `table[tiktoken id]` the tokenizer's id
     where they differ, the post-processor's `prefix`/`suffix`; text matching `uncovered` goes to the library's own
-    encoder, runs matching `cut` (characters the model lacks, never merged) get `cut_ids`."""
+    encoder, runs matching `cut` (characters the model lacks, never merged) get `cut_ids`; `spelled[tiktoken id]`
+    are the byte pieces of a partial character left alone (table -1: SentencePiece's byte fallback)."""
 
     pattern: str
     ranks: dict[bytes, int]
@@ -40,6 +41,7 @@ class Plan:
     uncovered: re.Pattern | None = None
     cut: re.Pattern | None = None
     cut_ids: Callable[[str], list[int]] | None = None
+    spelled: dict[int, np.ndarray] | None = None
 
 
 class TiktokenBPE:
@@ -88,9 +90,15 @@ class TiktokenBPE:
         ranks = self._pieces(prepared) if plan.cut is not None and plan.cut.search(prepared) else self._bpe(prepared)
         if plan.table is None:
             return plan.prefix + ranks + plan.suffix if plan.prefix or plan.suffix else ranks
-        ids = plan.table[np.array(ranks, dtype=np.int64)]
-        if ids.size and ids.min() < 0:  # an assembly prefix as a token: a bug, never silently written
-            raise RuntimeError(f"tiktoken conversion: a partial character in {text[:60]!r}")
+        ranks = np.array(ranks, dtype=np.int64)
+        ids = plan.table[ranks]
+        if ids.size and ids.min() < 0:  # a partial character: a lacking one's bytes, else a bug never written
+            at = np.flatnonzero(ids < 0)
+            if plan.spelled is None or any(int(r) not in plan.spelled for r in ranks[at]):
+                raise RuntimeError(f"tiktoken conversion: a partial character in {text[:60]!r}")
+            parts = np.split(ids, at)  # each part after the first starts at a partial character
+            ids = np.concatenate([parts[0], *(x for k, part in zip(at, parts[1:])
+                                              for x in (plan.spelled[int(ranks[k])], part[1:]))])
         return np.concatenate([plan.prefix, ids, plan.suffix]) if plan.prefix or plan.suffix else ids
 
     def encode(self, text: str) -> list[int]:
@@ -392,8 +400,9 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
         lacking = [by_piece.get(f"<0x{b:02X}>", -1) for b in range(256)]
         if min(lacking) < 0:
             raise NoConversion("byte fallback without all 256 byte pieces")
-        def cut_ids(run: str) -> list[int]:
-            return [base + b for b in run.encode("utf-8")]
+        # Each byte is a piece of its own (tiktoken id base + b, its byte piece), so a lacking character stays
+        # bytes, or a prefix it shares with a character the model has plus bytes: `spelled` writes that out.
+        ranks.update({bytes([b]): base + b for b in range(256) if bytes([b]) not in ranks})
     else:
         unknown = [i for i, p in enumerate(pieces) if p.type == _UNKNOWN]
         if len(unknown) != 1:
@@ -403,12 +412,14 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
             return [base]
     table = np.array([*assembly.values(), *(i for _, i, _ in merged), *(user[s] for s in specials), *lacking],
                      dtype=np.int64)
+    if model.trainer_spec.byte_fallback:
+        spelled = {ranks[p]: table[[base + b for b in p]] for p, i in assembly.items() if i < 0}
+        return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, spelled=spelled)
     lacking_run = f"[^{_char_class(list(chars))}]+"
     if specials:  # a user-defined symbol is matched before anything is cut: the regex steps over it whole
         either = "|".join(map(re.escape, specials))
         lacking_run = f"(?:{either})|(?:(?!(?:{either}))[^{_char_class(list(chars))}])+"
-    cut = re.compile(lacking_run)
-    return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=cut, cut_ids=cut_ids)
+    return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=re.compile(lacking_run), cut_ids=cut_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------
