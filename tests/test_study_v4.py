@@ -119,3 +119,20 @@ def test_committed_report_is_a_function_of_the_committed_raw_files(tmp_path):
     committed = (ROOT / "docs" / "study.md").read_text(encoding="utf-8")
     assert text == committed, "regenerate: python experiments/study/study_v4_report.py " \
         "--raw experiments/study/raw_v4 --report docs/study.md"
+
+
+def test_stage2_runs_the_arm_the_preregistered_rule_picks_from_stage_1s_raw_files(tmp_path):
+    """What `study.py --stage1-raw` chooses (stage 2 on a machine without stage 1's run folders) is the rule's arm on
+    the committed stage-1 results, and the flag is refused outside v4's stage 2 in one line."""
+    import study_v4_report
+
+    _, _, finals, failed = study_v4_report.load(RAW_V4)
+    stage1 = {k: v for k, v in finals.items() if not k[0].startswith("d24-")}
+    arm = A.stage2_arm(A.analyse_stage1(stage1, failed))
+    assert study_v4_report.stage2_arm(finals) in (None, arm)
+    for argv in (["--design", "v3"], ["--design", "v4", "--fallback"], ["--design", "v4"]):
+        raw = RAW_V4 if argv != ["--design", "v4"] else tmp_path
+        run = subprocess.run([sys.executable, str(STUDY / "study.py"), *argv, "--stage1-raw", str(raw),
+                              "--output", str(tmp_path / "out")], capture_output=True, text=True)
+        assert run.returncode != 0 and run.stderr.strip().count("\n") == 0, run.stderr
+        assert "--stage1-raw" in run.stderr and not (tmp_path / "out").exists()
