@@ -48,12 +48,10 @@ class AnalyzeConfig:
         self.output = Path(self.output)
         if not self.models and not self.checkpoints:
             raise AnalysisError("nothing to analyze: give --model PATH (repeatable) or --checkpoints GLOB")
-        if self.num_samples is not None and self.num_samples < 1:
-            raise AnalysisError(f"--num-samples must be >= 1 (or 'all'), got {self.num_samples}")
-        if self.batch_size < 1:
-            raise AnalysisError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.max_length is not None and self.max_length < 1:
-            raise AnalysisError(f"--max-length must be >= 1, got {self.max_length}")
+        for flag, value, alternative in (("--num-samples", self.num_samples, " (or 'all')"),
+                                         ("--batch-size", self.batch_size, ""), ("--max-length", self.max_length, "")):
+            if value is not None and value < 1:
+                raise AnalysisError(f"{flag} must be >= 1{alternative}, got {value}")
         for flag, value, allowed in (("--dtype", self.dtype, DTYPES), ("--distance", self.distance, jreg.DISTANCES),
                                      ("--positions", self.positions, POSITIONS),
                                      ("padding_side", self.padding_side, PADDING_SIDES)):
@@ -103,11 +101,8 @@ class AnalyzeConfig:
 
     def settings(self) -> dict:
         """The settings as written into results.json (paths as strings)."""
-        out = asdict(self)
-        out["output"] = str(self.output)
-        out["device"] = str(self.torch_device)
-        del out["progress"]
-        return out
+        out = {key: value for key, value in asdict(self).items() if key != "progress"}
+        return {**out, "output": str(self.output), "device": str(self.torch_device)}
 
 
 def check_output_dir(path: Path, flag: str) -> None:

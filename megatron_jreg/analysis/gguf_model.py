@@ -63,11 +63,9 @@ def _fields(reader: Any) -> dict[str, Any]:
     """{key: value} of the file's metadata (one-element lists unpacked), as transformers reads them."""
     from transformers.integrations import _gguf_parse_value
 
-    out = {}
-    for key, item in reader.fields.items():
-        value = [_gguf_parse_value(item.parts[i], item.types) for i in item.data]
-        out[key] = value[0] if len(value) == 1 else value
-    return out
+    parsed = {key: [_gguf_parse_value(item.parts[i], item.types) for i in item.data]
+              for key, item in reader.fields.items()}
+    return {key: value[0] if len(value) == 1 else value for key, value in parsed.items()}
 
 
 def _head_dim(config: Any) -> int:

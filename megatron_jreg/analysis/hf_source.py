@@ -97,11 +97,8 @@ def other_towers(config: Any) -> tuple[str, ...]:
     causal LM transformers builds for it does not have; () for a text-only config."""
     import transformers
 
-    if not hasattr(config, "get_text_config") or config.get_text_config() is config:
-        return ()
-    names = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
+    cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    if config.get_text_config() is config or cls is None:
         return ()
     with torch.device("meta"):
         full = cls._from_config(config)
@@ -133,12 +130,11 @@ class HFSource(HiddenStateSource):
         self.tokenizer = tokenizer
         self.label = label
         self.model_class = type(model).__name__
-        config = model.config
         self.num_layers = len(self.layers)
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        self.context_length = declared_context(config)
-        self.vocab_size = _declared(config, "vocab_size")
+        self.context_length = declared_context(model.config)
+        self.vocab_size = _declared(model.config, "vocab_size")
         pads = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
         self.pad_id = int(next((t for t in pads if t is not None), 0))  # any id: padding is masked anyway
         self.head_missing: str | None = None  # why the LM head was not loaded (Ψ never runs it)

@@ -116,12 +116,11 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
 
 def _unique_labels(paths: list[Path]) -> list[str]:
     parts = [p.parts for p in paths]
-    depth = 1
-    while True:
+    for depth in range(1, max(map(len, parts), default=1) + 1):
         labels = ["/".join(ps[-depth:]) for ps in parts]
-        if len(set(labels)) == len(labels) or depth >= max(len(ps) for ps in parts):
-            return labels
-        depth += 1
+        if len(set(labels)) == len(labels):
+            break
+    return labels
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,19 +165,15 @@ def should_stream(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> 
 
 def load_source(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, include_final_norm: bool = False,
                 tokenizer: str | None = None, stream: bool | None = False, with_tokenizer: bool = True,
-                log: Callable[[str], None] | None = None) -> HiddenStateSource:
+                log: Callable[[str], None] = lambda line: None) -> HiddenStateSource:
     """The source for one model, framework imports lazily; stream None: decided by `should_stream`, told to `log`.
     with_tokenizer=False: token ids come from the caller."""
-    if stream is None:
-        stream = False
-        if spec.kind == "hf":
-            stream, why = should_stream(spec, dtype, device)
-            if log:
-                log(f"{spec.path} ({spec.kind}): {why}")
+    if stream is None and spec.kind == "hf":
+        stream, why = should_stream(spec, dtype, device)
+        log(f"{spec.path} ({spec.kind}): {why}")
     if stream and spec.kind != "hf":
         raise AnalysisError(f"--stream: {spec.path} is a {spec.kind} model; streaming reads Hugging Face folders")
-    if log:
-        log(f"{'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
+    log(f"{'reading' if stream else 'loading'} {spec.path} ({spec.kind})")
     common = dict(label=spec.label, dtype=dtype, device=device, include_final_norm=include_final_norm,
                   tokenizer=tokenizer, with_tokenizer=with_tokenizer)
     if spec.kind == "megatron":

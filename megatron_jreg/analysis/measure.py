@@ -136,10 +136,8 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
             ids, truncated = ids[:limit], truncated + 1
         if ids:
             samples.append(ids)
-    why = None
-    if truncated:
-        why = f"--max-length {max_length}" if max_length else f"the model's context ({limit} tokens)"
-    return samples, truncated, why
+    why = f"--max-length {max_length}" if max_length else f"the model's context ({limit} tokens)"
+    return samples, truncated, why if truncated else None
 
 
 def padded_batches(samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
@@ -200,18 +198,9 @@ def measure(source: HiddenStateSource, texts: list[str], spec: ModelSpec, *, bat
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# Peak memory of a block of work: what `analyze` reports per model, and what the benchmarks compare. On the CPU,
-# the kernel's resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs when the block starts:
-# it counts everything the process touched, which is what decides whether a model fits. On CUDA, the caching
-# allocator's `max_memory_allocated`. Where neither is available (not Linux) the peak is None.
-
-_STATUS = Path("/proc/self/status")
-
-
 def _status_bytes(key: str) -> int | None:
     try:
-        match = re.search(rf"{key}:\s+(\d+) kB", _STATUS.read_text())
+        match = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
     except OSError:
         return None
     return int(match.group(1)) * 1024 if match else None

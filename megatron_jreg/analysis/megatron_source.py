@@ -35,8 +35,7 @@ class MegatronSource(HiddenStateSource):
         self.iteration = loaded.iteration  # the step of a checkpoint given by --model
         self.include_final_norm = include_final_norm
         self.convention = FINAL_NORM if include_final_norm else LAYER_IO
-        tok = loaded.tokenizer
-        self.pad_id = int(getattr(tok, "eod", 0) or 0) if tok is not None else 0
+        self.pad_id = int(getattr(loaded.tokenizer, "eod", 0) or 0)
         self.vocab_size = loaded.vocab_size
 
     @property
@@ -97,8 +96,6 @@ def _no_reader_tracebacks() -> Iterator[None]:
 def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple[Tensor, ...]:
     """Move each row's real tokens to the front (and the same positions of the masks in `others`):
     megatron's causal attention then never sees padding."""
-    if bool(mask.all()):
-        return (ids, mask, *others)
     order = (~mask).long().argsort(dim=1, stable=True)  # each row's real positions first, in their order
     moved = mask.gather(1, order)
     return (ids.gather(1, order).masked_fill(~moved, pad_id), moved,
@@ -121,7 +118,7 @@ def load_megatron_source(path: Path, *, label: str, dtype: torch.dtype, device: 
     return MegatronSource(loaded, label, include_final_norm)
 
 
-def _plugin_sums(loaded, tokens: Tensor, mask: Tensor | None, kind: str) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+def _plugin_sums(loaded, tokens: Tensor, mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:  # noqa: ANN001
     """(sums[L], counts[L]) float64 of tokens[b, t] over mask[b, t] (right padding), from `JregPlugin` in recording
     mode."""
     from megatron_jreg.plugin import JregConfig, JregPlugin
@@ -129,12 +126,11 @@ def _plugin_sums(loaded, tokens: Tensor, mask: Tensor | None, kind: str) -> tupl
     plugin = JregPlugin([loaded.model], JregConfig(lam=0.0, distance=kind))
     try:
         plugin.start_step(1, record=True)
-        if mask is not None:
-            plugin.set_token_mask(mask.to(next(loaded.model.parameters()).device))
+        plugin.set_token_mask(mask.to(next(loaded.model.parameters()).device))
         loaded.logits(tokens)
         stats = plugin.finish_step()
     finally:
         plugin.remove_hooks()
-    count = float(mask.sum()) if mask is not None else float(tokens.numel())
+    count = float(mask.sum())
     psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
     return psi * count, torch.full_like(psi, count)

@@ -181,9 +181,8 @@ def write_results(results: list[ModelResult], settings: dict, output: Path) -> l
     (per model, layer ℓ and span n), then the plots (`write_plots`)."""
     output.mkdir(parents=True, exist_ok=True)
     paths = [output / "results.json", output / "results.csv", output / "layers.csv", output / "layer_distances.csv"]
-    payload = {"settings": settings, "definitions": DEFINITIONS, "reference": REFERENCE,
-               "models": [result_record(r) for r in results]}
-    write_json(paths[0], payload)
+    write_json(paths[0], {"settings": settings, "definitions": DEFINITIONS, "reference": REFERENCE,
+                          "models": [result_record(r) for r in results]})
     rows = [summary_row(r) for r in results]
     columns = list(TABLE_COLUMNS) + _removal_columns(rows)
     _write_csv(paths[1], columns, ([row.get(c) for c in columns] for row in rows))
@@ -209,9 +208,7 @@ def _layer_rows(results: list[ModelResult]) -> Iterator[list]:
 
 def _write_csv(path: Path, header: list[str], rows: Iterable[list]) -> None:
     with atomic_write(path) as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
+        csv.writer(f).writerows([header, *rows])
 
 
 def normalized_depth(layer: int, num_layers: int) -> float:
@@ -414,7 +411,6 @@ def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
 def write_plots(results: list[ModelResult], output: Path) -> list[Path]:
     """psi_profiles.png, layer_distances.png and residual_norms.png always; zeta_series.png for several models
     or checkpoints; removal.png with layer removal."""
-    output.mkdir(parents=True, exist_ok=True)
     paths = [plot_psi_profiles(results, output / "psi_profiles.png")]
     if len(results) > 1:
         paths.append(plot_zeta_series(results, output / "zeta_series.png"))

@@ -4,6 +4,7 @@ share."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -154,8 +155,6 @@ class LayerDisplacementHooks:
         self.kind = kind
         self.clone_inputs = clone_inputs
         self.last = last
-        self.sums = torch.zeros(len(self.layers), dtype=torch.float64)
-        self.counts = torch.zeros(len(self.layers), dtype=torch.float64)
         self.states: list[Tensor | None] = [None] * (len(self.layers) + 1)
         self._partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         self._inputs: dict[int, tuple[Tensor, int]] = {}
@@ -165,46 +164,40 @@ class LayerDisplacementHooks:
         if h is not None:
             self.states[index] = gather_rows(h, self.rows)
 
-    def _pre_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            h_in = layer_input(module, args, kwargs)
-            if index == 0:
-                self._keep(0, h_in)
-            if self.kind is None:
-                return
-            if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
-                raise ValueError(f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
-                                 f"{tuple(h_in.shape)} of {type(module).__name__}")
-            if self.clone_inputs:
-                h_in = h_in.clone()
-            self._inputs[index] = (h_in, h_in._version)
+    def _pre_hook(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        h_in = layer_input(module, args, kwargs)
+        if index == 0:
+            self._keep(0, h_in)
+        if self.kind is None:
+            return
+        if self.mask is not None and tuple(self.mask.shape) != tuple(h_in.shape[:-1]):
+            raise ValueError(f"mask shape {tuple(self.mask.shape)} does not match the hidden states "
+                             f"{tuple(h_in.shape)} of {type(module).__name__}")
+        if self.clone_inputs:
+            h_in = h_in.clone()
+        self._inputs[index] = (h_in, h_in._version)
 
-        return hook
-
-    def _post_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self._keep(index + 1, first_tensor(output))
-            if self.kind is None:
-                return
-            h_in, version = self._inputs.pop(index)
-            h_out = first_tensor(output)
-            if h_out is None or h_out.shape != h_in.shape:
-                raise UnsupportedArchitectureError(
-                    f"{type(module).__name__} (decoder layer {index + 1}) returned {type(output).__name__}, "
-                    f"not hidden states of shape {tuple(h_in.shape)}"
-                )
-            if h_in._version != version:
-                raise RuntimeError(f"{type(module).__name__} modified its input hidden states in place, so h_in is "
-                                   "lost; measure with LayerDisplacementHooks(..., clone_inputs=True)")
-            # Kept on the model's device until exit: one host sync per batch, not one per layer.
-            self._partial[index].append(masked_displacement_sum(h_in, h_out, self.rows, self.kind))
-
-        return hook
+    def _post_hook(self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        h_out = first_tensor(output)
+        self._keep(index + 1, h_out)
+        if self.kind is None:
+            return
+        h_in, version = self._inputs.pop(index)
+        if h_out is None or h_out.shape != h_in.shape:
+            raise UnsupportedArchitectureError(
+                f"{type(module).__name__} (decoder layer {index + 1}) returned {type(output).__name__}, "
+                f"not hidden states of shape {tuple(h_in.shape)}"
+            )
+        if h_in._version != version:
+            raise RuntimeError(f"{type(module).__name__} modified its input hidden states in place, so h_in is "
+                               "lost; measure with LayerDisplacementHooks(..., clone_inputs=True)")
+        # Kept on the model's device until exit: one host sync per batch, not one per layer.
+        self._partial[index].append(masked_displacement_sum(h_in, h_out, self.rows, self.kind))
 
     def __enter__(self) -> LayerDisplacementHooks:
         for i, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._post_hook(i), with_kwargs=True))
+            self._handles += [layer.register_forward_pre_hook(functools.partial(self._pre_hook, i), with_kwargs=True),
+                              layer.register_forward_hook(functools.partial(self._post_hook, i), with_kwargs=True)]
         if self.last is not None:  # runs after layer L: its output replaces h_L
             self._handles.append(self.last.register_forward_hook(lambda m, a, out: self._keep(-1, first_tensor(out))))
         return self

@@ -84,16 +84,6 @@ def _skeleton(config: Any, dtype: torch.dtype, device: torch.device | str = "cpu
     return model.eval()
 
 
-def _shared_parameters(model: nn.Module, layer_path: str) -> list[str]:
-    """Names of decoder-layer parameters that are also reachable under another name (weights shared
-    between layers, or with the rest of the model): streaming one layer at a time cannot hold them."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    prefix = f".{layer_path}."
-    return sorted(n for group in names.values() if len(group) > 1 for n in group if prefix in f".{n}")
-
-
 def not_streamable(folder: Path, config: Any = None) -> str | None:
     """Why layer streaming cannot read `folder` (a sentence), or None when it can. config: its transformers
     config when the caller has read it (`loading.identify`)."""
@@ -115,16 +105,13 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a model transformers cannot build on the meta device
         return f"transformers cannot build {type(config).__name__} on the meta device ({type(e).__name__}: {e})"
-    shared = _shared_parameters(base, layer_path)
+    names: dict[int, list[str]] = {}  # a layer's parameter under several names: shared between layers or with the rest
+    for name, param in base.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    shared = sorted(n for group in names.values() if len(group) > 1 for n in group if f".{layer_path}." in f".{n}")
     if shared:
         return f"its decoder layers share weights ({', '.join(shared[:3])}), so no layer can be read alone"
     return None
-
-
-# ----------------------------------------------------------------------------------------------- the files
-# Tensors are read with plain `readinto` into fresh tensors, not through a memory map (safe_open's): a mapped
-# shard stays in the resident set while open, which would hide what streaming saves, and a short read is an
-# error naming the file (a truncated download) instead of a bus error.
 
 
 class SafetensorsFolder:
@@ -218,10 +205,10 @@ class StreamingSource(HFSource):
         self._load(self._groups["rest"], "the modules outside the decoder layers")
 
     # ----------------------------------------------------------------------------------- the files
-    def _plan(self) -> tuple[dict[str, list[str]], tuple[str, str]]:
+    def _plan(self) -> tuple[dict[str, list[str]], str]:
         """Group the file's tensors by the layer they load into ("rest": outside the layers), refusing
         missing, unknown or misshaped tensors before any work (the in-memory path's strict load); and find
-        the input embedding ((file tensor, model key)), read only for the rows in use."""
+        the input embedding's file tensor, read only for the rows in use."""
         meta = self.model.state_dict()
         targets_of = functools.partial(weight_targets, self.model, self._mapping, keys=meta)
         base = f"{self._base_prefix}." if self._base_prefix else ""
@@ -264,7 +251,7 @@ class StreamingSource(HFSource):
         info = {"missing_keys": missing, "unexpected_keys": sorted(unexpected), "mismatched_keys": misshaped}
         with refused_as_analysis():
             check_loading_info(info, type(self.base).__name__, f"--model {self.folder}")
-        return groups, (embedding_file, embedding_key)
+        return groups, embedding_file
 
     def _load(self, names: list[str], what: str) -> None:
         """Read `names` into the model through transformers' own renaming/conversion, in our dtype and on
@@ -279,9 +266,8 @@ class StreamingSource(HFSource):
         config = LoadStateDictConfig(dtype=self.dtype, device_map={"": self.device}, weight_mapping=self._mapping)
         with library_bars(False):  # no "Loading weights" bar per layer: the analysis shows its own
             info, _ = convert_and_load_state_dict_in_model(self.model, tensors, config)
-        problems = {"unexpected_keys": sorted(info.unexpected_keys), "mismatched_keys": sorted(info.mismatched_keys)}
-        if info.conversion_errors:
-            problems["unexpected_keys"] += sorted(info.conversion_errors)
+        problems = {"unexpected_keys": sorted(info.unexpected_keys) + sorted(info.conversion_errors or ()),
+                    "mismatched_keys": sorted(info.mismatched_keys)}
         with refused_as_analysis():
             check_loading_info(problems, type(self.base).__name__, f"--model {self.folder} ({what})")
 
@@ -293,23 +279,19 @@ class StreamingSource(HFSource):
         if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
             raise ValueError("layer streaming needs right-padded batches (padding_side='right')")
         used = torch.unique(torch.cat([ids.reshape(-1) for ids, _, _ in batches]))
-        file_key, _ = self._embedding
-        vocab = self.weights.tensors[file_key].shape[0]
+        vocab = self.weights.tensors[self._embedding].shape[0]
         if int(used[-1]) >= vocab or int(used[0]) < 0:
             raise AnalysisError(
                 f"--model {self.folder}: token id {int(used[-1])} is outside its {vocab}-row embedding; the "
                 "tokenizer does not belong to this model (pass the right one with --tokenizer)"
             )
         module = self.model.get_input_embeddings()
-        table = self.weights.rows(file_key, used.tolist()).to(device=self.device, dtype=self.dtype)
+        table = self.weights.rows(self._embedding, used.tolist()).to(device=self.device, dtype=self.dtype)
         module.weight = nn.Parameter(table, requires_grad=False)
         used = used.to(self.device)
-
-        def to_rows(_module: nn.Module, args: tuple) -> tuple:
-            return (torch.searchsorted(used, args[0]), *args[1:])
-
+        to_rows = module.register_forward_pre_hook(lambda _, args: (torch.searchsorted(used, args[0]), *args[1:]))
         on = [(ids.to(self.device), mask.to(self.device), rows.to(self.device)) for ids, mask, rows in batches]
-        return module.register_forward_pre_hook(to_rows), [
+        return to_rows, [
             _Batch(ids, mask, real_rows(rows) if select else None, int(mask.sum())) for ids, mask, rows in on]
 
     def _advance(self, i: int, batch: _Batch, final_norm: bool = False) -> tuple[Tensor | None, Tensor | None]:
@@ -395,8 +377,7 @@ class StreamingSource(HFSource):
             raise AnalysisError(f"--model {self.folder}: layer removal needs the LM head, but {self.head_missing}")
         self._load(self._groups.get("head", []), "the LM head")
         if head.weight.device.type == "meta":
-            file_key, _ = self._embedding
-            table = self.weights.load([file_key])[file_key]
+            table = self.weights.load([self._embedding])[self._embedding]
             head.weight = nn.Parameter(table.to(device=self.device, dtype=self.dtype), requires_grad=False)
         unloaded = [n for n, p in head.named_parameters() if p.device.type == "meta"]
         if unloaded:
