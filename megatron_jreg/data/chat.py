@@ -61,9 +61,8 @@ def check_messages(record: Any) -> tuple[list[dict[str, str]] | None, str, str]:
         return None, "bad_first_role", "the conversation starts with an assistant turn"
     if "system" in roles[1:]:
         return None, "misplaced_system", f"a system turn at turn {roles.index('system', 1)} (only the first may be)"
-    for i in range(1, len(roles)):
-        if roles[i] == roles[i - 1]:
-            return None, "consecutive_roles", f"turns {i - 1} and {i} are both {roles[i]}"
+    if (i := next((i for i in range(1, len(roles)) if roles[i] == roles[i - 1]), 0)):
+        return None, "consecutive_roles", f"turns {i - 1} and {i} are both {roles[i]}"
     if "assistant" not in roles:
         return None, "no_assistant_turn", "no assistant turn to train on"
     return clean, "", ""

@@ -19,8 +19,7 @@ class StreamDamaged(Exception):
 
 def compression_of(path: str) -> str | None:
     """'gzip', 'zstd' or None (plain), from the file name."""
-    name = path.lower()
-    return next((kind for suffix, kind in COMPRESSED_SUFFIXES.items() if name.endswith(suffix)), None)
+    return next((kind for suffix, kind in COMPRESSED_SUFFIXES.items() if path.lower().endswith(suffix)), None)
 
 
 def _replay(saved: Any, data: bytes) -> Iterator[bytes]:

@@ -60,7 +60,5 @@ def is_complete(prefix: str | Path, expected_fingerprint: str) -> dict | None:
     if manifest is None or manifest.get("fingerprint") != expected_fingerprint:
         return None
     files = manifest.get("files", {})
-    for path, key in ((bin_path(prefix), "bin_bytes"), (idx_path(prefix), "idx_bytes")):
-        if not path.is_file() or path.stat().st_size != files.get(key):
-            return None
-    return manifest
+    sizes = ((bin_path(prefix), "bin_bytes"), (idx_path(prefix), "idx_bytes"))
+    return manifest if all(p.is_file() and p.stat().st_size == files.get(key) for p, key in sizes) else None

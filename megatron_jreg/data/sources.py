@@ -250,29 +250,26 @@ def _jsonl_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
     out = Records(texts={k: [] for k in keys})
     for pos, (where, record, reason) in enumerate(jsonl_lines(unit)):
         out.count += 1
+        fields = record if isinstance(record, dict) else {}
+        values = [fields.get(k) for k in keys]
+        missing = [k for k, v in zip(keys, values) if v is None]
+        score = fields.get("int_score") if want_score else None
         if reason is not None:
             out.bad.append((pos, reason, where))
-            continue
-        if not isinstance(record, dict):
+        elif not isinstance(record, dict):
             out.bad.append((pos, "malformed_json", f"{where} (a JSON {type(record).__name__}, not an object)"))
-            continue
-        values = [record.get(k) for k in keys]
-        missing = [k for k, v in zip(keys, values) if v is None]
-        if missing:
+        elif missing:
             out.bad.append((pos, "missing_key", f"{where} (no {missing[0]!r}; keys: {sorted(record)[:8]})"))
-            continue
-        if not all(isinstance(v, str) for v in values):
+        elif not all(isinstance(v, str) for v in values):
             out.bad.append((pos, "not_a_string", f"{where} ({keys[0]!r} holds a non-string value)"))
-            continue
-        score = record.get("int_score") if want_score else None
-        if want_score and (isinstance(score, bool) or not isinstance(score, int | float)):
+        elif want_score and (isinstance(score, bool) or not isinstance(score, int | float)):
             out.bad.append((pos, "missing_int_score", f"{where} (no numeric 'int_score' for --min-int-score)"))
-            continue
-        for k, v in zip(keys, values):
-            out.texts[k].append(v)
-        out.int_scores.append(score)
-        out.positions.append(pos)
-        out.where.append(where)
+        else:
+            for k, v in zip(keys, values):
+                out.texts[k].append(v)
+            out.int_scores.append(score)
+            out.positions.append(pos)
+            out.where.append(where)
     return out
 
 
@@ -282,43 +279,34 @@ def _table_records(unit: Unit, table: Any, keys: list[str], want_score: bool,
     (named in the message when one is missing)."""
     import pyarrow as pa
 
-    out = Records(texts={k: [] for k in keys})
-    n = table.num_rows
-    out.count = n
-    label = f"{unit.path}:row"
-    missing = [k for k in keys if k not in table.column_names]
-    if missing or (want_score and "int_score" not in table.column_names):
-        reason = "missing_key" if missing else "missing_int_score"
-        what = missing[0] if missing else "int_score"
+    n, label = table.num_rows, f"{unit.path}:row"
+    out = Records(texts={k: [] for k in keys}, count=n)
+    missing = [k for k in [*keys, *(["int_score"] if want_score else [])] if k not in table.column_names]
+    if missing:
+        reason = "missing_key" if missing[0] in keys else "missing_int_score"
         names = list(file_columns if file_columns is not None else table.column_names)
         shown = ", ".join(names[:10]) + (f", … ({len(names)} in all)" if len(names) > 10 else "")
-        out.bad = [(i, reason, f"{label} {unit.first_row + i} (no column {what!r}; columns: {shown or 'none'})")
+        out.bad = [(i, reason, f"{label} {unit.first_row + i} (no column {missing[0]!r}; columns: {shown or 'none'})")
                    for i in range(n)]
         return out
-    columns = {}
-    for k in keys:
-        col = table.column(k)
-        if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
-            values = []
-            for b in col.to_pylist():
-                try:
-                    values.append(None if b is None else b.decode("utf-8"))
-                except UnicodeDecodeError:
-                    values.append(UnicodeDecodeError)
-            columns[k] = values
-        elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            columns[k] = col.to_pylist()
-        else:
-            columns[k] = [None if v is None else TypeError for v in col.to_pylist()]
+    columns = []
+    for k in keys:  # values of a column that holds neither text nor bytes become TypeError
+        kind = table.column(k).type
+        text = any(is_text(kind) for is_text in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+                                                 pa.types.is_large_binary))
+        columns.append([v if text or v is None else TypeError for v in table.column(k).to_pylist()])
     scores = table.column("int_score").to_pylist() if want_score else [None] * n
-    for i in range(n):
+    for i, values in enumerate(zip(*columns)):
         where = f"{label} {unit.first_row + i}"
-        values = [columns[k][i] for k in keys]
         if any(v is None for v in values):
             out.bad.append((i, "missing_key", f"{where} (null {keys[0]!r})"))
-        elif any(v is UnicodeDecodeError for v in values):
+            continue
+        try:
+            values = [v.decode("utf-8") if isinstance(v, bytes) else v for v in values]
+        except UnicodeDecodeError:
             out.bad.append((i, "not_utf8", where))
-        elif any(v is TypeError for v in values):
+            continue
+        if any(v is TypeError for v in values):
             out.bad.append((i, "not_a_string", f"{where} ({keys[0]!r} is {table.column(keys[0]).type})"))
         elif want_score and (isinstance(scores[i], bool) or not isinstance(scores[i], int | float)):
             out.bad.append((i, "missing_int_score", where))

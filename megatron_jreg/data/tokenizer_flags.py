@@ -32,54 +32,41 @@ REFUSED_TYPES = {
     "NullMultimodalTokenizer": "serves multimodal (LLaVA) training, which megatron-jreg does not run; for "
     "pre-tokenized text use --tokenizer-type NullTokenizer",
 }
-FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
-    (("--vocab-size",), {"type": int, "default": None, "help": "Size of vocab before EOD or padding."}),
-    (("--padded-vocab-size",), {"type": int, "default": None, "help": "Vocabulary size of the model (padded to be "
-     "divisible by tensor model parallel size). If not provided, it will be automatically calculated from "
-     "vocab-size."}),
-    (("--no-pad-vocab-size", "--disable-pad-vocab-size"), {"action": "store_false", "dest": "pad_vocab_size",
-     "help": "Whether to pad vocab size of the model automatically if padded_vocab_size is not provided."}),
-    (("--vocab-file",), {"type": str, "default": None, "help": "Path to the vocab file."}),
-    (("--merge-file",), {"type": str, "default": None, "help": "Path to the BPE merge file."}),
-    (("--vocab-extra-ids",), {"type": int, "default": 0, "help": "Number of additional vocabulary tokens. They are "
-     "used for span masking in the T5 model."}),
-    (("--tokenizer-type",), {"type": str, "choices": MEGATRON_TYPES, "default": None,
-     "help": "What type of tokenizer to use."}),
-    (("--tokenizer-model",), {"type": str, "default": None, "help": "Path to the tokenizer model."}),
-    (("--tokenizer-metadata",), {"type": str, "default": None, "dest": "metadata_path",
-     "help": "Path to the tokenizer metadata file in json format."}),
-    (("--tokenizer-special-tokens",), {"type": str, "nargs": "+", "default": None, "dest": "special_tokens",
-     "help": 'List of special tokens. For TikTokenizer needs to have ["<unk>", "<s>", "</s>", "<mask>", "<pad>", '
-     '"<cls>", "<sep>"]'}),
-    (("--tiktoken-pattern",), {"type": str, "choices": ("v1", "v2"), "default": None,
-     "help": "Which tiktoken pattern to use. Options: [v1, v2]"}),
-    (("--tiktoken-num-special-tokens",), {"type": int, "default": 1000,
-     "help": "Number of special tokens in tiktoken tokenizer."}),
-    (("--tokenizer-sentencepiece-legacy",), {"action": "store_true", "help": "SentencePiece tokenizer wrapper "
-     "legacy behavior. Allows special tokens usage."}),
-    (("--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
-      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces"),
-     {"action": "store_false", "dest": "tokenizer_sentencepiece_ignore_extra_whitespaces",
-      "help": "Whether to ignore extra whitespaces in the input text while encoding."}),
-    (("--tokenizer-hf-no-use-fast",), {"action": "store_true", "help": "Whether to use fast HuggingFace tokenizer."}),
-    (("--tokenizer-hf-no-include-special-tokens",), {"action": "store_true", "help": "Converting text to ids will "
-     "not include special for HuggingFace tokenizer."}),
-    (("--trust-remote-code",), {"action": "store_true", "help": "Whether or not to allow PreTrainedTokenizer to "
-     "execute remote code."}),
-    (("--null-tokenizer-eod-id",), {"type": int, "default": None, "help": "EOD token id for NullTokenizer. Defaults "
-     "to `vocab_size - 1`."}),
-    (("--null-tokenizer-pad-id",), {"type": int, "default": -1, "help": "Pad token id for NullTokenizer. Defaults "
-     "to -1 (no pad token). Set to a value outside the dataset to avoid masking real tokens."}),
-    (("--chat-template",), {"type": str, "default": None, "help": "Custom chat template in jinja format for "
-     "conversation formatting."}),
-)
-
-
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's tokenizer flags as their own parser group (as its tools/preprocess_data.py adds them)."""
-    group = parser.add_argument_group(TITLE, DESCRIPTION)
-    for strings, options in FLAGS:
-        group.add_argument(*strings, **options)
+    add = parser.add_argument_group(TITLE, DESCRIPTION).add_argument
+    add("--vocab-size", type=int, help="Size of vocab before EOD or padding.")
+    add("--padded-vocab-size", type=int, help="Vocabulary size of the model (padded to be divisible by tensor model "
+        "parallel size). If not provided, it will be automatically calculated from vocab-size.")
+    add("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false", dest="pad_vocab_size",
+        help="Whether to pad vocab size of the model automatically if padded_vocab_size is not provided.")
+    add("--vocab-file", type=str, help="Path to the vocab file.")
+    add("--merge-file", type=str, help="Path to the BPE merge file.")
+    add("--vocab-extra-ids", type=int, default=0,
+        help="Number of additional vocabulary tokens. They are used for span masking in the T5 model.")
+    add("--tokenizer-type", type=str, choices=MEGATRON_TYPES, help="What type of tokenizer to use.")
+    add("--tokenizer-model", type=str, help="Path to the tokenizer model.")
+    add("--tokenizer-metadata", type=str, dest="metadata_path",
+        help="Path to the tokenizer metadata file in json format.")
+    add("--tokenizer-special-tokens", type=str, nargs="+", dest="special_tokens", help="List of special tokens. For "
+        'TikTokenizer needs to have ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]')
+    add("--tiktoken-pattern", type=str, choices=("v1", "v2"), help="Which tiktoken pattern to use. Options: [v1, v2]")
+    add("--tiktoken-num-special-tokens", type=int, default=1000, help="Number of special tokens in tiktoken tokenizer.")
+    add("--tokenizer-sentencepiece-legacy", action="store_true",
+        help="SentencePiece tokenizer wrapper legacy behavior. Allows special tokens usage.")
+    add("--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces", action="store_false",
+        dest="tokenizer_sentencepiece_ignore_extra_whitespaces",
+        help="Whether to ignore extra whitespaces in the input text while encoding.")
+    add("--tokenizer-hf-no-use-fast", action="store_true", help="Whether to use fast HuggingFace tokenizer.")
+    add("--tokenizer-hf-no-include-special-tokens", action="store_true",
+        help="Converting text to ids will not include special for HuggingFace tokenizer.")
+    add("--trust-remote-code", action="store_true",
+        help="Whether or not to allow PreTrainedTokenizer to execute remote code.")
+    add("--null-tokenizer-eod-id", type=int, help="EOD token id for NullTokenizer. Defaults to `vocab_size - 1`.")
+    add("--null-tokenizer-pad-id", type=int, default=-1, help="Pad token id for NullTokenizer. Defaults to -1 (no "
+        "pad token). Set to a value outside the dataset to avoid masking real tokens.")
+    add("--chat-template", type=str, help="Custom chat template in jinja format for conversation formatting.")
     return parser
 
 
