@@ -133,11 +133,8 @@ def exit_code(error: BaseException) -> int:
 
 def error_line(prog: str, error: BaseException) -> str:
     """`prog: error: <one line>`; an OSError names its file."""
-    if isinstance(error, OSError) and not isinstance(error, JregError) and error.filename:
-        message = f"{error.filename}: {error.strerror}"
-    else:
-        message = str(error)
-    return f"{prog}: error: {one_line(message)}"
+    named = isinstance(error, OSError) and not isinstance(error, JregError) and error.filename
+    return f"{prog}: error: {one_line(f'{error.filename}: {error.strerror}' if named else str(error))}"
 
 
 def report(prog: str, error: BaseException, debug: bool = False) -> int:
@@ -215,6 +212,4 @@ def output_code(code: int) -> int:
     """The command's exit code after `keep_output`: 1 (FAILED) instead of 0 when its stdout failed other than by
     its reader closing the pipe (the line was printed when it happened)."""
     lost = _lost.get(1)
-    if code == 0 and lost is not None and lost.errno != errno.EPIPE:
-        return FAILED
-    return code
+    return FAILED if code == 0 and lost is not None and lost.errno != errno.EPIPE else code

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_jreg.errors import IncompleteWeightsError, ModelFileError
-from megatron_jreg.model_files import check_model_folder
+from megatron_jreg.model_files import inspect_model_folder
 
 _HASH = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -52,17 +52,12 @@ def _split(spec: str) -> list[tuple[str, str | None, str]]:
     """
     out = []
     parts = spec.split("/")
-    for n in (2, 1):
-        if len(parts) < n:
-            continue
-        repo = "/".join(parts[:n])
-        rest = "/".join(parts[n:])
-        revision = None
-        if "@" in repo:
-            repo, _, revision = repo.partition("@")
-        elif "@" in rest:
+    for n in (2, 1) if len(parts) > 1 else (1,):
+        repo, rest = "/".join(parts[:n]), "/".join(parts[n:])
+        if "@" in rest and "@" not in repo:
             continue  # a revision belongs right after the repo id
-        out.append((repo, revision, rest))
+        repo, at, revision = repo.partition("@")
+        out.append((repo, revision if at else None, rest))
     return out
 
 
@@ -75,8 +70,7 @@ def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Pat
     repo_dir = cache / _repo_folder(repo_id)
     snapshots = repo_dir / "snapshots"
     available = sorted(p.name for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
-    named = revision or "main"
-    commit = named
+    commit = named = revision or "main"
     if not (repo_dir / "refs" / named).is_file():  # what huggingface_hub does not resolve itself
         matches = [h for h in available if h.startswith(revision)] if revision else available
         commit = matches[0] if len(matches) == 1 else named  # a hash prefix; a copy without refs/
@@ -173,10 +167,7 @@ def describe(path: Path) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------
 # Loading a folder, refusing one whose weights do not all load.
-
-
 def named_keys(keys: Iterable[str]) -> str:
     """The first SHOWN_KEYS of `keys`, sorted, then "and N more": how an error line names many weights."""
     keys = sorted(keys)
@@ -204,7 +195,7 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
 
 def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), allow_pickle: bool = False,
                    checked: bool = False, **kwargs: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained` (local files, no remote code) after `check_model_folder` (unless
+    """`AutoModelForCausalLM.from_pretrained` (local files, no remote code) after `inspect_model_folder` (unless
     `checked`: the caller ran it), refusing weights that are missing, unused or of the wrong shape
     (ignore_mismatched_sizes, so that shapes are reported here rather than raised as a RuntimeError pointing at
     a report). Transformers' own load report is silenced, since this error replaces it. `where` starts the
@@ -215,8 +206,7 @@ def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), allo
 
     if kwargs.get("gguf_file") is None:
         if not checked:
-            flag, _, _ = where.partition(" ")
-            check_model_folder(folder, flag, allow_pickle=allow_pickle)
+            inspect_model_folder(folder, where.partition(" ")[0], allow_pickle=allow_pickle)
         if not allow_pickle:
             kwargs["use_safetensors"] = True  # transformers never unpickles a .bin beside them
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()

@@ -311,13 +311,9 @@ def share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None) -> dict[str, str]:
-    """SHA-256 of each named file under `ckpt`, in threads (hashlib releases the GIL); default: this process's
-    CPUs."""
+    """SHA-256 of each named file under `ckpt`, in threads (hashlib releases the GIL; default: one per CPU)."""
     ckpt = Path(ckpt)
-    threads = min(len(names), threads or len(os.sched_getaffinity(0)))
-    if threads <= 1:
-        return {name: _sha256(ckpt / name) for name in names}
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(max(1, min(len(names), threads or len(os.sched_getaffinity(0))))) as pool:
         return dict(zip(names, pool.map(lambda name: _sha256(ckpt / name), names), strict=True))
 
 

@@ -31,12 +31,8 @@ from megatron_jreg.checkpoints.files import (
 from megatron_jreg.model_files import check_finite_weights
 
 # Transformer Engine fuses each pre-norm into the linear after it; the local spec keeps it separate.
-_TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
+_TE_TO_LOCAL = {f"{te}.layer_norm_{p}": f"{local}.{p}" for p in ("weight", "bias") for te, local in
+                (("self_attention.linear_qkv", "input_layernorm"), ("mlp.linear_fc1", "pre_mlp_layernorm"))}
 
 
 @dataclass
@@ -127,14 +123,19 @@ def read_args(ckpt: Path) -> argparse.Namespace:
     return args
 
 
+def run_tokenizer_type(args: argparse.Namespace) -> str | None:
+    """The run's --tokenizer-type as `build_tokenizer` takes it: Megatron-LM's SFTTokenizer is a HuggingFace
+    tokenizer plus a prompt format."""
+    kind = getattr(args, "tokenizer_type", None)
+    return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind
+
+
 def tokenizer_options(args: argparse.Namespace) -> dict:
-    """`build_tokenizer`'s options from a run's saved tokenizer flags (each tokenizer reads its own)."""
-    options = {  # our keyword: Megatron-LM's arg (its --tokenizer-* flags), where the run saved one
-        "tiktoken_pattern": "tiktoken_pattern", "tiktoken_num_special_tokens": "tiktoken_num_special_tokens",
-        "vocab_size": "vocab_size", "special_tokens": "special_tokens",
-        "sentencepiece_legacy": "tokenizer_sentencepiece_legacy",
-        "sentencepiece_ignore_extra_whitespaces": "tokenizer_sentencepiece_ignore_extra_whitespaces",
-    }
+    """`build_tokenizer`'s options from a run's saved tokenizer flags (each tokenizer reads its own): our keyword,
+    Megatron-LM's arg (its --tokenizer-* flags without the prefix where ours drops it)."""
+    options = {name.removeprefix("tokenizer_"): name for name in (
+        "tiktoken_pattern", "tiktoken_num_special_tokens", "vocab_size", "special_tokens",
+        "tokenizer_sentencepiece_legacy", "tokenizer_sentencepiece_ignore_extra_whitespaces")}
     kwargs = {ours: getattr(args, name) for ours, name in options.items() if getattr(args, name, None) is not None}
     if getattr(args, "tokenizer_hf_no_include_special_tokens", False):
         kwargs["include_special_tokens"] = False
@@ -146,13 +147,9 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
     Megatron-LM's builder, which fetches gpt2 from the Hub and may run a tokenizer's code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
-    kind = getattr(args, "tokenizer_type", None)
+    kind = run_tokenizer_type(args)
     if kind in (None, "NullTokenizer"):
-        if tokenizer_model is None:
-            return None
-        return _given_tokenizer(args, tokenizer_model)
-    if kind == "SFTTokenizer":  # Megatron-LM's SFT wrapper is a HuggingFace tokenizer plus a prompt format
-        kind = "HuggingFaceTokenizer"
+        return None if tokenizer_model is None else _given_tokenizer(args, tokenizer_model)
     model = tokenizer_model or getattr(args, "tokenizer_model", None)
     try:
         return build_tokenizer(kind, model, getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
@@ -206,7 +203,9 @@ def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Na
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, weights uninitialized from any checkpoint."""
+    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
@@ -214,7 +213,14 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) ->
 
     with quiet_megatron():
         init_process_group()
-        _init_model_parallel(int(getattr(args, "seed", 1234) or 1234))
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel()
+        seed = int(getattr(args, "seed", 1234) or 1234)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
         a = _inference_args(args, dtype)
         try:
             model_cfg = gpt_config_from_args(a, core_transformer_config_from_args(a))
@@ -317,17 +323,4 @@ def init_process_group() -> None:
 def one_process_store() -> dist.Store | None:
     """An in-process store for a world of one: processes started side by side cannot race for a TCP port."""
     return dist.HashStore() if os.environ.get("WORLD_SIZE", "1") == "1" and not dist.is_initialized() else None
-
-
-def _init_model_parallel(seed: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
 

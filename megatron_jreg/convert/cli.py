@@ -14,7 +14,6 @@ from megatron_jreg.dtypes import WEIGHT_DTYPES
 from megatron_jreg.errors import UsageError
 from megatron_jreg.usage import example
 
-DIRECTIONS = ("mcore-to-hf", "hf-to-mcore")
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
 
@@ -64,9 +63,7 @@ class ConvertConfig:
     seq_length: int | None = None
     make_vocab_size_divisible_by: int = 128
 
-    def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
-            raise UsageError(f"convert: direction {self.direction!r}: choose one of {', '.join(DIRECTIONS)}")
+    def __post_init__(self) -> None:  # direction and --dtype: argparse's choices
         object.__setattr__(self, "output", Path(self.output))
         check_output_folder(self.output)
         threshold = self.verify_threshold
@@ -74,19 +71,14 @@ class ConvertConfig:
             raise UsageError(f"--verify-threshold {threshold}: must be a positive finite number")
         if self.verify is False and threshold is not None:
             raise UsageError("--verify-threshold needs the logit check: drop --no-verify or the threshold")
-        if self.direction == "mcore-to-hf":
-            self._check_export()
-        else:
+        if self.direction == "hf-to-mcore":
             self._check_import()
-
-    def _check_export(self) -> None:
+            return
         if self.load is None:
             raise UsageError("mcore-to-hf needs --load CKPT_DIR")
         object.__setattr__(self, "load", Path(self.load))
         if self.iteration is not None and self.iteration < 0:
             raise UsageError(f"--iteration {self.iteration}: must be >= 0 (or omitted for the latest)")
-        if self.dtype is not None and self.dtype not in WEIGHT_DTYPES:
-            raise UsageError(f"--dtype {self.dtype}: choose one of {', '.join(WEIGHT_DTYPES)}")
         if self.no_tokenizer and (self.tokenizer_model or self.tokenizer_type):
             raise UsageError("--no-tokenizer writes no tokenizer: drop --tokenizer-model/--tokenizer-type, or it")
         try:
@@ -112,7 +104,6 @@ class ConvertConfig:
     def from_args(cls, args: argparse.Namespace) -> ConvertConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in known})
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,14 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _report(verification, notes: list[str]) -> None:
-    for note in notes:
-        if note:
-            print(f"note: {note}")
-    if verification is None:
+def _report(v, notes: list[str]) -> None:  # noqa: ANN001 - a verify.Verification or None
+    for note in filter(None, notes):
+        print(f"note: {note}")
+    if v is None:
         print("max_abs_logit_diff=not measured")
         return
-    v = verification
     print(f"logits checked on {v.tokens_shape[0]}×{v.tokens_shape[1]} tokens: largest |logit| {v.max_abs_logit:.4g}, "
           f"threshold {v.threshold:.1e}")
     if v.rounding_effect is not None:
@@ -209,10 +198,10 @@ def convert(cfg: ConvertConfig) -> int:
             _report(result.verification, [result.note])
         else:
             from megatron_jreg.convert.from_hf import hf_to_mcore
-            from megatron_jreg.model_files import check_model_folder
+            from megatron_jreg.model_files import inspect_model_folder
 
             folder = hub.resolve(cfg.hf, "--hf")
-            check_model_folder(folder, "--hf", allow_pickle=True, require_weights=False)  # .bin: weights_only
+            inspect_model_folder(folder, "--hf", allow_pickle=True, require_weights=False)  # .bin: weights_only
             result = hf_to_mcore(folder, cfg.output, tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                                  seq_length=cfg.seq_length,

@@ -94,13 +94,8 @@ def machine_flags() -> list[str]:
 
 
 def hf_to_mcore(
-    hf: str | Path,
-    output: str | Path,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    seq_length: int | None = None,
-    make_vocab_size_divisible_by: int = 128,
-    verify: bool | None = None,
+    hf: str | Path, output: str | Path, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+    seq_length: int | None = None, make_vocab_size_divisible_by: int = 128, verify: bool | None = None,
     threshold: float | None = None,
 ) -> ImportResult:
     """Import a Hugging Face Llama folder as a release checkpoint: every refusal before anything is written, and
@@ -112,14 +107,13 @@ def hf_to_mcore(
     folder = Path(hf)
     hf_cfg = read_config(folder, "--hf")
     arch = llama.LlamaArch.from_hf(hf_cfg, seq_length)
+    layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",
+              str(pipeline_model_parallel_size), "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
     with quiet_megatron():  # Megatron-LM's arguments and tokenizer defaults import megatron-core
         from megatron_jreg.checkpoints.args import model_args
 
         tokenizer, tokens_in_tokenizer, notes = _tokenizer(folder)
-    layout = ["--tensor-model-parallel-size", str(tensor_model_parallel_size), "--pipeline-model-parallel-size",
-              str(pipeline_model_parallel_size), "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
-    flags = arch.megatron_flags() + tokenizer + layout
-    with quiet_megatron():
+        flags = arch.megatron_flags() + tokenizer + layout
         args = model_args(flags, arch.vocab_size, tensor_model_parallel_size * pipeline_model_parallel_size)
     state = hf_io.load_weights(folder)
     check_finite_weights(state.items(), f"--hf {folder}")

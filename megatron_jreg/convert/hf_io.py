@@ -62,11 +62,8 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
                 raise ConversionError(f"{path}: refused to load (torch.load with weights_only=True reads tensors only "
                                       f"and never runs pickled code): {_load_failure(e)}; convert the file to "
                                       "safetensors where you trust it") from None
-        if not isinstance(part, dict):
-            what = f"a {type(part).__name__}"
-        else:
-            what = next((f"{k!r} is a {type(v).__name__}" for k, v in part.items()
-                         if not isinstance(v, torch.Tensor)), None)
+        what = f"a {type(part).__name__}" if not isinstance(part, dict) else next(
+            (f"{k!r} is a {type(v).__name__}" for k, v in part.items() if not isinstance(v, torch.Tensor)), None)
         if what is not None:
             raise ConversionError(f"{path}: not a state dict of tensors ({what}); give the folder that "
                                   "save_pretrained wrote")

@@ -19,11 +19,8 @@ class UnsupportedModel(JregError, ValueError):
 
 # Hugging Face model types whose blocks differ from Llama's, with what differs.
 _OTHER_ARCHITECTURES = {
-    "mixtral": "mixture-of-experts MLP (MoE)",
-    "qwen2_moe": "mixture-of-experts MLP (MoE)",
-    "qwen3_moe": "mixture-of-experts MLP (MoE)",
-    "deepseek_v2": "mixture-of-experts MLP (MoE) and multi-latent attention",
-    "deepseek_v3": "mixture-of-experts MLP (MoE) and multi-latent attention",
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe"), "mixture-of-experts MLP (MoE)"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), "mixture-of-experts MLP (MoE) and multi-latent attention"),
     "gemma": "a different norm: RMSNorm scaled by (1 + weight), and GELU-gated MLP",
     "gemma2": "a different norm: RMSNorm scaled by (1 + weight), extra post-norms, sliding window",
     "gemma3": "a different norm: RMSNorm scaled by (1 + weight), QK-norm, sliding window",
@@ -76,17 +73,15 @@ class LlamaArch:
         theta, _, scaling = rope_settings(hf)
         max_pos = int(hf.get("max_position_embeddings", 2048))
         heads = int(hf["num_attention_heads"])
-        return cls(
-            num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
-            ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
-            num_query_groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            vocab_size=int(hf["vocab_size"]), max_position_embeddings=max_pos, seq_length=int(seq_length or max_pos),
-            rotary_base=theta, norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-            init_method_std=float(hf.get("initializer_range", 0.02)),
-            rope_scaling_factor=float(scaling["factor"]) if scaling else None,
-        )
+        return cls(num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
+                   ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
+                   num_query_groups=int(hf.get("num_key_value_heads") or heads),
+                   head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads), vocab_size=int(hf["vocab_size"]),
+                   max_position_embeddings=max_pos, seq_length=int(seq_length or max_pos), rotary_base=theta,
+                   norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+                   untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                   init_method_std=float(hf.get("initializer_range", 0.02)),
+                   rope_scaling_factor=float(scaling["factor"]) if scaling else None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, vocab_size: int) -> LlamaArch:
@@ -107,15 +102,13 @@ class LlamaArch:
     def megatron_flags(self) -> list[str]:
         """Megatron-LM's flags for this model (the `pretrain_gpt.py` / `megatron-jreg train` spelling)."""
         base = int(self.rotary_base) if float(self.rotary_base).is_integer() else self.rotary_base
-        flags = [
-            "--num-layers", self.num_layers, "--hidden-size", self.hidden_size, "--ffn-hidden-size",
-            self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads, "--group-query-attention",
-            "--num-query-groups", self.num_query_groups, "--kv-channels", self.head_dim,
-            "--seq-length", self.seq_length, "--max-position-embeddings", self.max_position_embeddings,
-            "--position-embedding-type", "rope", "--rotary-base", base, "--normalization", "RMSNorm",
-            "--norm-epsilon", self.norm_epsilon, "--swiglu", "--disable-bias-linear", "--init-method-std",
-            self.init_method_std, "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        ]
+        flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size, "--ffn-hidden-size",
+                 self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads, "--group-query-attention",
+                 "--num-query-groups", self.num_query_groups, "--kv-channels", self.head_dim, "--seq-length",
+                 self.seq_length, "--max-position-embeddings", self.max_position_embeddings,
+                 "--position-embedding-type", "rope", "--rotary-base", base, "--normalization", "RMSNorm",
+                 "--norm-epsilon", self.norm_epsilon, "--swiglu", "--disable-bias-linear", "--init-method-std",
+                 self.init_method_std, "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
         if self.untie_embeddings_and_output_weights:
             flags.append("--untie-embeddings-and-output-weights")
         if self.rope_scaling_factor is not None:
@@ -130,16 +123,14 @@ class LlamaArch:
         if self.rope_scaling_factor is not None:
             scaling = {"rope_type": "llama3", "factor": self.rope_scaling_factor, **_LLAMA3_ROPE}
             rope = {**scaling, "rope_theta": float(self.rotary_base)}
-        return dict(
-            architectures=["LlamaForCausalLM"], vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
-            head_dim=self.head_dim, hidden_act="silu", max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.init_method_std, rms_norm_eps=self.norm_epsilon,
-            rope_theta=float(self.rotary_base), rope_scaling=scaling, rope_parameters=rope,
-            tie_word_embeddings=not self.untie_embeddings_and_output_weights, attention_bias=False, mlp_bias=False,
-            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-        )
+        return dict(architectures=["LlamaForCausalLM"], vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                    intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+                    head_dim=self.head_dim, hidden_act="silu", max_position_embeddings=self.max_position_embeddings,
+                    initializer_range=self.init_method_std, rms_norm_eps=self.norm_epsilon,
+                    rope_theta=float(self.rotary_base), rope_scaling=scaling, rope_parameters=rope,
+                    tie_word_embeddings=not self.untie_embeddings_and_output_weights, attention_bias=False,
+                    mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
     def num_parameters(self) -> int:
         """Parameter count (true vocabulary), to size the verification's memory."""
@@ -246,12 +237,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LlamaArch)
 def _layer_names(i: int) -> dict[str, str]:
     """One layer's megatron → Hugging Face names for the tensors that map one to one."""
     m, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-    return {
-        m + "input_layernorm.weight": hf + "input_layernorm.weight",
-        m + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
-        m + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight",
-        m + "mlp.linear_fc2.weight": hf + "mlp.down_proj.weight",
-    }
+    return {m + "input_layernorm.weight": hf + "input_layernorm.weight",
+            m + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
+            m + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight",
+            m + "mlp.linear_fc2.weight": hf + "mlp.down_proj.weight"}
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str, torch.Tensor]:

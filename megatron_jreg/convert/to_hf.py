@@ -9,17 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_jreg.convert import hf_io, llama, tokenizer
-from megatron_jreg.convert.verify import (
-    Verification,
-    compare_logits,
-    hf_logits_fn,
-    probe_tokens,
-    round_weights,
-    should_verify,
-    single_process,
-    staged_output,
-)
+from megatron_jreg.convert import hf_io, llama, tokenizer, verify
 from megatron_jreg.dtypes import run_dtype, torch_dtype
 
 
@@ -29,7 +19,7 @@ class ExportResult:
     iteration: int
     dtype: torch.dtype
     files: list[str]
-    verification: Verification | None
+    verification: verify.Verification | None
     note: str = ""  # why verification was skipped, or what about the tokenizer
 
 
@@ -40,7 +30,7 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
     from megatron_jreg.checkpoints.model import quiet_megatron
     from megatron_jreg.convert.cli import parse_size
 
-    single_process()
+    verify.single_process()
     checkpoint = Checkpoint.open(cfg.load, cfg.iteration)
     iteration, args = checkpoint.iteration, checkpoint.args
     llama.check_megatron_args(args)  # refuse before loading anything
@@ -50,7 +40,7 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
         if tok is not None:
             tokenizer.check_fits_checkpoint(tok, source, args)
     out_dtype = torch_dtype(cfg.dtype or run_dtype(args))  # default: the run's precision
-    with staged_output(cfg.output) as tmp:
+    with verify.staged_output(cfg.output) as tmp:
         vocab_size, vocab_note = _true_vocab_size(tok, args)
         note = "; ".join(n for n in (note, vocab_note) if n)
         model_cfg = llama.LlamaArch.from_args(args, vocab_size)
@@ -66,18 +56,18 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
         files += hf_io.write_safetensors(tensors, tmp, parse_size(cfg.max_shard_size))
         del tensors
         verification = None
-        run, why = should_verify(cfg.verify, model_cfg.num_parameters())
+        run, why = verify.should_verify(cfg.verify, model_cfg.num_parameters())
         if run:
             device = next(loaded.model.parameters()).device
-            tokens = probe_tokens(vocab_size, model_cfg.seq_length)
+            tokens = verify.probe_tokens(vocab_size, model_cfg.seq_length)
 
             def reference(t: torch.Tensor) -> torch.Tensor:
                 return loaded.logits(t)[..., :vocab_size]  # the run's args may know only the padded size
 
             original = reference(tokens)
-            rounded = round_weights(loaded.model, out_dtype)  # the megatron side holds what was written
-            verification = compare_logits(reference, hf_logits_fn(tmp, device), tokens, cfg.verify_threshold,
-                                          depth=model_cfg.num_layers)
+            rounded = verify.round_weights(loaded.model, out_dtype)  # the megatron side holds what was written
+            verification = verify.compare_logits(reference, verify.hf_logits_fn(tmp, device), tokens,
+                                                 cfg.verify_threshold, depth=model_cfg.num_layers)
             if rounded:
                 verification.rounding_effect = float((reference(tokens) - original).abs().max())
         else:
@@ -100,14 +90,14 @@ def _write_config(folder: Path, model_cfg, ids: dict, dtype: torch.dtype) -> lis
     """config.json (LlamaConfig) and generation_config.json; ids: {'bos'|'eos'|'pad': token id or None}."""
     from transformers import GenerationConfig, LlamaConfig
 
-    config = LlamaConfig(**model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"]))
+    kwargs = model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"])
+    config = LlamaConfig(**kwargs)
     setattr(config, "dtype" if "dtype" in LlamaConfig().to_dict() else "torch_dtype", dtype)  # torch_dtype < 4.56
     config.save_pretrained(str(folder))
     # transformers 5 writes RoPE only as `rope_parameters`; 4.x and most other readers look for
     # `rope_theta` (+ `rope_scaling`) and would silently fall back to a base of 10,000 without it.
     path = folder / "config.json"
     written = json.loads(path.read_text())
-    kwargs = model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"])
     written["rope_theta"] = kwargs["rope_theta"]
     if kwargs["rope_scaling"] is not None:
         written["rope_scaling"] = kwargs["rope_scaling"]

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_jreg.checkpoints.model import run_tokenizer_type, tokenizer_options  # the run's, as the loaders read them
 from megatron_jreg.convert.hf_io import ConversionError
 from megatron_jreg.data.tokenizers import PROBE_TEXT, SP_TYPES, TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 CHECK_PASSAGES = 200  # LAMBADA passages in the id check (with the probe texts: ~60k tokens, < 1 s)
 # Files a Hugging Face tokenizer folder may hold; copied as they are.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 _NO_TOKENIZER = "or pass --no-tokenizer to export the weights without a tokenizer"
 V5_ONLY_CLASS = "TokenizersBackend"  # transformers 5's name of PreTrainedTokenizerFast, unknown to 4.x
 
@@ -42,11 +41,6 @@ class TokenizerSource:
             raise ConversionError(f"{self.where}: {e}") from None
 
 
-def _run_type(args) -> str | None:  # noqa: ANN001 - Megatron-LM's args namespace
-    kind = getattr(args, "tokenizer_type", None)
-    return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind  # SFT: an HF tokenizer + prompt format
-
-
 def infer_type(path: Path) -> str:
     """The --tokenizer-type of a tokenizer file or folder, from what it holds."""
     if (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json":
@@ -66,13 +60,11 @@ def resolve_source(
     args, tokenizer_model: str | None, tokenizer_type: str | None, no_tokenizer: bool  # noqa: ANN001
 ) -> tuple[TokenizerSource | None, str]:
     """(the tokenizer to write next to the weights or None, a note), checked before anything is loaded."""
-    from megatron_jreg.checkpoints.model import tokenizer_options  # the run's options, read as the loaders read them
-
     if no_tokenizer:
         if tokenizer_model:
             raise ConversionError("--no-tokenizer and --tokenizer-model contradict each other: give one of them")
         return None, "no tokenizer written (--no-tokenizer)"
-    run_type = _run_type(args)
+    run_type = run_tokenizer_type(args)
     if tokenizer_model is None:
         if run_type in (None, "NullTokenizer"):
             return None, ("no tokenizer written: the run used NullTokenizer (its text was token ids); give "
@@ -84,16 +76,15 @@ def resolve_source(
                 raise ConversionError(
                     f"the run's GPT2BPETokenizer files {missing} (recorded in the checkpoint) do not exist: pass "
                     f"--tokenizer-model DIR with its vocab.json and merges.txt, {_NO_TOKENIZER}")
-            source = TokenizerSource(run_type, None, *files, tokenizer_options(args), f"the run's {run_type}")
-            return source, f"tokenizer from {files[0]} and {files[1]}"
+            return (TokenizerSource(run_type, None, *files, tokenizer_options(args), f"the run's {run_type}"),
+                    f"tokenizer from {files[0]} and {files[1]}")
         model = getattr(args, "tokenizer_model", None)
         if not model or not Path(model).exists():
             raise ConversionError(
                 f"the run's tokenizer {model} ({run_type}, recorded in the checkpoint) does not exist: pass "
                 f"--tokenizer-model with its current location, {_NO_TOKENIZER}")
-        source = TokenizerSource(run_type, model, options=tokenizer_options(args),
-                                 where=f"the run's tokenizer {model}")
-        return source, f"tokenizer from {model}"
+        return (TokenizerSource(run_type, model, options=tokenizer_options(args), where=f"the run's tokenizer {model}"),
+                f"tokenizer from {model}")
     path = Path(tokenizer_model)
     if not path.exists():
         raise ConversionError(f"--tokenizer-model {path} does not exist: pass an existing tokenizer, {_NO_TOKENIZER}")
@@ -101,24 +92,18 @@ def resolve_source(
     if ttype not in TOKENIZER_TYPES or ttype == "NullTokenizer":
         raise ConversionError(f"--tokenizer-type {ttype}: cannot be written as a Hugging Face tokenizer; export "
                               f"one of {', '.join(t for t in TOKENIZER_TYPES if t != 'NullTokenizer')}")
+    folder = path if path.is_dir() else path.parent
+    gpt2 = ttype == "GPT2BPETokenizer"
+    files = (None, str(folder / "vocab.json"), str(folder / "merges.txt")) if gpt2 else (str(path), None, None)
     options = tokenizer_options(args) if ttype == run_type else {}
-    if ttype == "GPT2BPETokenizer":
-        folder = path if path.is_dir() else path.parent
-        source = TokenizerSource(ttype, None, str(folder / "vocab.json"), str(folder / "merges.txt"), options)
-    else:
-        source = TokenizerSource(ttype, str(path), options=options)
-    source.where = f"--tokenizer-model {path}"
-    return source, f"tokenizer from {path}"
+    return TokenizerSource(ttype, *files, options, f"--tokenizer-model {path}"), f"tokenizer from {path}"
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Does the tokenizer belong to the checkpoint?
-
-
 def recorded_vocabulary(args) -> tuple[str, int, int | None, int | None] | None:  # noqa: ANN001
     """(what, vocabulary size, end-of-document id, pad id) the run recorded: its own tokenizer when it is on
     disk, else the tokenizer identity in the preprocess manifests of its data, else NullTokenizer's flags."""
-    run_type = _run_type(args)
+    run_type = run_tokenizer_type(args)
     if run_type == "NullTokenizer":
         vocab = getattr(args, "vocab_size", None)
         eod = getattr(args, "null_tokenizer_eod_id", None)  # only explicit ones say anything
@@ -174,10 +159,7 @@ def check_fits_checkpoint(tok: Tokenizer, source: TokenizerSource, args) -> None
             f"{'; '.join(problems)}. Pass the run's tokenizer, {_NO_TOKENIZER}")
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Writing it.
-
-
 def _token_text(tok: Tokenizer, token_id: int | None) -> str | None:
     """The text of one token id (a SentencePiece control piece such as "</s>" decodes to nothing)."""
     if token_id is None:

@@ -85,11 +85,7 @@ def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor],
 
     model = hub.load_causal_lm(folder, where=f"--hf {folder}", dtype=torch.float32, allow_pickle=True).to(device)
     model.eval()
-
-    def logits(tokens: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=tokens.to(device)).logits
-
-    return logits
+    return lambda tokens: model(input_ids=tokens.to(device)).logits
 
 
 def should_verify(verify: bool | None, num_params: int) -> tuple[bool, str]:

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.errors import JregError
+from megatron_jreg.errors import UsageError
 from megatron_jreg.fileio import JsonlError, atomic_write, read_jsonl
 
-
-class PromptFileError(JregError, ValueError):
-    """A question or answer file that cannot be used; the message names the file, the line and the fix."""
+PromptFileError = UsageError  # a question or answer file that cannot be used: the file, the line and the fix
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from megatron_jreg.data.checks import DataError, check_output_folder
 from megatron_jreg.dtypes import torch_dtype
 from megatron_jreg.evaluate.decoding import Sampling, complete
-from megatron_jreg.evaluate.models import DTYPES, ConfigError, check_model_flags
+from megatron_jreg.evaluate.models import ConfigError, check_model_flags
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
 from megatron_jreg.progress import progress_bar, show_progress
 
@@ -66,8 +66,6 @@ class GenerateConfig:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.model_id is not None and not self.model_id.strip():
             raise ConfigError("--model-id must not be empty (FastChat's judge names the model by it)")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         out = Path(self.output)
         if str(self.output).endswith(("/", os.sep)) or out.is_dir():
             raise ConfigError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
