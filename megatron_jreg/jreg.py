@@ -97,22 +97,10 @@ def displacement(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: 
     return total / count.clamp_min(1.0)
 
 
-def _owned(grad: Tensor, calibrating: list[int] | None = None) -> bool:
-    """Whether a gradient autograd hands to a backward is held by nothing else, so that adding into it changes no
-    other value: no other reference to the tensor (C++: `_use_count`; Python: a hook that kept it) or to its storage
-    (a view), and dense rows. Autograd makes the same test before it accumulates in place."""
-    references = sys.getrefcount(grad)
-    if calibrating is not None:
-        calibrating.append(references)
-        return False
-    return (grad._use_count() == 1 and references <= _unheld_references() and grad.is_contiguous()
-            and not grad._is_view() and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2)  # + ours
-
-
 @functools.cache
 def _unheld_references() -> int:
-    """sys.getrefcount that `_owned` sees for a gradient nothing else holds (the references torch's call of a
-    backward and the calls down to `_owned` make), measured once on a probe."""
+    """sys.getrefcount that `_target` sees for a gradient nothing else holds (the references torch's call of a
+    backward and the call of `_target` make), measured once on a probe."""
     seen: list[int] = []
 
     class Probe(torch.autograd.Function):
@@ -136,7 +124,7 @@ class LayerPenalty:
     backward without computing anything in forward and without a [T, h] tensor of its own (DEVELOPERS.md, "JREG
     math"): `h_in = penalty.watch(h_in)` before the layer runs, `h_out = penalty.attach(h_out, h_in, up, factor)`
     after it; up: [T] per token of the flattened leading dimensions (the token mask times the microbatch's scale).
-    Each backward adds in place where autograd handed it the gradient alone (`_owned`), else writes a fresh tensor
+    Each backward adds in place where autograd handed it the gradient alone (`_target`), else writes a fresh tensor
     (Megatron-LM's full recompute keeps each chunk's output gradient): one pass either way, never a separate add."""
 
     def __init__(self, kind: str = "angular") -> None:
@@ -163,9 +151,17 @@ class LayerPenalty:
 
 
 def _target(grad: Tensor, calibrating: list[int] | None = None) -> Tensor:
-    """Where a backward writes grad + its term: grad itself when nothing else holds it (`_owned`, asked before any
-    view of grad exists), else a fresh tensor of its shape (not a view, so that the next backward may own it)."""
-    return grad if _owned(grad, calibrating) else torch.empty_like(grad, memory_format=torch.contiguous_format)
+    """Where a backward writes grad + its term (asked before any view of grad exists): grad itself when nothing else
+    holds it, so that adding into it changes no other value: no other reference to the tensor (C++: `_use_count`;
+    Python: a hook that kept it) or to its storage (a view), and dense rows, the test autograd makes before it
+    accumulates in place; else a fresh tensor of its shape (not a view, so that the next backward may own it)."""
+    references = sys.getrefcount(grad)
+    if calibrating is not None:
+        calibrating.append(references)
+    elif (grad._use_count() == 1 and references <= _unheld_references() and grad.is_contiguous()
+          and not grad._is_view() and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2):  # + ours
+        return grad
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
 class _AttachOutput(torch.autograd.Function):

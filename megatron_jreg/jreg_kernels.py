@@ -8,6 +8,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -112,23 +113,13 @@ def _grad_a_body(a: Tensor, b: Tensor, figures: Tensor, g: Tensor | None, out: T
 
 
 # -- the eager bodies: few passes and allocations (each fresh [T, h] buffer costs page faults on CPU) -----------------
-def _fp32(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 rows: torch's CPU kernels take a slow, unvectorised path on mixed bf16/fp32 operands."""
-    return a.float(), b.float()
-
-
 def _eager_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
-    """|a|², |b|², ra, rb [T, 1], δ, σ [T, h] (fp32), c², s² [T], in few passes over the copies `_fp32` made."""
-    a, b = _fp32(a, b)
+    """a, b, |a|², |b|², ra, rb [T, 1], δ, σ [T, h] (fp32), c², s² [T], in few passes over fp32 copies of a, b."""
+    a, b = a.float(), b.float()  # torch's CPU kernels take a slow, unvectorised path on mixed bf16/fp32 operands
     sa, sb = torch.linalg.vecdot(a, a), torch.linalg.vecdot(b, b)
     ra, rb = _inverse_norm(sa).unsqueeze_(-1), _inverse_norm(sb).unsqueeze_(-1)
     delta, summ = _chord(a, b, ra, rb), _sum_vector(a, b, ra, rb)
     return a, b, sa, sb, ra, rb, delta, summ, torch.linalg.vecdot(delta, delta), torch.linalg.vecdot(summ, summ)
-
-
-def _eager_row_sums(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
-    _, _, sa, sb, _, _, _, _, c2, s2 = _eager_sums(a, b)
-    return sa, sb, c2, s2
 
 
 def _eager_grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool) -> tuple[Tensor, Tensor]:
@@ -144,7 +135,7 @@ def _eager_grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool
 
 def _eager_grad_a(a: Tensor, b: Tensor, figures: Tensor) -> Tensor:
     """Σ_t up[t]·∂d_t/∂a [T, h] fp32 from grad_b's figures."""
-    a, b = _fp32(a, b)
+    a, b = a.float(), b.float()
     ra, rb, ka, omc, opc = figures.unbind(0)
     alpha, beta, m = (x.unsqueeze(-1) for x in _regime(omc, opc))
     ra, rb, ka = ra.unsqueeze(-1), rb.unsqueeze(-1), ka.unsqueeze(-1)
@@ -161,7 +152,8 @@ def _eager_forward(a: Tensor, b: Tensor) -> Tensor:
     a, b = _flat(a), _flat(b)
     out = torch.empty(3, a.shape[0], dtype=torch.float32, device=a.device)
     for lo, hi in _row_chunks(*a.shape):
-        out[:, lo:hi] = _displacements(*_eager_row_sums(a[lo:hi], b[lo:hi]))
+        _, _, sa, sb, _, _, _, _, c2, s2 = _eager_sums(a[lo:hi], b[lo:hi])
+        out[:, lo:hi] = _displacements(sa, sb, c2, s2)
     return out
 
 
@@ -169,9 +161,8 @@ def _eager_grad(which: str, a: Tensor, b: Tensor, rows: Tensor, g: Tensor | None
                 factor: float = 1.0, angular: bool = True) -> Tensor | None:
     """grad_b (`rows` = up [T]; returns the figures) or grad_a (`rows` = the figures [5, T]) over row chunks, each
     chunk's g + term written into out."""
-    a, b, out_rows = _flat(a), _flat(b), _flat(out)
-    g = None if g is None else (out_rows if g is out else _flat(g))
-    out = out_rows
+    in_place = g is out
+    a, b, out, g = _flat(a), _flat(b), _flat(out), None if g is None else _flat(g)
     figures = torch.empty(FIGURES, a.shape[0], dtype=torch.float32, device=a.device) if which == "b" else None
     for lo, hi in _row_chunks(*a.shape):
         if which == "b":
@@ -180,8 +171,8 @@ def _eager_grad(which: str, a: Tensor, b: Tensor, rows: Tensor, g: Tensor | None
             grad = _eager_grad_a(a[lo:hi], b[lo:hi], rows[:, lo:hi])
         if g is None:
             out[lo:hi] = grad
-        elif out is g:
-            g[lo:hi].add_(grad)
+        elif in_place:
+            out[lo:hi].add_(grad)
         else:
             out[lo:hi] = grad.add_(g[lo:hi])
     return figures
@@ -239,19 +230,20 @@ def backend_for(t: Tensor) -> str:
     forced = forced_backend()
     if forced is not None:
         return forced
-    if t.is_cuda and t.shape[-1] <= _triton_max_width():
+    if t.is_cuda and t.shape[-1] <= getattr(_triton(), "MAX_WIDTH", 0):
         return "triton"
     if t.device.type == "cpu" and t.numel() >= COMPILE_MIN_ELEMENTS and _COMPILED.failed is None:
         return "compiled"
     return "torch"
 
 
-def _triton_max_width() -> int:
+def _triton() -> Any:
+    """jreg_triton, imported on first use (None without triton: the eager path)."""
     try:
         from megatron_jreg import jreg_triton
-    except ImportError:  # no triton: the eager path
-        return 0
-    return jreg_triton.MAX_WIDTH
+    except ImportError:
+        return None
+    return jreg_triton
 
 
 def forward(a: Tensor, b: Tensor, backend: str | None = None) -> Tensor:
@@ -259,9 +251,7 @@ def forward(a: Tensor, b: Tensor, backend: str | None = None) -> Tensor:
     dimensions' product): the angular d, the cosine d, and 1.0 where a row is the zero vector."""
     backend = backend or backend_for(a)
     if backend == "triton":
-        from megatron_jreg import jreg_triton
-
-        return jreg_triton.forward(a, b, NORM_EPS, _TINY)
+        return _triton().forward(a, b, NORM_EPS, _TINY)
     if backend == "compiled":
         sums = _COMPILED("row_sums", a, b)
         d = _COMPILED("displacements", *sums) if sums is not _COMPILED.EAGER else sums
@@ -281,9 +271,7 @@ def grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool, g: Te
     backend = backend or backend_for(a)
     out = torch.empty_like(b, memory_format=torch.contiguous_format) if out is None else out
     if backend == "triton":
-        from megatron_jreg import jreg_triton
-
-        return out, jreg_triton.grad_b(a, b, up, factor, angular, g, out, NORM_EPS, _TINY, _SIN_FLOOR)
+        return out, _triton().grad_b(a, b, up, factor, angular, g, out, NORM_EPS, _TINY, _SIN_FLOOR)
     if backend == "compiled":
         figures = _COMPILED("grad_b", a, b, up, factor, g, out, angular)
         if figures is not _COMPILED.EAGER:
@@ -298,9 +286,7 @@ def grad_a(a: Tensor, b: Tensor, figures: Tensor, g: Tensor | None = None, out: 
     backend = backend or backend_for(a)
     out = torch.empty_like(a, memory_format=torch.contiguous_format) if out is None else out
     if backend == "triton":
-        from megatron_jreg import jreg_triton
-
-        jreg_triton.grad_a(a, b, figures, g, out)
+        _triton().grad_a(a, b, figures, g, out)
     elif backend != "compiled" or _COMPILED("grad_a", a, b, figures, g, out) is _COMPILED.EAGER:
         _eager_grad("a", a, b, figures, g, out)
     return out
