@@ -79,10 +79,8 @@ def check_finite_weights(named: Iterable[tuple[str, Any]], where: str) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     what = ", ".join(f"{n:,} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
     others = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-    if not any(b[1] for b in bad) and dtype_name in _FIXES:
-        fix = f"the file holds inf, or {_FIXES[dtype_name]}"
-    else:
-        fix = "the model diverged or the file is damaged: use an earlier checkpoint or download the model again"
+    fix = (f"the file holds inf, or {_FIXES[dtype_name]}" if not any(b[1] for b in bad) and dtype_name in _FIXES
+           else "the model diverged or the file is damaged: use an earlier checkpoint or download the model again")
     raise NonFiniteWeights(f"{where}: weight {name} holds {what} in {dtype_name}{others}; nothing computed from "
                            f"it would be a number: {fix}")
 
@@ -91,19 +89,14 @@ class NotRegularFile(OSError):
     """A path that is a FIFO, device or socket where a regular file is expected (reading it could block)."""
 
 
-# --------------------------------------------------------------------------------------------------
 # Files that are what they claim to be.
-
-
 _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
             stat.S_IFSOCK: "a socket"}
 
 
 def special_kind(mode: int) -> str | None:
     """'a FIFO', 'a character device', ... for a stat mode that is neither a regular file nor a folder."""
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    return _SPECIAL.get(stat.S_IFMT(mode), "not a regular file")
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else _SPECIAL.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def relative_name(name: object) -> bool:
@@ -147,10 +140,7 @@ def check_entries(folder: Path, flag: str) -> None:
                                  "block forever); replace it with the real file")
 
 
-# --------------------------------------------------------------------------------------------------
 # safetensors headers, read by the safetensors library.
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a safetensors file: dtype (safetensors' name), shape, absolute byte range [start, end)."""
@@ -243,10 +233,7 @@ def read_safetensors_folder(folder: Path) -> dict[str, TensorEntry]:
     return tensors
 
 
-# --------------------------------------------------------------------------------------------------
 # config.json values.
-
-
 def _text_configs(config: dict) -> list[dict]:
     """The config and the nested text config of a multimodal model (where the decoder's sizes are)."""
     nested = [config[k] for k in ("text_config", "llm_config") if isinstance(config.get(k), dict)]
@@ -354,10 +341,7 @@ def check_weights_fit(config: dict, stored: int, where: str, what: str) -> None:
                                  "model's config.json or download the model again")
 
 
-# --------------------------------------------------------------------------------------------------
 # Code a folder would have run.
-
-
 def _json(path: Path) -> dict:
     try:
         with open_regular(path) as f:
@@ -401,10 +385,7 @@ def refuse_custom_code(folder: Path, flag: str) -> None:
                              "use a folder that transformers' own classes load (e.g. a tokenizer.json)")
 
 
-# --------------------------------------------------------------------------------------------------
 # The one check.
-
-
 @dataclass(frozen=True)
 class ModelFolder:
     """A checked Hugging Face folder: its config.json and its safetensors tensors, each header read once and
@@ -445,8 +426,3 @@ def inspect_model_folder(
         raise ModelFileError(f"{where}: no weight files: no file named {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
                              "there; download the model again")
     return ModelFolder(folder, config, {})
-
-
-def check_model_folder(folder: str | Path, flag: str, **options: bool) -> dict:
-    """`inspect_model_folder`'s config.json, for callers that need no tensors."""
-    return inspect_model_folder(folder, flag, **options).config

@@ -459,10 +459,10 @@ def test_missing_datasets_stop_before_the_model_loads(
 ):
     from megatron_jreg.evaluate import cli
 
-    def no_model(cfg):
+    def no_model(*_args):
         raise AssertionError("the model must not load when data is missing")
 
-    monkeypatch.setattr(cli, "load_model", no_model)
+    monkeypatch.setattr(cli, "load_hf_lm", no_model)
     empty = tmp_path / "not-a-dataset"
     empty.mkdir()
     argv = [

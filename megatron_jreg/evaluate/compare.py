@@ -237,36 +237,18 @@ def _finite(value: float) -> float | None:
 def rows_to_json(comparison: Comparison, pairing: str) -> dict:
     """The comparison as JSON; NaN (an undefined test) is null. The bound is "lower_bound" on the
     difference when higher is better, "upper_bound" when lower is."""
-    return {
-        "pairing": pairing,
-        "skipped_tasks": comparison.skipped,
-        "average_of": comparison.average_of,
-        "notes": comparison.notes,
-        "rows": {
-            task: {
-                "metric": r.metric,
-                "higher_is_better": r.test.higher_is_better,
-                "direction_from": r.direction_from,
-                "n": r.test.n,
-                "baseline_mean": r.baseline_mean,
-                "jreg_mean": r.jreg_mean,
-                "mean_diff": r.test.mean_diff,
-                "sd_diff": r.test.sd_diff,
-                "t": _finite(r.test.t),
-                "p_value": _finite(r.test.p_value),
-                "p_worse": _finite(r.test.p_worse),
-                "p_two_sided": _finite(r.test.p_two_sided),
-                "p_holm": None if r.p_holm is None else _finite(r.p_holm),
-                "lower_bound" if r.test.higher_is_better else "upper_bound": _finite(r.test.bound),
-                "confidence": r.test.confidence,
-                "tested": r.test.tested,
-                "defined": r.test.defined,
-                "jreg_better": r.test.significant,
-                "jreg_worse": r.test.worse,
-            }
-            for task, r in comparison.rows.items()
-        },
-    }
+    rows = {}
+    for task, r in comparison.rows.items():
+        t = r.test
+        finite = {k: _finite(getattr(t, k)) for k in ("t", "p_value", "p_worse", "p_two_sided")}
+        rows[task] = {"metric": r.metric, "higher_is_better": t.higher_is_better, "direction_from": r.direction_from,
+                      "n": t.n, "baseline_mean": r.baseline_mean, "jreg_mean": r.jreg_mean, "mean_diff": t.mean_diff,
+                      "sd_diff": t.sd_diff, **finite, "p_holm": None if r.p_holm is None else _finite(r.p_holm),
+                      "lower_bound" if t.higher_is_better else "upper_bound": _finite(t.bound),
+                      "confidence": t.confidence, "tested": t.tested, "defined": t.defined,
+                      "jreg_better": t.significant, "jreg_worse": t.worse}
+    return {"pairing": pairing, "skipped_tasks": comparison.skipped, "average_of": comparison.average_of,
+            "notes": comparison.notes, "rows": rows}
 
 
 def _direction_overrides(higher: list[str], lower: list[str]) -> dict[str, bool]:

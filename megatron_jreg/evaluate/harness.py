@@ -13,22 +13,21 @@ from lm_eval.api.model import TemplateLM
 from megatron_jreg.evaluate.decoding import complete
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import score
+from megatron_jreg.progress import progress_bar
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks
 
 
 def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
-    """(stop strings, max new tokens) from a request's gen_kwargs; greedy decoding only. The end of
+    """(non-empty stop strings, max new tokens) from a request's gen_kwargs; greedy decoding only. The end of
     document needs no stop string: generation stops at the `eod` token itself."""
     kwargs = dict(gen_kwargs)
     if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
         raise ValueError(f"generate_until: sampling was requested ({kwargs}); this adapter decodes greedily only")
     until = kwargs.get("until")
-    stop = [until] if isinstance(until, str) else list(until or [])
-    for key in ("max_gen_toks", "max_new_tokens", "max_tokens"):
-        if kwargs.get(key) is not None:
-            return stop, int(kwargs[key])
-    return stop, DEFAULT_MAX_GEN_TOKS
+    stop = [s for s in ([until] if isinstance(until, str) else until or []) if s]
+    keys = ("max_gen_toks", "max_new_tokens", "max_tokens")
+    return stop, next((int(kwargs[k]) for k in keys if kwargs.get(k) is not None), DEFAULT_MAX_GEN_TOKS)
 
 
 class HarnessLM(TemplateLM):
@@ -57,8 +56,6 @@ class HarnessLM(TemplateLM):
         return self.model.encode(string, special=add_special_tokens is not False)
 
     def _bar(self, total: int, kind: str, disable_tqdm: bool):  # noqa: ANN202 - a tqdm bar
-        from megatron_jreg.progress import progress_bar
-
         return progress_bar(total, f"lm-eval {kind}", "request", self.progress and not disable_tqdm)
 
     def _score(self, pairs: list, kind: str, disable_tqdm: bool) -> list:
@@ -107,7 +104,7 @@ class HarnessLM(TemplateLM):
             for max_new, indices in groups.items():
                 for start in range(0, len(indices), self.batch_size):
                     batch = indices[start : start + self.batch_size]
-                    stops = [[s for s in settings[i][0] if s] for i in batch]
+                    stops = [settings[i][0] for i in batch]
                     prompts = [lm.encode(requests[i].args[0])[-(lm.max_length - max_new) :] or [lm.prefix_token]
                                for i in batch]
                     done = complete(lm.decoder, prompts, max_new_tokens=max_new,

@@ -13,6 +13,7 @@ from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.models import CausalLM
 from megatron_jreg.evaluate.scoring import Scored, encode_pair, score
 from megatron_jreg.fileio import JsonlError, read_jsonl
+from megatron_jreg.progress import progress_bar
 
 
 def split_passage(text: str) -> tuple[str, str]:
@@ -72,18 +73,12 @@ def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
     n, hits, nll = len(scored), [float(s.greedy) for s in scored], [-s.logprob for s in scored]
     acc_stderr, nll_stderr = (stdev(hits) / math.sqrt(n), stdev(nll) / math.sqrt(n)) if n > 1 else (None, None)
     perplexity = math.exp(sum(nll) / n)
-    return {
-        "acc": sum(hits) / n,
-        "acc_stderr": acc_stderr,
-        "perplexity": perplexity,
-        "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr,
-    }
+    return {"acc": sum(hits) / n, "acc_stderr": acc_stderr, "perplexity": perplexity,
+            "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr}
 
 
 def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False) -> list[Scored]:
     """Per-passage target scores, in passage order; `progress`: a bar of passages on stderr."""
-    from megatron_jreg.progress import progress_bar
-
     pairs = [encode_pair(lm, *split_passage(p)) for p in passages]
     with progress_bar(len(pairs), "lambada", "passage", progress) as bar:
         return score(lm, pairs, batch_size, bar.update)

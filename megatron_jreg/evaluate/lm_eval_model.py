@@ -16,7 +16,7 @@ import torch
 from lm_eval.api.registry import register_model
 
 from megatron_jreg import hub
-from megatron_jreg.errors import JregError, ModelFileError
+from megatron_jreg.errors import JregError, ModelFileError, UsageError
 from megatron_jreg.evaluate.harness import HarnessLM
 from megatron_jreg.evaluate.models import DTYPES, load_hf_lm, load_megatron_lm
 
@@ -28,8 +28,7 @@ EXAMPLE = ("megatron-jreg lm-eval --model megatron-jreg --model_args pretrained=
 logger = logging.getLogger(__name__)
 
 
-class ModelArgsError(JregError, ValueError):
-    """`--model_args` that cannot work; the message names the argument and the fix."""
+ModelArgsError = UsageError  # `--model_args` that cannot work; the message names the argument and the fix
 
 
 def _batch_size(value: Any) -> int:
@@ -47,9 +46,7 @@ def _batch_size(value: Any) -> int:
 def _device(value: str | None) -> str | None:
     """lm-eval's --device, which its CLI sets to cuda:0 by default: CPU when there is no GPU, as lm-eval's
     own `hf` model does (logged)."""
-    if value is None:
-        return None
-    if value.startswith("cuda") and not torch.cuda.is_available():
+    if value is not None and value.startswith("cuda") and not torch.cuda.is_available():
         logger.warning("%s: --device %s, but no CUDA device here; running on the CPU", NAME, value)
         return "cpu"
     return value
@@ -70,18 +67,10 @@ def _is_hf(spec: str) -> bool:
 class MegatronJregLM(HarnessLM):
     """The lm-eval model `megatron-jreg`; its model_args: `USAGE` (docs/evaluate.md)."""
 
-    def __init__(
-        self,
-        pretrained: str | None = None,
-        load: str | None = None,
-        iteration: int | None = None,
-        hf: str | None = None,
-        dtype: str = "auto",
-        max_length: int | None = None,
-        batch_size: int | str = 8,
-        device: str | None = None,
-        max_batch_size: int | None = None,  # lm-eval passes it; used only with batch_size auto
-        **unknown: Any,
+    def __init__(  # max_batch_size: lm-eval passes it; used only with batch_size auto
+        self, pretrained: str | None = None, load: str | None = None, iteration: int | None = None,
+        hf: str | None = None, dtype: str = "auto", max_length: int | None = None, batch_size: int | str = 8,
+        device: str | None = None, max_batch_size: int | None = None, **unknown: Any,
     ) -> None:
         if unknown:
             raise ModelArgsError(f"--model_args {', '.join(sorted(unknown))}: unknown to {NAME}; give {USAGE}")
@@ -90,10 +79,7 @@ class MegatronJregLM(HarnessLM):
             key = "pretrained"
             if load is not None or hf is not None:
                 raise ModelArgsError("--model_args: pretrained= names the model as load= or hf= do; give one of them")
-            if _is_hf(str(pretrained)):
-                hf = pretrained
-            else:
-                load = pretrained
+            hf, load = (pretrained, None) if _is_hf(str(pretrained)) else (None, pretrained)
         if (load is None) == (hf is None):
             raise ModelArgsError(f"--model_args: give exactly one of load= and hf=; {USAGE}")
         if load is not None and (dtype != "auto" or max_length is not None):
@@ -124,20 +110,20 @@ class MegatronJregLM(HarnessLM):
         return {"megatron_jreg_model": self.source}
 
 
-def missing_task_data() -> list[str]:
-    """One line per task of lm-eval's command line whose dataset is not here, checked as `evaluate` does before
-    any model loads; groups, YAML paths and unknown names are left to lm-eval."""
+def check_task_data() -> None:
+    """The datasets of lm-eval's command line's tasks, checked as `evaluate` does before any model loads (a
+    UsageError naming each missing one); groups, YAML paths and unknown names are left to lm-eval."""
     from lm_eval._cli import HarnessCLI
 
     from megatron_jreg.evaluate.tasks import check_datasets, task_manager, task_plans
 
     args = HarnessCLI().parse_args()  # argparse only; lm-eval parses the same sys.argv again
     if getattr(args, "command", None) != "run" or not getattr(args, "tasks", None):
-        return []
+        return
     names = list(dict.fromkeys(t.strip() for task in args.tasks for t in task.split(",") if t.strip()))
     include = [Path(args.include_path)] if getattr(args, "include_path", None) else []
     manager = task_manager(names, include)
-    return check_datasets(task_plans(manager, [n for n in names if n in manager.all_subtasks], {}))
+    check_datasets(task_plans(manager, [n for n in names if n in manager.all_subtasks], {}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = sys.argv  # lm-eval's CLI reads sys.argv; the caller's is restored (Megatron-LM re-reads it later)
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
     try:
-        if problems := missing_task_data():
-            print("megatron-jreg lm-eval: error: these lm-eval tasks have no data on this machine (nothing is "
-                  "downloaded at run time):\n  " + "\n  ".join(problems), file=sys.stderr)
-            return 2
+        check_task_data()
         with quiet_git_hash():
             cli_evaluate()
     except (JregError, FileNotFoundError) as e:  # bad model_args, model files, non-finite logits

@@ -3,6 +3,8 @@ and lm-eval's context/continuation split both depend on the model's own tokenize
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -10,16 +12,15 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
-from megatron_jreg.errors import JregError, ModelFileError, one_line
-from megatron_jreg.model_files import check_finite_weights, check_model_folder, declared_context
+from megatron_jreg.errors import JregError, ModelFileError, UsageError, one_line
+from megatron_jreg.model_files import check_finite_weights, declared_context, inspect_model_folder
 
 DTYPES = ("auto", *WEIGHT_DTYPES)  # auto: the checkpoint's own (float32 on CPU)
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that declares no context window
 BIG_TOKENIZER_BYTES = 32 << 20  # a tokenizer.json this large takes transformers minutes to load: said first
 
 
-class ConfigError(JregError, ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
+ConfigError = UsageError  # a flag value that cannot work; the message names the flag and the fix
 
 
 def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None) -> None:
@@ -128,7 +129,7 @@ def load_hf_lm(
     if not (path / "config.json").is_file():
         raise ModelFileError(f"--hf {path}: no config.json there; pass a folder written by save_pretrained or by "
                              "`hf download REPO --local-dir DIR` on a machine with internet")
-    config = check_model_folder(path, "--hf")  # before anything is allocated: config, headers, no code, no pickle
+    config = inspect_model_folder(path, "--hf").config  # before any allocation: config, headers, no code, no pickle
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     auto: str | torch.dtype = "auto" if device.startswith("cuda") else torch.float32
     weights_dtype = auto if dtype == "auto" else torch_dtype(dtype)
@@ -155,9 +156,6 @@ def load_hf_lm(
 def _note_big_tokenizer(path: Path) -> None:
     """One line before a tokenizer that takes transformers minutes to load (e.g. 1.5M added tokens: 308 s), so
     the silence is explained; the added tokens are counted only in a file that large."""
-    import json
-    import sys
-
     file = path / "tokenizer.json"
     size = file.stat().st_size if file.is_file() else 0
     if size < BIG_TOKENIZER_BYTES:
@@ -180,8 +178,7 @@ class MegatronCausalLM:
             raise ValueError(f"{loaded.path}: the run had no tokenizer (mock data): nothing to evaluate text with")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.eod = int(self.tokenizer.eod)
-        self.prefix_token = self.eod
+        self.prefix_token = self.eod = int(self.tokenizer.eod)
         self.vocab_size = loaded.vocab_size
         self.max_length = loaded.seq_length
         self.iteration = int(loaded.iteration)  # the checkpoint's, also when the latest was asked for

@@ -46,9 +46,7 @@ class EvalResults:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             results = cls.from_harness(data) if "n-samples" in data else cls(
                 results={task: dict(metrics) for task, metrics in data["results"].items()},
-                samples=dict(data.get("samples", {})),
-                model=dict(data.get("model", {})),
-                seed=data.get("seed"),
+                samples=dict(data.get("samples", {})), model=dict(data.get("model", {})), seed=data.get("seed"),
                 config=dict(data.get("config", {})),
                 skipped={task: dict(counts) for task, counts in data.get("skipped", {}).items()},
                 higher_is_better={task: dict(m) for task, m in data.get("higher_is_better", {}).items()},
@@ -80,15 +78,11 @@ class EvalResults:
         for task, metrics in self.results.items():
             for metric, value in metrics.items():
                 if not metric.endswith("_stderr") and "_stderr," not in metric:
-                    stderr = metrics.get(_stderr_key(metric))
+                    name, _, filter_name = metric.partition(",")
+                    stderr = metrics.get(f"{name}_stderr" + (f",{filter_name}" if filter_name else ""))
                     rows.append((task, metric, format_number(value), format_number(stderr)))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def _stderr_key(metric: str) -> str:
-    name, _, filter_name = metric.partition(",")
-    return f"{name}_stderr" + (f",{filter_name}" if filter_name else "")
 
 
 def format_number(value: float | None, sign: str = "") -> str:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import fmean, stdev
 
+import numpy as np
 from scipy import stats
 
 # Spread at most this fraction of the scores' magnitude is rounding (float32 leaves ~1.2e-7), not a difference.
@@ -57,9 +59,8 @@ def _check_scores(name: str, values: Sequence[float]) -> None:
                              "re-evaluate")
 
 
-def paired_one_sided(
-    jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95, higher_is_better: bool = True
-) -> PairedTest:
+def paired_one_sided(jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95,
+                     higher_is_better: bool = True) -> PairedTest:
     """Paired t-test of JREG against the baseline; ValueError for inputs whose p-value would mean nothing
     (unequal arms, < 2 pairs, a non-finite or boolean score, confidence outside (0, 1))."""
     if len(jreg) != len(baseline):
@@ -72,8 +73,7 @@ def paired_one_sided(
     _check_scores("JREG", jreg)
     _check_scores("baseline", baseline)
     diffs = [float(j) - float(b) for j, b in zip(jreg, baseline)]
-    mean = math.fsum(diffs) / n
-    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (n - 1))
+    mean, sd = fmean(diffs), stdev(diffs)
     scale = max(abs(float(x)) for x in [*jreg, *baseline])
     if sd <= TIE_RTOL * scale:
         nan = math.nan
@@ -100,16 +100,10 @@ def untested(jreg: float, baseline: float, confidence: float = 0.95, higher_is_b
 def holm(p_values: Sequence[float]) -> list[float]:
     """Holm-Bonferroni adjusted p-values in input order (adjusted_(k) = max_{i<=k} min(1, (m-i+1) p_(i))); a NaN p
     stays NaN and counts in m, a hypothesis that cannot be rejected."""
-    m = len(p_values)
-    order = sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
-    adjusted = [math.nan] * m
-    running = 0.0
-    for rank, i in enumerate(order):
-        p = p_values[i]
-        if math.isnan(p):
-            break
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"p-value {p!r} at position {i}: must be in [0, 1] or NaN")
-        running = max(running, min(1.0, (m - rank) * p))
-        adjusted[i] = running
-    return adjusted
+    p = np.asarray(p_values, dtype=float)
+    if (bad := np.flatnonzero((p < 0) | (p > 1))).size:
+        raise ValueError(f"p-value {p_values[bad[0]]!r} at position {bad[0]}: must be in [0, 1] or NaN")
+    order = np.argsort(p, kind="stable")  # NaN last, running max keeps it NaN
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.maximum.accumulate(np.minimum(1.0, (len(p) - np.arange(len(p))) * p[order]))
+    return adjusted.tolist()

@@ -11,16 +11,8 @@ from typing import Any
 from megatron_jreg.errors import UsageError, one_line
 
 # The paper's downstream tasks and the lm-eval config folder of each: indexing only those is fast.
-PAPER_TASKS: dict[str, str] = {
-    "boolq": "super_glue/boolq",
-    "arc_easy": "arc",
-    "hellaswag": "hellaswag",
-    "piqa": "piqa",
-    "race": "race",
-    "social_iqa": "siqa",
-    "sciq": "sciq",
-    "swag": "swag",
-}
+PAPER_TASKS: dict[str, str] = {"boolq": "super_glue/boolq", "arc_easy": "arc", "hellaswag": "hellaswag", "piqa": "piqa",
+                                "race": "race", "social_iqa": "siqa", "sciq": "sciq", "swag": "swag"}
 
 
 def task_pairs(values: Sequence[str], flag: str, what: str, example: str) -> dict[str, str]:
@@ -85,11 +77,8 @@ def task_plans(manager, names: Sequence[str], task_data: Mapping[str, Path]) -> 
     plans = []
     for name in names:
         config = task_config(manager, name)
-        if name in task_data:
-            local = {**config, "dataset_path": str(task_data[name])}
-            plans.append(TaskPlan(name, local, replaced_dataset=config.get("dataset_path")))
-        else:
-            plans.append(TaskPlan(name, config))
+        local = {"dataset_path": str(task_data[name])} if name in task_data else {}
+        plans.append(TaskPlan(name, {**config, **local}, config.get("dataset_path") if local else None))
     return plans
 
 
@@ -111,9 +100,9 @@ def _missing(plan: TaskPlan, error: Exception) -> str:
             f"--task-data {name}=DIR.")
 
 
-def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
-    """One line per task whose data cannot be loaded offline, as lm-eval's task constructor loads it; tasks that
-    build their data in code (`custom_dataset`) cannot be checked and are let through."""
+def check_datasets(plans: Sequence[TaskPlan]) -> None:
+    """UsageError with one line per task whose data cannot be loaded offline, as lm-eval's task constructor loads it;
+    tasks that build their data in code (`custom_dataset`) cannot be checked and are let through."""
     import datasets
 
     problems = []
@@ -131,4 +120,6 @@ def check_datasets(plans: Sequence[TaskPlan]) -> list[str]:
         split = config.get("test_split") or config.get("validation_split")  # what lm-eval evaluates
         if split is not None and split not in data:
             problems.append(f"{plan.name}: dataset {config['dataset_path']} has no split {split!r} (has {list(data)})")
-    return problems
+    if problems:
+        raise UsageError("these lm-eval tasks have no data on this machine (nothing is downloaded at run time):\n  "
+                         + "\n  ".join(problems))
