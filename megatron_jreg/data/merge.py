@@ -25,24 +25,20 @@ from megatron_jreg.errors import run_command
 from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg merge-datasets"
-
-
-def _strip_suffix(path: str) -> str:
-    return re.sub(r"\.(bin|idx|manifest\.json)$", "", path)
+_SUFFIX = re.compile(r"\.(bin|idx|manifest\.json)$")  # of a path that names a dataset by one of its files
 
 
 def resolve_prefixes(patterns: list[str], exclude: str | None = None) -> list[str]:
     """Dataset prefixes named by prefixes, `.bin/.idx` paths, directories or globs (partial files ignored)."""
     prefixes: list[str] = []
     for pattern in patterns:
-        stripped = _strip_suffix(pattern)
-        if indexed.dataset_exists(stripped):
+        if indexed.dataset_exists(stripped := _SUFFIX.sub("", pattern)):
             prefixes.append(stripped)
             continue
         if os.path.isdir(pattern):
             candidates = sorted(str(p)[:-4] for p in Path(pattern).glob("*.idx"))
         else:
-            candidates = sorted({_strip_suffix(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))})
+            candidates = sorted({_SUFFIX.sub("", p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx"))})
         found = [p for p in candidates if indexed.dataset_exists(p)]
         if not found:
             raise FileNotFoundError(f"--input {pattern}: no finished .bin/.idx pair there")

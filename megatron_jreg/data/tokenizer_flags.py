@@ -1,6 +1,6 @@
-"""Megatron-LM's tokenizer flags (its `_add_tokenizer_args` group, megatron-core 0.19.2) as a table, the types
+"""Megatron-LM's tokenizer flags (its `_add_tokenizer_args` group, megatron-core 0.19.2) added here, the types
 megatron-jreg runs or refuses, and the args `build_tokenizer` reads: importing megatron.training for them takes
-seconds before `--help` answers. tests/test_data_megatron_compat.py checks the table against the installed group.
+seconds before `--help` answers. tests/test_data_megatron_compat.py checks them against the installed group.
 """
 
 from __future__ import annotations
