@@ -128,9 +128,9 @@ def test_output_is_byte_identical_to_megatron_lm(kind, corpus, tmp_path):
 
 
 def test_tokenizer_flags_table_is_megatron_lms_group():
-    """preprocess parses Megatron-LM's tokenizer flags from a table (no torch for --help and the flag checks):
-    the same flags as megatron-core's own `_add_tokenizer_args` group, spelling, action, type, default, choices
-    and help, so that an upgrade that changes them fails here."""
+    """preprocess parses Megatron-LM's tokenizer flags as tokenizer_flags.py writes them out (no torch for --help
+    and the flag checks): the same flags as megatron-core's own `_add_tokenizer_args` group, spelling, action,
+    type, default, choices and help, so that an upgrade that changes them fails here."""
     import argparse
 
     from megatron.training.arguments import _add_tokenizer_args
