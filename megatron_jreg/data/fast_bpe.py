@@ -172,12 +172,8 @@ def _template_ids(processor: dict | None) -> tuple[list[int], list[int]]:
     if kind in (None, "ByteLevel"):
         return [], []
     if kind == "Sequence":
-        prefix: list[int] = []
-        suffix: list[int] = []
-        for sub in processor["processors"]:
-            before, after = _template_ids(sub)
-            prefix, suffix = prefix + before, after + suffix
-        return prefix, suffix
+        parts = [_template_ids(sub) for sub in processor["processors"]]
+        return [i for before, _ in parts for i in before], [i for _, after in reversed(parts) for i in after]
     if kind in ("RobertaProcessing", "BertProcessing"):
         return [processor["cls"][1]], [processor["sep"][1]]
     if kind != "TemplateProcessing":
@@ -223,9 +219,8 @@ def _merge_pairs(merges: list) -> list[tuple[str, str]]:
 
 
 def _check_merges_make_their_pieces(model: dict, merges: list[tuple[str, str]], pieces: list[str]) -> None:
-    """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece: then
-    tiktoken (a pre-token in its ranks is one token; any pair concatenating to a piece merges) gives the same ids.
-    A trained tokenizer has this property; a merge list edited by hand may not."""
+    """NoConversion unless `tokenizers`' merges, applied to each piece's characters alone, make that piece (why:
+    DEVELOPERS.md, "fast_bpe.py"). A trained tokenizer has this property; a merge list edited by hand may not."""
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
 
@@ -326,8 +321,7 @@ def _char_class(chars: list[str]) -> str:
 
 def _check_merges_make_their_pieces_sp(rank: dict[str, int]) -> None:
     """NoConversion unless sentencepiece's merges (the adjacent pair whose concatenation ranks first), applied
-    to each piece's characters alone, make that piece: tiktoken takes a pre-token found in its ranks as one
-    token without merging."""
+    to each piece's characters alone, make that piece (as `_check_merges_make_their_pieces`)."""
     never = len(rank)
     for piece in rank:
         parts = list(piece)
@@ -408,18 +402,16 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
         if len(unknown) != 1:
             raise NoConversion("no single unknown piece")
         lacking = unknown
-        def cut_ids(run: str) -> list[int]:
-            return [base]
     table = np.array([*assembly.values(), *(i for _, i, _ in merged), *(user[s] for s in specials), *lacking],
                      dtype=np.int64)
     if model.trainer_spec.byte_fallback:
         spelled = {ranks[p]: table[[base + b for b in p]] for p, i in assembly.items() if i < 0}
         return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, spelled=spelled)
-    lacking_run = f"[^{_char_class(list(chars))}]+"
+    lacking_run = f"[^{_char_class(list(chars))}]"
     if specials:  # a user-defined symbol is matched before anything is cut: the regex steps over it whole
         either = "|".join(map(re.escape, specials))
-        lacking_run = f"(?:{either})|(?:(?!(?:{either}))[^{_char_class(list(chars))}])+"
-    return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=re.compile(lacking_run), cut_ids=cut_ids)
+        lacking_run = f"(?:{either})|(?:(?!(?:{either})){lacking_run})"
+    return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=re.compile(lacking_run + "+"), cut_ids=lambda _: [base])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -440,15 +432,11 @@ def _canon(hf: Any) -> np.ndarray | None:
     return None if (canon == np.arange(size)).all() else canon
 
 
-def _probes(specials: list[str]) -> list[str]:
-    """The probe text whole and word by word (so that a covered word is checked where the whole text falls
-    back), and each added token inside and beside words."""
-    return [PROBE_TEXT, *PROBE_TEXT.split(" "), *(f" a{t}b {t}" for t in specials), "".join(specials)]
-
-
 def _checked(engine: Engine, reference: Callable[[str], Any], specials: list[str]) -> str | None:
-    """None when `engine` gives `reference`'s ids on the probes, else the first text where it does not."""
-    probes = _probes(specials)
+    """None when `engine` gives `reference`'s ids on the probes, else the first text where it does not. Probes: the
+    probe text whole and word by word (so that a covered word is checked where the whole text falls back), and each
+    added token inside and beside words."""
+    probes = [PROBE_TEXT, *PROBE_TEXT.split(" "), *(f" a{t}b {t}" for t in specials), "".join(specials)]
     got = engine.encode_batch(probes)
     return next((p for p, ids in zip(probes, got) if ids != list(reference(p))), None)
 
@@ -480,7 +468,8 @@ def _hf_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | 
         if not with_specials:
             plan.prefix = plan.suffix = []
         if canon is not None:  # compose: tiktoken id -> vocabulary id -> id of its token string
-            plan.table = canon[plan.table if plan.table is not None else np.arange(_top(plan) + 1)]
+            top = max([*plan.ranks.values(), *plan.specials.values()], default=0)
+            plan.table = canon[plan.table if plan.table is not None else np.arange(top + 1)]
         engine = TiktokenBPE(plan, batch.encode)
         bad = _checked(engine, reference, added)
         if bad is None:
@@ -490,10 +479,6 @@ def _hf_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | 
     if bad is None:
         return batch, f"tokenizers ({why})"
     return None, f"megatron-core (no fast path: {why}; tokenizers' batch encoding disagreed on {bad[:40]!r})"
-
-
-def _top(plan: Plan) -> int:
-    return max([*plan.ranks.values(), *plan.specials.values()], default=0)
 
 
 def _sp_engine(library: Any, reference: Callable[[str], Any]) -> tuple[Engine | None, str]:

@@ -171,15 +171,11 @@ class Tokenizer:
         return self._engine.encode(text) if self._engine else list(self.megatron.tokenize(text))
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        if self._engine:
-            return self._engine.encode_batch(texts)
-        return [list(self.megatron.tokenize(t)) for t in texts]
+        return self._engine.encode_batch(texts) if self._engine else [list(self.megatron.tokenize(t)) for t in texts]
 
     def tokenize_arrays(self, texts: list[str]) -> list[list[int] | np.ndarray]:
         """`tokenize_batch`'s ids, each a list or an int array (what preprocess writes; no conversion back)."""
-        if self._engine:
-            return self._engine.ids_batch(texts)
-        return [self.megatron.tokenize(t) for t in texts]
+        return self._engine.ids_batch(texts) if self._engine else [self.megatron.tokenize(t) for t in texts]
 
     def detokenize(self, ids: list[int]) -> str:
         return self.megatron.detokenize(list(ids), skip_special_tokens=False)

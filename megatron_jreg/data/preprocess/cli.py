@@ -6,6 +6,7 @@ loads them, is imported only to run), so that `--help` and a bad flag answer at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from megatron_jreg.data.checks import describe_skips
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     """Our flags by field name; Megatron-LM's other tokenizer flags, where given, in `tokenizer`."""
-    ours = PreprocessConfig.field_names()
+    ours = {f.name for f in dataclasses.fields(PreprocessConfig)}
     defaults = tokenizer_defaults()
     tokenizer = {k: v for k, v in vars(args).items() if k in defaults and k not in ours and v != defaults[k]}
     return PreprocessConfig(**{k: v for k, v in vars(args).items() if k in ours}, tokenizer=tokenizer)

@@ -6,7 +6,7 @@ one that does nothing to the data gets a note, one megatron-jreg does not run is
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +197,3 @@ class PreprocessConfig:
     def tokenizer_args(self) -> Any:
         """Megatron-LM's tokenizer args (an argparse Namespace), for megatron-core's `build_tokenizer`."""
         return megatron_args(self.tokenizer_type, self.tokenizer_model, **self.tokenizer)
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}

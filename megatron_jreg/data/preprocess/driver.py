@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import gc
 import multiprocessing
 import os
@@ -71,12 +72,6 @@ def _plan_shards(files: list[InputFile], n: int) -> list[list[InputFile]]:
         groups[-1].append(f)
         done += f.size
     return groups
-
-
-def _output_prefixes(cfg: PreprocessConfig, shard: int, n_shards: int) -> dict[str, str]:
-    """`{json key: dataset prefix}` of one shard: Megatron-LM's `PREFIX_{key}_{level}` for one shard."""
-    base = cfg.output_prefix if n_shards == 1 else f"{cfg.output_prefix}_{shard:05d}"
-    return {k: f"{base}_{k}_{cfg.level}" for k in cfg.json_keys}
 
 
 def _shard_fingerprint(cfg: PreprocessConfig, files: list[InputFile], tokenizer: dict, shard: int, n: int) -> str:
@@ -158,7 +153,10 @@ def _start_pool(cfg: PreprocessConfig) -> Any:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
     try:
-        return multiprocessing.get_context("fork").Pool(cfg.workers, initializer=worker.ignore_sigint)
+        # The workers leave Ctrl-C to this process, which stops them and says what is kept (one line, no traceback
+        # from every worker).
+        ignore_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)
+        return multiprocessing.get_context("fork").Pool(cfg.workers, initializer=ignore_sigint)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
@@ -185,15 +183,15 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         "sentence_splitter": f"nltk Punkt, --lang {cfg.lang}{' --keep-newlines' * cfg.keep_newlines}"
         if cfg.split_sentences else None,
     }
-    filters = {"min_int_score": cfg.min_int_score, "min_chars": cfg.min_chars, "max_documents": cfg.max_documents,
-               "on_error": cfg.on_error}
+    filters = {k: getattr(cfg, k) for k in ("min_int_score", "min_chars", "max_documents", "on_error")}
     skipped_total: collections.Counter = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
     todo = []
     for i, shard_files in enumerate(shards):
         if cfg.shard_ids and i not in cfg.shard_ids:
             continue
-        prefixes = _output_prefixes(cfg, i, len(shards))
+        base = cfg.output_prefix if len(shards) == 1 else f"{cfg.output_prefix}_{i:05d}"
+        prefixes = {k: f"{base}_{k}_{cfg.level}" for k in cfg.json_keys}  # Megatron-LM's PREFIX_{key}_{level}
         fp = _shard_fingerprint(cfg, shard_files, tokenizer.identity, i, len(shards))
         done = [is_complete(p, fp) for p in prefixes.values()]
         if all(done):

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import signal
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,6 @@ def setup(**state: Any) -> None:
     """tokenizer, eod (None without --append-eod), dtype, json_keys, min_int_score, min_chars, splitter."""
     STATE.clear()
     STATE.update(state)
-
-
-def ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops them and says what is kept (one line, no
-    traceback from every worker)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def sentence_splitter(lang: str, keep_newlines: bool) -> Any:
@@ -152,11 +146,7 @@ def first_documents(result: UnitResult, n_docs: int) -> UnitResult:
     if n_docs > len(result.kept_positions):
         return result
     last = result.kept_positions[n_docs - 1]
-    return UnitResult(
-        input_bytes=result.input_bytes,
-        tokens={k: v[:n_docs] for k, v in result.tokens.items()},
-        lengths={k: v[:n_docs] for k, v in result.lengths.items()},
-        kept_positions=result.kept_positions[:n_docs],
-        text_bytes=result.text_bytes[:n_docs],
-        skipped=[s for s in result.skipped if s[0] < last],
-    )
+    return dataclasses.replace(
+        result, tokens={k: v[:n_docs] for k, v in result.tokens.items()},
+        lengths={k: v[:n_docs] for k, v in result.lengths.items()}, kept_positions=result.kept_positions[:n_docs],
+        text_bytes=result.text_bytes[:n_docs], skipped=[s for s in result.skipped if s[0] < last])
