@@ -91,6 +91,7 @@ def _write_config(folder: Path, model_cfg, ids: dict, dtype: torch.dtype) -> lis
     from transformers import GenerationConfig, LlamaConfig
 
     kwargs = model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"])
+    scaling = dict(kwargs["rope_scaling"] or {})  # LlamaConfig (5.x) adds rope_theta to the dict it is given
     config = LlamaConfig(**kwargs)
     setattr(config, "dtype" if "dtype" in LlamaConfig().to_dict() else "torch_dtype", dtype)  # torch_dtype < 4.56
     config.save_pretrained(str(folder))
@@ -99,8 +100,8 @@ def _write_config(folder: Path, model_cfg, ids: dict, dtype: torch.dtype) -> lis
     path = folder / "config.json"
     written = json.loads(path.read_text())
     written["rope_theta"] = kwargs["rope_theta"]
-    if kwargs["rope_scaling"] is not None:
-        written["rope_scaling"] = kwargs["rope_scaling"]
+    if scaling:
+        written["rope_scaling"] = scaling
     path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(
         str(folder)
