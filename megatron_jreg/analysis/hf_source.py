@@ -201,7 +201,7 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None, con
     source, flag = (tokenizer, "--tokenizer") if tokenizer is not None else (str(path), "--model")
     where = f"--tokenizer {tokenizer}" if tokenizer else f"the GGUF file {path / gguf_file}" if gguf_file else str(path)
     try:
-        if Path(source).is_dir():
+        if Path(source).is_dir() and (tokenizer is not None or config is None):  # else identify checked it
             check_entries(Path(source), flag)
             refuse_custom_code(Path(source), flag)
         own = {} if tokenizer else {"gguf_file": gguf_file} if gguf_file else {"config": config}
