@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron_jreg.dtypes import SAFETENSORS
-from megatron_jreg.errors import BadConfigError, ModelFileError
+from megatron_jreg.errors import BadConfigError, ModelFileError, one_line
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -298,6 +298,17 @@ def check_config(config: dict, where: str) -> None:
         if heads and hidden and part.get("head_dim") is None and hidden[1] % heads[1]:
             raise BadConfigError(f"{where}: config.json: {hidden[0]} {hidden[1]} is not divisible by {heads[0]} "
                                  f"{heads[1]} (and no head_dim is given); restore the model's config.json")
+
+
+def auto_config(folder: Path, flag: str = "--model") -> Any:
+    """The transformers config of a model folder (`AutoConfig`, local files only, no custom code)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise BadConfigError(f"{flag} {folder}: transformers cannot read its config.json ({one_line(e, 300)})"
+                             ) from None
 
 
 def _positive_number(values: dict, key: str, label: str, where: str) -> None:

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from megatron_jreg.analysis.run import Interrupted, print_report, run_analysis
+        from megatron_jreg.analysis.report import format_table
+        from megatron_jreg.analysis.run import Interrupted, run_analysis
     except KeyboardInterrupt:
         print("\nmegatron-jreg analyze: interrupted while starting; nothing written", file=sys.stderr)
         return 130
@@ -118,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmegatron-jreg analyze: interrupted before any model was measured; nothing written", file=sys.stderr)
         return 130
-    if measured:
-        print_report(*measured)
+    if measured:  # the table and its reading on stdout, then where the files went
+        results, files = measured
+        print(format_table(results))
+        print("wrote " + ", ".join(str(p) for p in files))
     return code
 
 

@@ -26,6 +26,7 @@ from megatron_jreg.analysis.source import (
 from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.hub import load_causal_lm
 from megatron_jreg.model_files import (
+    auto_config,
     check_entries,
     declared_context,
     is_gguf_file,
@@ -44,17 +45,6 @@ def _declared(config: Any, name: str) -> int | None:
     family's own name (GPT-2's n_layer for num_hidden_layers)."""
     value = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, name, None)
     return value if isinstance(value, int) and value > 0 else None
-
-
-def auto_config(folder: Path) -> Any:
-    """The transformers config of a model folder (`AutoConfig`, local files only, no custom code)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        raise AnalysisError(f"--model {folder}: transformers cannot read its config.json ({one_line(e, 300)})"
-                            ) from None
 
 
 def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[str, list[nn.Module]]:

@@ -16,7 +16,7 @@ import torch
 from megatron_jreg import hub
 from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource
 from megatron_jreg.checkpoints.files import is_checkpoint
-from megatron_jreg.model_files import ModelFolder, inspect_model_folder, is_gguf_file
+from megatron_jreg.model_files import ModelFolder, auto_config, inspect_model_folder, is_gguf_file
 
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -33,6 +33,7 @@ class ModelSpec:
     step: int | None = None
     revision: str | None = None  # the Hugging Face revision it was resolved at (`--revision`)
     flag: str = "--model"  # or "--checkpoints": a series, whose unreadable members are skipped
+    unreadable: str | None = None  # why a --checkpoints match cannot be read (it is skipped, saying this)
     # A Hugging Face folder's transformers config and checked files (config.json, safetensors headers), read once
     # by `identify` so that no later step parses them again.
     config: Any = field(default=None, compare=False, repr=False)
@@ -42,13 +43,11 @@ class ModelSpec:
 def identify(path: Path, flag: str = "--model") -> tuple[str, Any, ModelFolder | None]:
     """(kind, transformers config, checked files) of a path given to `flag`: ("hf", config, files),
     ("gguf", None, None) or ("megatron", None, None); an AnalysisError says what was expected."""
+    if path.is_dir() and (path / "config.json").exists():
+        files = inspect_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here
+        return "hf", auto_config(path, flag), files
     if is_gguf_file(path):
         return "gguf", None, None
-    if path.is_dir() and (path / "config.json").exists():
-        from megatron_jreg.analysis.hf_source import auto_config
-
-        files = inspect_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here
-        return "hf", auto_config(path), files
     if is_checkpoint(path):
         return "megatron", None, None
     if not path.exists():  # asked only here: `hub.resolve` already looked for it
@@ -75,13 +74,14 @@ def named_step(name: str) -> int | None:
 def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None,
                    stream: bool | None = None) -> list[ModelSpec]:
     """`--model` paths or hub ids (each at every `--revision`) in order, then `--checkpoints` by step, as specs with
-    unique labels; with stream=True a model --stream cannot read is refused before any is measured."""
+    unique labels, each identified once; with stream=True a model --stream cannot read is refused before any is
+    measured."""
     given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
-    entries: list[tuple[Path, str, int | None]] = []
-    for spec, revision in given:
-        path = hub.resolve(spec, "--model")
-        entries.append((path, "--model", named_step(revision) if revision else named_step(Path(spec).name)))
-    shown = [Path(m) if hub.describe(p) else p.resolve() for (m, _), (p, _, _) in zip(given, entries)]  # ids by name
+    entries: list[tuple[Path, str, int | None, str | None, Path]] = []  # path, flag, step, revision, shown as
+    for name, revision in given:
+        path = hub.resolve(name, "--model")
+        shown = path.resolve() if path == Path(name).expanduser() else Path(name)  # a hub id by its name
+        entries.append((path, "--model", named_step(revision or Path(name).name), revision, shown))
     if checkpoints:
         matches = [Path(p) for p in glob.glob(checkpoints)]
         if not matches:
@@ -91,21 +91,19 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
         if unordered:
             raise AnalysisError(f"--checkpoints: cannot order {unordered[0]} by step (no number in its name); narrow "
                                 "the glob")
-        entries += [(p, "--checkpoints", steps[p]) for p in sorted(matches, key=lambda p: (steps[p], str(p)))]
-    kinds = []
-    for p, flag, _ in entries:
+        entries += [(p, "--checkpoints", steps[p], None, p.resolve())
+                    for p in sorted(matches, key=lambda p: (steps[p], str(p)))]
+    specs = []
+    for (path, flag, step, revision, _), label in zip(entries, _unique_labels([e[-1] for e in entries])):
         try:
-            kinds.append(identify(p, flag))
+            kind, config, files = identify(path, flag)
+            specs.append(ModelSpec(path, label, kind, step, revision, flag, config=config, files=files))
         except AnalysisError as e:  # a series skips a match not (yet) readable (an iteration being written)
             if flag != "--checkpoints":
                 raise
-            kinds.append((f"unreadable: {e}", None, None))
-    labels = _unique_labels(shown + [p.resolve() for p, _, _ in entries[len(given) :]])
-    revs = [r for _, r in given] + [None] * (len(entries) - len(given))  # --checkpoints matches have none
-    specs = [ModelSpec(p, label, kind, step, rev, flag, config, files)
-             for (p, flag, step), label, (kind, config, files), rev in zip(entries, labels, kinds, revs)]
+            specs.append(ModelSpec(path, label, "megatron", step, revision, flag, unreadable=str(e)))
     for spec in specs if stream else ():
-        if not spec.kind.startswith("unreadable"):
+        if spec.unreadable is None:
             from megatron_jreg.analysis.stream_source import not_streamable
 
             reason = f"a {spec.kind} model" if spec.kind != "hf" else not_streamable(spec.path, spec.config)

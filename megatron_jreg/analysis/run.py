@@ -15,7 +15,7 @@ from megatron_jreg.analysis.config import AnalyzeConfig, load_texts
 from megatron_jreg.analysis.loading import ModelSpec, load_source, resolve_models
 from megatron_jreg.analysis.measure import ModelResult, PeakMemory, measure
 from megatron_jreg.analysis.removal import TOP_K, default_top_k
-from megatron_jreg.analysis.report import format_table, write_results
+from megatron_jreg.analysis.report import write_results
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.errors import ModelFileError, one_line
 from megatron_jreg.progress import library_bars, show_progress
@@ -69,8 +69,8 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
     try:
         for i, spec in enumerate(specs, 1):
             try:
-                if spec.kind.startswith("unreadable: "):
-                    raise AnalysisError(spec.kind.removeprefix("unreadable: "))
+                if spec.unreadable:
+                    raise AnalysisError(spec.unreadable)
                 result = _measure_one(cfg, spec, texts, f"[{i}/{len(specs)}]")
             except AnalysisError as e:
                 if spec.flag != "--checkpoints":
@@ -143,9 +143,3 @@ def check_result(result: ModelResult, path: Path) -> None:
         counts = ", ".join(f"h_{ell}: {result.zero_tokens[ell]}" for ell in zero[:5])
         log(f"    warning: {counts} of {result.tokens} tokens have an all-zero hidden state; d counts each as "
             "orthogonal (0.5 angular, 1 cosine)")
-
-
-def print_report(results: list[ModelResult], files: list[Path]) -> None:
-    """The console table and the reading on stdout, then where the files went."""
-    print(format_table(results))
-    print("wrote " + ", ".join(str(p) for p in files))

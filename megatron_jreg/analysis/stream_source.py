@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from megatron_jreg.analysis.hf_source import (
     HEAD,
     HFSource,
-    auto_config,
     decoder_stack,
     head_missing,
     load_tokenizer,
@@ -41,7 +40,7 @@ from megatron_jreg.analysis.source import (
 )
 from megatron_jreg.dtypes import SAFETENSORS
 from megatron_jreg.hub import check_loading_info
-from megatron_jreg.model_files import TensorEntry, WeightsError, read_safetensors_folder
+from megatron_jreg.model_files import TensorEntry, WeightsError, auto_config, read_safetensors_folder
 from megatron_jreg.progress import library_bars
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, (t, _) in SAFETENSORS.items() if t}
