@@ -138,16 +138,13 @@ _FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
 def _not_fork_warning(record: logging.LogRecord) -> bool:
-    """Drops megatron-core's warning that a CPU random draw happened inside `CudaRNGStatesTracker.fork`. On a GPU
-    it flags CPU code drawing from the wrong generator; on the CPU every draw inside a fork (weight init, dropout)
-    is a CPU draw by design, so it fired 50-121 times a training log while saying nothing about the run. The
-    tracker's states still fork and restore as on a GPU (`_get_state`/`_set_state`); what draws from the global
-    CPU generator inside a fork did so before this filter too (it only silences the line)."""
+    """Drops megatron-core's warning of a CPU random draw inside `CudaRNGStatesTracker.fork`: on the CPU every draw
+    there is one by design, so it fired 50-121 times a training log while saying nothing about the run."""
     return record.getMessage() != _FORK_WARNING
 
 
 def apply_cpu_compat() -> bool:
-    """Make megatron-core runnable on CPU/gloo when CUDA is absent. Returns True when active."""
+    """megatron-core on CPU/gloo when CUDA is absent; True when active."""
     global _applied
     if torch.cuda.is_available():
         return False
@@ -162,8 +159,7 @@ def apply_cpu_compat() -> bool:
 
 
 def apply_cpu_training_compat(args: Any | None = None) -> bool:
-    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs on CPU (DEVELOPERS.md, "megatron-core on CPU"),
-    and `args` (a parsed Megatron-LM namespace) set to gloo without CUDA kernels; True when active (no CUDA)."""
+    """`apply_cpu_compat()` plus what `megatron.training.pretrain` needs, `args` set to gloo without CUDA kernels."""
     if not apply_cpu_compat():
         return False
     patches.apply_process(_CPU_TRAINING_PATCHES)
@@ -183,7 +179,6 @@ CUDA_KERNELS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_g
 
 
 def device() -> torch.device:
-    """The device tensors of this process live on: the current GPU, or the CPU under compat."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -213,8 +208,7 @@ def driver_report(lib: Any, built: str) -> str:
 
 
 def cuda_diagnosis() -> str:
-    """Why torch sees no usable GPU, as far as can be told without CUDA: a CPU-only torch, no driver library,
-    or the driver's CUDA version against torch's."""
+    """Why torch sees no usable GPU, as far as can be told without CUDA."""
     built = torch.version.cuda
     if built is None:
         return f"torch {torch.__version__} is a CPU-only build"
@@ -227,8 +221,7 @@ def cuda_diagnosis() -> str:
 
 
 def cpu_training_refusal(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> str | None:
-    """The one line that stops a CPU run where a GPU is expected (`gpu_signs`), or None where CPU training is what
-    this machine offers. Call only when torch.cuda.is_available() is False."""
+    """The line that stops a CPU run where a GPU is expected (`gpu_signs`); None where the CPU is what there is."""
     signs = gpu_signs(environ, dev)
     if not signs:
         return None

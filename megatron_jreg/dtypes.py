@@ -1,6 +1,5 @@
-"""The project's dtype tables, said once: weight dtypes by the names every command's `--dtype` takes (each command
-accepts the subset it supports), safetensors' dtype names, and Megatron-LM's precision flags. No torch import:
-`--help` stays instant."""
+"""The project's dtype tables, said once: weight dtypes by the names every command's `--dtype` takes, safetensors'
+dtype names, and Megatron-LM's precision flags. No torch import: `--help` stays instant."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ SAFETENSORS: dict[str, tuple[str | None, int]] = {
 
 
 def torch_dtype(name: str) -> Any:
-    """torch's dtype for a name of WEIGHT_DTYPES; ValueError for any other name."""
     import torch
 
     if name not in WEIGHT_DTYPES:
@@ -28,11 +26,4 @@ def torch_dtype(name: str) -> Any:
 
 
 def run_dtype(args: Any) -> str:
-    """The weight dtype of a Megatron-LM run from its precision flags (--bf16, --fp16; else float32)."""
     return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
-
-
-def precision_flags(name: str) -> tuple[bool, bool]:
-    """(bf16, fp16): Megatron-LM's precision flags for a weight dtype name (or torch dtype)."""
-    name = str(name).removeprefix("torch.")
-    return name == "bfloat16", name == "float16"

@@ -20,8 +20,8 @@ def _partial(path: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w", *, fsync: bool = True) -> Iterator[IO[Any]]:
-    """Open a temporary sibling of `path` for writing; on a clean exit flush, fsync and rename it over `path`,
-    on an error remove it. Created by a plain open, so it gets the umask's mode (not mkstemp's 0600)."""
+    """A temporary sibling of `path`, renamed over it on a clean exit (fsynced), removed on an error; a plain open,
+    so it gets the umask's mode (not mkstemp's 0600)."""
     path = Path(path)
     tmp = _partial(path)
     try:
@@ -36,7 +36,6 @@ def atomic_write(path: str | Path, mode: str = "w", *, fsync: bool = True) -> It
 
 
 def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> None:
-    """`obj` as JSON (UTF-8, a final newline) through `atomic_write`."""
     with atomic_write(path) as f:
         json.dump(obj, f, indent=indent, ensure_ascii=False)
         f.write("\n")
@@ -44,8 +43,7 @@ def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
-    """A temporary sibling folder to fill; on a clean exit it replaces `path` (an existing folder is removed
-    first), on an error it is removed and `path` is left as it was."""
+    """A temporary sibling folder that replaces `path` on a clean exit, removed on an error."""
     path = Path(path)
     tmp = _partial(path)
     tmp.mkdir(parents=False)
@@ -60,8 +58,7 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
 
 
 class JsonlError(ValueError):
-    """A line of a JSONL file that is not a JSON object: the message names the file and the line number; `path`,
-    `line` and `reason` let a caller word its own one-line error."""
+    """A line of a JSONL file that is not a JSON object; `path`, `line` and `reason` let a caller word its own error."""
 
     def __init__(self, path: Path, line: int, reason: str) -> None:
         super().__init__(f"{path}: line {line} {reason}")
@@ -69,8 +66,7 @@ class JsonlError(ValueError):
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of `path`; JsonlError names the file and line of one that
-    is not UTF-8 or not a JSON object."""
+    """(line number, object) for each non-blank line of `path`."""
     path = Path(path)
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):

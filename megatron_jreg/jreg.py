@@ -39,12 +39,8 @@ class _TokenDisplacement(torch.autograd.Function):
 
 
 def token_displacement(h_in: Tensor, h_out: Tensor, kind: str = "angular") -> Tensor:
-    """Per-token displacement between h_in[..., h] and h_out[..., h] → fp32 tensor of shape [...].
-
-    `angular` is arccos(cos)/π ∈ [0, 1] with a gradient that stays finite when the two vectors are
-    parallel; `cosine` is the smooth 1 − cos ∈ [0, 2]. A zero vector has cos = 0 and no gradient; a
-    token whose state is not finite gives NaN.
-    """
+    """Per-token displacement between h_in[..., h] and h_out[..., h] → fp32 [...]: `angular` arccos(cos)/π ∈ [0, 1]
+    (its gradient finite at parallel vectors), `cosine` 1 − cos ∈ [0, 2]; a zero vector has cos = 0, no gradient."""
     _check_kind(kind)
     if h_in.shape != h_out.shape:
         raise ValueError(f"hidden state shapes differ: {tuple(h_in.shape)} vs {tuple(h_out.shape)}")
@@ -77,12 +73,8 @@ def displacement_total(h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, 
 def displacement_sum(
     h_in: Tensor, h_out: Tensor, mask: Tensor | None = None, kind: str = "angular"
 ) -> tuple[Tensor, Tensor]:
-    """Sum of per-token displacements over real tokens and the number of real tokens (both fp32).
-
-    h_in, h_out: [s, b, h] (megatron's layout; any leading shape works); mask: [s, b] (True/1 = real
-    token) or None for all tokens. Sums rather than means because sharded tokens (sequence and
-    context parallelism) are reduced as sums and counts. Both stay on the device (no host sync).
-    """
+    """(Σ displacements over real tokens, their count), fp32 on the device; mask [s, b]: True = real, None = all.
+    Sums, not a mean: sharded tokens (sequence and context parallelism) are reduced as sums and counts."""
     total = displacement_total(h_in, h_out, mask, kind)
     if mask is None:
         count = torch.full((), float(h_in.shape[:-1].numel()), dtype=torch.float32, device=total.device)
@@ -203,10 +195,7 @@ class _WatchInput(torch.autograd.Function):
 
 
 def layer_weights(num_layers: int, alpha: float, layers: list[int] | None = None) -> Tensor:
-    """w[L] = softmax(α·ℓ) over the penalized layers ℓ (1-based; default all), zero elsewhere.
-
-    α = 0 is uniform, α ≈ 0.1 near-linear, large α puts the weight on the last layers.
-    """
+    """w[L] = softmax(α·ℓ) over the penalized layers ℓ (1-based; default all), zero elsewhere."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     chosen = list(range(1, num_layers + 1)) if layers is None else sorted(set(layers))
@@ -219,10 +208,7 @@ def layer_weights(num_layers: int, alpha: float, layers: list[int] | None = None
 
 
 def jump_rates(psi: Tensor) -> Tensor:
-    """ζ for ℓ = 2..L from psi[L] → tensor [L-1] (index 0 is ζ_2, index -1 is ζ_L).
-
-    ζ_ℓ = 100 · Σ_{k=ℓ..L} max(0, Ψ_k − Ψ_{k−1}): the total rise of Ψ from layer ℓ−1 to the top.
-    """
+    """ζ_ℓ = 100 · Σ_{k=ℓ..L} max(0, Ψ_k − Ψ_{k−1}) for ℓ = 2..L (index 0 is ζ_2): the total rise of Ψ to the top."""
     psi = psi.double()
     if psi.numel() < 2:
         raise ValueError("jump rates need at least 2 layers")

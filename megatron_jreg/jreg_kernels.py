@@ -224,9 +224,8 @@ def forced_backend() -> str | None:
 
 
 def backend_for(t: Tensor) -> str:
-    """The backend a call on rows t[T, h] takes: MEGATRON_JREG_KERNEL if set, else triton on CUDA, compiled on CPU
-    from COMPILE_MIN_ELEMENTS elements (smaller calls take the eager path in one chunk, as fast as the compiled
-    one there, without its compile), torch elsewhere or once compiling has failed."""
+    """The backend a call on rows t[T, h] takes; on CPU, smaller calls than COMPILE_MIN_ELEMENTS take the eager path
+    in one chunk, as fast as the compiled one there, without its compile."""
     forced = forced_backend()
     if forced is not None:
         return forced
@@ -238,7 +237,7 @@ def backend_for(t: Tensor) -> str:
 
 
 def _triton() -> Any:
-    """jreg_triton, imported on first use (None without triton: the eager path)."""
+    """jreg_triton, imported on first use (None without triton)."""
     try:
         from megatron_jreg import jreg_triton
     except ImportError:
@@ -262,12 +261,8 @@ def forward(a: Tensor, b: Tensor, backend: str | None = None) -> Tensor:
 
 def grad_b(a: Tensor, b: Tensor, up: Tensor, factor: float, angular: bool, g: Tensor | None = None,
            out: Tensor | None = None, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """(out = g + factor·Σ_t up[t]·∂d_t/∂b [T, h] in b's dtype, the figures [5, T] for `grad_a`).
-
-    a, b: [..., h] (T rows: the leading dimensions flattened); up: [T] (any dtype and stride: a mask, per-row
-    weights, an upstream gradient); g: the gradient b already receives (b's shape and dtype), None for none; out:
-    where the result goes (b's shape, contiguous; g itself to add in place; default a fresh tensor). Flat shapes
-    need no reshape op on the Triton and compiled paths."""
+    """(out = g + factor·Σ_t up[t]·∂d_t/∂b [T, h] in b's dtype, the figures [5, T] for `grad_a`); a, b: [..., h];
+    up: [T], any dtype and stride; g: b's gradient so far (or None); out: b's shape, contiguous (g to add in place)."""
     backend = backend or backend_for(a)
     out = torch.empty_like(b, memory_format=torch.contiguous_format) if out is None else out
     if backend == "triton":

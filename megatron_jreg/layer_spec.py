@@ -22,11 +22,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 
 class TorchNorm(torch.nn.Module):
-    """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support.
-
-    `--apply-layernorm-1p` (zero-centered gamma) stores γ − 1 and scales by (1 + weight), as TE's norms.
-    `scale` multiplies the output (LayerNorm Scaling's 1/√ℓ), folded into the [h] weight and bias.
-    """
+    """RMSNorm/LayerNorm with megatron's norm-constructor signature and sequence-parallel support; `scale` multiplies
+    the output (LayerNorm Scaling's 1/√ℓ), folded into the [h] weight and bias."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, scale: float = 1.0,
                  **_: object) -> None:
@@ -37,7 +34,7 @@ class TorchNorm(torch.nn.Module):
         dtype = config.params_dtype
         self.rms = config.normalization == "RMSNorm"
         self.eps = eps
-        self.one_p = bool(config.layernorm_zero_centered_gamma)
+        self.one_p = bool(config.layernorm_zero_centered_gamma)  # --apply-layernorm-1p: stores γ − 1, as TE's norms
         init = torch.zeros if self.one_p else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
         self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
@@ -45,7 +42,6 @@ class TorchNorm(torch.nn.Module):
             p.sequence_parallel = config.sequence_parallel  # megatron reduces these grads over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x[s, b, h] → normalized x (same shape, dtype)."""
         weight = self.weight + 1 if self.one_p else self.weight
         bias = self.bias
         if self.scale != 1.0:
@@ -57,7 +53,6 @@ class TorchNorm(torch.nn.Module):
 
 
 def _swap_norms(spec: object) -> object:
-    """A copy of a ModuleSpec tree with every WrappedTorchNorm replaced by TorchNorm."""
     if spec is WrappedTorchNorm:
         return TorchNorm
     if isinstance(spec, ModuleSpec):
@@ -89,8 +84,7 @@ def _scale_norms(block: TransformerBlockSubmodules, config: TransformerConfig,
 
 
 def layer_spec(model_config, vp_stage: int | None = None, layernorm_scaling: bool = False):
-    """Megatron-LM's default spec for this config (training/models/gpt.py), norms made SP-capable, and scaled by
-    1/√ℓ with `layernorm_scaling`."""
+    """Megatron-LM's default spec for this config (training/models/gpt.py), norms made SP-capable (and scaled)."""
     from megatron.training.models.gpt import default_layer_spec
 
     spec = default_layer_spec(model_config, vp_stage)
@@ -111,7 +105,6 @@ def model_layer_spec(layernorm_scaling: bool):
 
 
 def add_flag(group: argparse._ArgumentGroup) -> None:
-    """`--layernorm-scaling`, kept in a checkpoint's args (the model it builds depends on it)."""
     group.add_argument("--layernorm-scaling", action="store_true",
                        help="LayerNorm Scaling (Sun et al. 2025, 'The Curse of Depth in Large Language Models'): each "
                             "decoder layer ℓ's pre-attention and pre-MLP norm outputs × 1/√ℓ (--transformer-impl "

@@ -22,8 +22,7 @@ Maker = Callable[[Any], Any]  # the original → its replacement
 
 
 class PatchError(JregError, RuntimeError):
-    """A patch that cannot be applied (a target not in the table, a missing attribute); one line, exit 1 (the
-    installed Megatron-LM is not the one megatron-jreg was written for)."""
+    """A patch that cannot be applied: the installed Megatron-LM is not the one megatron-jreg was written for."""
 
     exit_code = FAILED
 
@@ -218,7 +217,7 @@ def resolve(dotted: str) -> tuple[Any, str]:
 
 
 def signature_drift(name: str, expected: tuple[str, ...], fn: Callable) -> str | None:
-    """None when `fn`'s parameter names are `expected` in order, else one line naming the differences."""
+    """One line naming how `fn`'s parameter names differ from `expected`, None when they do not."""
     try:
         found = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -253,8 +252,8 @@ def check(target: str, original: Any) -> None:
 
 
 def apply(makers: Mapping[str, Maker], objects: Mapping[str, Any] | None = None) -> Callable[[], None]:
-    """Replace each target by `maker(original)`; returns the undo. All or nothing: when one target is refused
-    the ones applied before it are undone. `objects` names the object of each `on_instance` target."""
+    """Replace each target by `maker(original)`, all or nothing; returns the undo. `objects`: the object of each
+    `on_instance` target."""
     undo: list[Callable[[], None]] = []
 
     def restore() -> None:
@@ -288,7 +287,6 @@ def apply(makers: Mapping[str, Maker], objects: Mapping[str, Any] | None = None)
 
 @contextlib.contextmanager
 def patched(makers: Mapping[str, Maker], objects: Mapping[str, Any] | None = None) -> Iterator[None]:
-    """`apply` for the duration of the block; undone on exit, also when the block raises."""
     restore = apply(makers, objects)
     try:
         yield
@@ -317,7 +315,6 @@ def apply_process(makers: Mapping[str, Maker]) -> None:
 
 
 def is_applied(target: str) -> bool:
-    """Whether a PROCESS patch is applied in this process."""
     return target in _process
 
 

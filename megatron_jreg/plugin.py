@@ -28,9 +28,7 @@ def _flag(name: str, help: str, **kwargs: object) -> dict:
 
 @dataclass(frozen=True)
 class JregConfig:
-    """JREG's settings, in one place: the `--jreg-*` flags are generated from these fields (`add_flags`), a run's
-    config is built from its args once (`from_args`), validated here, and written whole to each checkpoint's
-    megatron_jreg.json (`record`)."""
+    """JREG's settings, said once: the `--jreg-*` flags, their checks and a checkpoint's record come from these."""
 
     lam: float = field(default=0.0, metadata=_flag(
         "--jreg-lambda", "λ of the JREG penalty λ·Σ w_ℓ Ψ_ℓ (0 = the plain Megatron-LM baseline; paper: 1)",
@@ -69,8 +67,7 @@ class JregConfig:
             raise UsageError(f"--jreg-min-weight must be in [0, 1) (got {self.min_weight}): the layer weights sum to 1")
 
     def check_layers(self, num_layers: int) -> None:
-        """--jreg-layers within the model's 1..num_layers, and a --jreg-min-weight that leaves a layer penalized
-        (known only once the model's flags are)."""
+        """--jreg-layers and --jreg-min-weight against the model's depth (known only once the model's flags are)."""
         bad = [x for x in self.layers or () if x > num_layers]
         if bad:
             raise UsageError(f"--jreg-layers {bad}: layers are numbered 1..{num_layers}")
@@ -104,7 +101,6 @@ class JregConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> JregConfig:
-        """The run's settings from Megatron-LM's args namespace (where the flags' values live)."""
         # a field's default where the args predate its flag (a checkpoint's saved args)
         cfg = cls(**{f.name: getattr(args, f.metadata["flag"][2:].replace("-", "_"), f.default) for f in fields(cls)})
         if getattr(args, "num_layers", None) is not None:
@@ -119,25 +115,19 @@ class JregConfig:
 
 @dataclass
 class JregStats:
-    """Ψ of all L layers for one step (same on every rank) and the figures derived from it.
-
-    `psi` and ζ always use the paper's angular Ψ; `psi_distance` and `jreg_loss` use the training
-    distance (identical lists when that is angular). A layer whose hidden states held a non-finite value at
-    a real token has Ψ = NaN; then ζ is NaN too and `first_nonfinite_layer` names the first such layer.
-    `zero_fraction[ℓ-1]`: the share of real tokens whose h_ℓ−1 or h_ℓ is the zero vector (Ψ reads 0.5 there, an
-    angle to nothing); where any layer has one, ζ is NaN too (never a jump) and `zero_layers` names them.
-    """
+    """Ψ of all L layers for one step (same on every rank). `psi` and ζ use the paper's angular Ψ, `psi_distance` and
+    `jreg_loss` the training distance; ζ is NaN over a non-finite state or a zero vector (Ψ reads 0.5 there, an angle
+    to nothing), never a jump."""
 
     psi: list[float]
     jreg_loss: float  # L_cos = Σ w_ℓ Ψ_ℓ under the training distance, before λ
     zeta: dict[str, float] = field(default_factory=dict)  # zeta_L, zeta_L-1, zeta_L-2
     psi_distance: list[float] = field(default_factory=list)
     first_nonfinite_layer: int | None = None  # 1-based ℓ of the first layer with a non-finite Ψ; None: all finite
-    zero_fraction: list[float] = field(default_factory=list)
+    zero_fraction: list[float] = field(default_factory=list)  # per ℓ: share of real tokens with a zero h_ℓ−1 or h_ℓ
 
     @property
     def zero_layers(self) -> list[int]:
-        """1-based ℓ of the layers where a real token's state is the zero vector."""
         return [ell for ell, z in enumerate(self.zero_fraction, 1) if z > 0]
 
     @classmethod
@@ -156,10 +146,7 @@ class JregStats:
 
 
 def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, TransformerLayer]]:
-    """(ℓ, layer) for the decoder layers of this rank's model chunks, ℓ = 1..L by place in the decoder.
-
-    A chunk without a `decoder` (not a GPT model) holds none; MTP blocks are not part of the decoder.
-    """
+    """(ℓ, layer) for the decoder layers of this rank's model chunks, ℓ = 1..L by place in the decoder (not MTP's)."""
     out = []
     for chunk in model_chunks:
         try:
@@ -172,11 +159,6 @@ def decoder_layers(model_chunks: list[torch.nn.Module]) -> list[tuple[int, Trans
         out += [(offset + i + 1, layer) for i, layer in enumerate(decoder.layers)
                 if isinstance(layer, TransformerLayer)]
     return out
-
-
-def sequence_split_mask(mask: Tensor | None, tp_rank: int, tp_size: int) -> Tensor | None:
-    """[b, s] token mask → the [s/tp, b] rows this rank holds under sequence parallelism."""
-    return None if mask is None else mask.t().chunk(tp_size, dim=0)[tp_rank].contiguous()
 
 
 @dataclass
@@ -196,16 +178,11 @@ class JregPlugin:
     then `finish_step()` for the step's Ψ/ζ/L_cos (collective: every rank calls it)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
-        if not model_chunks:
-            raise ValueError("JregPlugin needs the model chunks of this rank")
         self.chunks = list(model_chunks)
         self.mcfg = get_model_config(model_chunks[0])  # the TransformerConfig under the DDP/Float16 wrappers
         self.num_layers = self.mcfg.num_layers
         cfg.check_layers(self.num_layers)
         self.layers = decoder_layers(model_chunks)  # [(ℓ, layer)]
-        bad = [ell for ell, _ in self.layers if not 1 <= ell <= self.num_layers]
-        if bad:
-            raise ValueError(f"decoder layers numbered {bad} outside 1..{self.num_layers}")
         self.cfg = cfg
         self.weights = cfg.weights(self.num_layers)  # 0 where --jreg-layers or --jreg-min-weight leave a layer out
         self._weight = self.weights.tolist()  # w_ℓ as Python floats: read per layer call without a device read
@@ -227,7 +204,6 @@ class JregPlugin:
 
     # -- step protocol -------------------------------------------------------------------------
     def start_step(self, num_microbatches: int, record: bool = True) -> None:
-        """Prepare for one forward-backward (or forward-only) pass over `num_microbatches`."""
         self._microbatches = num_microbatches
         if self._sums is not None:
             self._sums.zero_()
@@ -263,7 +239,7 @@ class JregPlugin:
                 dist.all_reduce(real, group=parallel_state.get_context_parallel_group())
             real = real.clamp_min(1.0)  # a microbatch without real tokens adds 0 (not 0/0) to Ψ
             tp_rank = parallel_state.get_tensor_model_parallel_rank() if self._sp else 0
-            rows = sequence_split_mask(mask.bool(), tp_rank, self._tp if self._sp else 1)
+            rows = mask.bool().t().chunk(self._tp if self._sp else 1, dim=0)[tp_rank].contiguous()  # [s/tp, b]
         self._next = Microbatch(rows, real, loss_tokens, self._scale)
 
     def finish_step(self) -> JregStats:
@@ -332,8 +308,7 @@ class JregPlugin:
         return current
 
     def _open_call(self, ell: int, training: bool) -> tuple[Microbatch, jreg.LayerPenalty | None] | None:
-        """(its microbatch, its LayerPenalty or None when it only records) for a call of layer ℓ; None when the
-        call neither records nor is penalized."""
+        """(its microbatch, its LayerPenalty or None) of a call of layer ℓ; None: it neither records nor penalizes."""
         attach = self.penalize and training and self._weight[ell - 1] > 0
         if not attach and not self.recording:
             return None
@@ -345,9 +320,8 @@ class JregPlugin:
         return call
 
     def process_layer(self, ell: int, training: bool, h_in: Tensor, h_out: Tensor) -> Tensor | None:
-        """Both hooks' work for a layer ℓ (1-based) that has already run on h_in (h_in/h_out[s, b, h], this rank's
-        tokens): record Ψ and, when penalizing, return h_out carrying λ·w_ℓ·Ψ_ℓ for backward (its ∂/∂h_in then
-        a tensor of its own that autograd adds); None = output unchanged."""
+        """Both hooks' work for a layer ℓ that has already run on h_in[s, b, h]: record Ψ and, when penalizing, return
+        h_out carrying λ·w_ℓ·Ψ_ℓ for backward (∂/∂h_in a tensor of its own that autograd adds); None = unchanged."""
         call = self._open_call(ell, training)
         if call is None:
             return None
@@ -356,7 +330,6 @@ class JregPlugin:
 
     def _close_call(self, ell: int, mb: Microbatch, penalty: jreg.LayerPenalty | None, h_in: Tensor,
                     h_out: Tensor) -> Tensor | None:
-        """Record Ψ of layer ℓ when the step records; return h_out carrying the layer's term when penalized."""
         mask = mb.mask
         if mask is not None and mask.shape != h_out.shape[:2]:
             raise ValueError(f"token mask {tuple(mask.shape)} does not match hidden rows {tuple(h_out.shape[:2])}")
@@ -392,4 +365,3 @@ class JregPlugin:
     def _all_tokens(self, h: Tensor) -> float:
         """Tokens of the whole microbatch from this rank's hidden rows h[s_local, b, h]."""
         return float(h.shape[0] * h.shape[1] * (self._tp if self._sp else 1) * self._cp)
-

@@ -38,10 +38,8 @@ def _int(environ: Mapping[str, str], key: str) -> int:
 
 
 def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
-    """What says this run expects a GPU: NVIDIA device nodes, CUDA_VISIBLE_DEVICES set (even empty), a
-    container runtime's NVIDIA_VISIBLE_DEVICES, a Slurm GPU allocation, or ranks spread over several nodes
-    (torchrun's GROUP_WORLD_SIZE, WORLD_SIZE > LOCAL_WORLD_SIZE, NNODES, Slurm's node count). Empty: a
-    machine with no sign of a GPU, where CPU training is what the user has."""
+    """What says this run expects a GPU (device nodes, CUDA_VISIBLE_DEVICES even empty, a GPU container, a Slurm GPU
+    allocation, ranks on several nodes). Empty: no sign of a GPU, where CPU training is what the user has."""
     env = os.environ if environ is None else environ
     signs = []
     nodes = sorted(p.name for p in dev.glob("nvidia*")) if dev.is_dir() else []
@@ -69,15 +67,13 @@ def gpu_signs(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")
 
 
 def sleep_while_waiting() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the environment chooses a wait; a no-op once torch is loaded (the policy
-    is read then: a process that imported torch first, e.g. a test session, keeps its own and its children's)."""
+    """OMP_WAIT_POLICY=PASSIVE unless the environment chooses a wait; a no-op once torch is loaded (read then)."""
     if "torch" not in sys.modules and "GOMP_SPINCOUNT" not in os.environ:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def huge_pages_for_cpu_training(environ: Mapping[str, str] | None = None) -> bool:
-    """THP_MEM_ALLOC_ENABLE=1 where training will run on the CPU (no `gpu_signs`), unless set or torch is loaded
-    (torch reads it at its first CPU allocation). True when this call set it."""
+    """THP_MEM_ALLOC_ENABLE=1 for CPU training (no `gpu_signs`) unless set or torch is loaded; True when set here."""
     env = os.environ if environ is None else environ
     if "torch" in sys.modules or "THP_MEM_ALLOC_ENABLE" in env or gpu_signs(env):
         return False

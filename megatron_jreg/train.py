@@ -1,6 +1,5 @@
-"""`megatron-jreg train` / `python -m megatron_jreg.train`: Megatron-LM's `pretrain_gpt.py` with JREG — its parser,
-loop, checkpoints and logs, our providers, flags and loop events (DEVELOPERS.md, "The train entry"). Launch it like
-pretrain_gpt.py."""
+"""`megatron-jreg train` / `python -m megatron_jreg.train`: Megatron-LM's `pretrain_gpt.py` with JREG, launched like
+it: its parser, loop, checkpoints and logs, our providers, flags and loop events (DEVELOPERS.md, "The train entry")."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ _HELP_SOURCES = ("training/flags.py", "checkpoints/args.py", "plugin.py", "layer
 
 
 def _help_cache() -> Path:
-    """Where `train --help` is kept: one file per megatron-core version and help sources. The file holds the
-    parser's layout, not its text, so one file serves every terminal width."""
+    """Where `train --help`'s layout is kept: one file per megatron-core version and help sources."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
@@ -47,10 +45,8 @@ def _help_cache() -> Path:
 
 
 def help_layout(parser: argparse.ArgumentParser) -> dict:
-    """What `parser.format_help()` reads, as JSON-ready data free of the terminal width: sections, each
-    flag's strings, metavar, nargs, choices and help with its %(default)s-style fields filled in, the
-    mutually exclusive groups. `render_help` wraps it at the width of the terminal it prints to. For argparse's
-    formatters that print a help string as given (`usage.example`'s), a parser without subcommands."""
+    """What `parser.format_help()` reads, as JSON free of the terminal width (so one cache serves every terminal), help
+    fields filled in; for formatters that print help as given (`usage.example`'s), a parser without subcommands."""
     formatter = parser._get_formatter()
     group_of = {id(a): i for i, g in enumerate(parser._action_groups) for a in g._group_actions}
     mutex = [m for m in parser._mutually_exclusive_groups if m._group_actions]
@@ -126,9 +122,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def print_help() -> None:
-    """Megatron-LM's help with our group. Importing megatron.training costs 5-10 s, so the parser's layout is
-    built once, quietly, and kept in the user's cache (`_help_cache`); every `--help` formats it for its own
-    terminal's width."""
+    """Megatron-LM's help with our group; importing megatron.training costs 5-10 s, so its layout is cached."""
     import json
 
     cache = _help_cache()
@@ -154,8 +148,7 @@ def print_help() -> None:
 
 
 def _import_megatron_quietly() -> None:
-    """Megatron-LM's training module, imported before the run does, without the dozen notices its import prints
-    on every rank (`quiet_megatron`); what Megatron-LM logs while it runs is untouched."""
+    """Megatron-LM's training module without the dozen notices its import prints on every rank."""
     from megatron_jreg.checkpoints.model import quiet_megatron
 
     with quiet_megatron():

@@ -6,8 +6,7 @@ import argparse
 
 
 def example(command: str) -> dict:
-    """argparse keyword arguments for a parser whose help ends with `command` as an example, printed as
-    written (line breaks kept)."""
+    """argparse keyword arguments for a parser whose help ends with `command` as an example, printed as written."""
     return {"epilog": f"example:\n  {command}", "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 

@@ -19,7 +19,7 @@ def flag(name: str) -> str:
 
 
 def add_model_flags(group: argparse._ArgumentGroup) -> None:
-    """The flags of ours a checkpoint's args keep: JREG's settings (recorded) and --layernorm-scaling (the model)."""
+    """The flags of ours a checkpoint's args keep."""
     JregConfig.add_flags(group)
     layer_spec.add_flag(group)
 
@@ -36,8 +36,7 @@ def _model_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> str:
-    """One line for an exception from Megatron-LM's validation: a bare `assert` as its check, argument names as
-    flags."""
+    """One line for an exception from Megatron-LM's validation: a bare `assert` as its check, names as flags."""
     import traceback
 
     text = " ".join(str(e).split())
@@ -56,8 +55,7 @@ def assertion_text(e: BaseException, args: argparse.Namespace | None = None) -> 
 
 
 def check_model_config(args: argparse.Namespace) -> None:
-    """megatron-core's TransformerConfig checks (heads and groups divisible by TP, layers by stages, ...)
-    that Megatron-LM's validate_args leaves to the model build, after the process groups exist."""
+    """megatron-core's TransformerConfig checks, which Megatron-LM's validate_args leaves to the model build."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     try:
@@ -67,8 +65,7 @@ def check_model_config(args: argparse.Namespace) -> None:
 
 
 def model_args(argv: list[str], vocab_size: int, world_size: int = 1) -> argparse.Namespace:
-    """A checkpoint's `args` for a model described by flags alone (an import), so every command rebuilds the same
-    model; `world_size`: the TP×PP the layout is checked against."""
+    """A checkpoint's `args` for a model described by flags alone (an import); `world_size`: TP×PP to check against."""
     import contextlib
     import io
     from unittest import mock

@@ -37,14 +37,13 @@ def iteration_dir(root: str | Path, iteration: int | str) -> Path:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """An iter_*/release directory written completely (torch_dist, or the legacy `--ckpt-format torch`)."""
+    """Written completely (torch_dist, or the legacy `--ckpt-format torch`)."""
     return ((path / "metadata.json").is_file() or (path / ".metadata").is_file()
             or any(path.glob("mp_rank_*/model_optim_rng.pt")))
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    """Whether `path` is meant as a Megatron-LM checkpoint (a --save or iter_*/release folder), complete or not:
-    `resolve` names what is wrong."""
+    """Meant as a Megatron-LM checkpoint (a --save or iter_*/release folder), complete or not."""
     path = Path(path)
     if not path.is_dir() or (path / "config.json").exists():
         return False
@@ -108,7 +107,6 @@ def resolve(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
 
 
 def saved_iterations(root: str | Path) -> list[int]:
-    """The iterations of the complete iter_* folders under a run's --save folder, ascending."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -124,7 +122,7 @@ def _iterations_text(root: Path) -> str:
 
 
 def check_files(ckpt: str | Path) -> None:
-    """Every entry below an iteration folder is a regular file or folder inside it (nothing is opened)."""
+    """Every entry below an iteration folder is a regular file or folder inside it (a FIFO would block a reader)."""
     ckpt = Path(ckpt)
     root = ckpt.resolve()
     for folder, dirs, files in os.walk(ckpt):
@@ -144,8 +142,7 @@ def check_files(ckpt: str | Path) -> None:
 
 
 def check_storage_paths(metadata, ckpt: str | Path) -> None:  # noqa: ANN001 - torch's Metadata
-    """Every file a DCP `.metadata` sends the reader to is a regular file inside `ckpt` (a crafted one could name
-    a FIFO, a device or a file elsewhere)."""
+    """Every file a DCP `.metadata` names is a regular file inside `ckpt` (a crafted one could name a FIFO)."""
     ckpt = Path(ckpt)
     root = ckpt.resolve()
     storage = getattr(metadata, "storage_data", None)
@@ -203,7 +200,6 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(path: str | Path):
-    """A DCP `.metadata` file's Metadata object, through MetadataUnpickler."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -263,9 +259,16 @@ def install_safe_checkpoint_reader() -> None:
                                lambda _original: _load_bytes})
 
 
+def refusal_text(e: BaseException) -> str:
+    """One line of torch.load's weights_only refusal: it spans lines (and advises weights_only=False, which would run
+    the file's code); the line naming what was refused is kept."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
+    return (named or (lines[0] if lines else type(e).__name__))[:200]
+
+
 def read_legacy_state(ckpt: str | Path) -> dict | None:
-    """A legacy `--ckpt-format torch` folder's first model_optim_rng.pt, weights-only and memory-mapped; None
-    for torch_dist."""
+    """A legacy `--ckpt-format torch` folder's first model_optim_rng.pt, weights-only; None for torch_dist."""
     found = sorted(Path(ckpt).glob("mp_rank_*/model_optim_rng.pt"))
     if not found:
         return None
@@ -273,8 +276,7 @@ def read_legacy_state(ckpt: str | Path) -> dict | None:
     try:
         state = torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = next((line for line in str(e).splitlines() if "GLOBAL" in line), " ".join(str(e).split())[:200])
-        raise CheckpointError(f"{found[0]}: refused to load ({first.strip()}); this file could run code: do not use "
+        raise CheckpointError(f"{found[0]}: refused to load ({refusal_text(e)}); this file could run code: do not use "
                               "this checkpoint") from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{found[0]}: unreadable ({failure_text(e)}); the file is truncated or corrupt: resume "
@@ -290,7 +292,6 @@ def _sha256(path: Path) -> str:
 
 
 def checkpoint_files(ckpt: str | Path) -> list[str]:
-    """Every file below an iteration folder but the manifest, as sorted relative POSIX paths."""
     ckpt = Path(ckpt)
     names = (p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     return sorted(n for n in names if not n.startswith(INTEGRITY))
@@ -311,7 +312,7 @@ def share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 def digest_files(ckpt: str | Path, names: list[str], threads: int | None = None) -> dict[str, str]:
-    """SHA-256 of each named file under `ckpt`, in threads (hashlib releases the GIL; default: one per CPU)."""
+    """SHA-256 of each named file, in threads (hashlib releases the GIL)."""
     ckpt = Path(ckpt)
     with ThreadPoolExecutor(max(1, min(len(names), threads or len(os.sched_getaffinity(0))))) as pool:
         return dict(zip(names, pool.map(lambda name: _sha256(ckpt / name), names), strict=True))
@@ -328,7 +329,6 @@ def write_integrity(ckpt: str | Path, digests: dict[str, str] | None = None) -> 
 
 
 def read_integrity(ckpt: str | Path) -> dict[str, str] | None:
-    """The manifest's {file: SHA-256}, None when the checkpoint has none (saved without --verify-integrity)."""
     manifest_path = Path(ckpt) / INTEGRITY
     if not manifest_path.is_file():
         return None

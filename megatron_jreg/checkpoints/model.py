@@ -80,7 +80,6 @@ _NOISE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_mod
 
 @contextlib.contextmanager
 def quiet_megatron() -> Iterator[None]:
-    """Import, build, load or save megatron-core models without `_NOISE_WARNINGS` and `_NOISE_LOGGERS`."""
     loggers = [logging.getLogger(name) for name in _NOISE_LOGGERS]
     levels = [logger.level for logger in loggers]
     with warnings.catch_warnings():
@@ -97,7 +96,7 @@ def quiet_megatron() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _reading(ckpt: Path, what: str) -> Iterator[None]:
-    """What a truncated or corrupt checkpoint raises inside (many types; DCP's is a BaseException) as one line."""
+    """What a truncated or corrupt checkpoint raises (many types; DCP's is a BaseException) as one line."""
     try:
         yield
     except CheckpointError:
@@ -108,7 +107,6 @@ def _reading(ckpt: Path, what: str) -> Iterator[None]:
 
 
 def read_args(ckpt: Path) -> argparse.Namespace:
-    """The Megatron-LM args saved in a checkpoint's common state (loaded with weights_only)."""
     with quiet_megatron():
         from megatron.core import dist_checkpointing
 
@@ -124,15 +122,13 @@ def read_args(ckpt: Path) -> argparse.Namespace:
 
 
 def run_tokenizer_type(args: argparse.Namespace) -> str | None:
-    """The run's --tokenizer-type as `build_tokenizer` takes it: Megatron-LM's SFTTokenizer is a HuggingFace
-    tokenizer plus a prompt format."""
+    """The run's --tokenizer-type as `build_tokenizer` takes it (SFTTokenizer: a HuggingFace one + a prompt format)."""
     kind = getattr(args, "tokenizer_type", None)
     return "HuggingFaceTokenizer" if kind == "SFTTokenizer" else kind
 
 
 def tokenizer_options(args: argparse.Namespace) -> dict:
-    """`build_tokenizer`'s options from a run's saved tokenizer flags (each tokenizer reads its own): our keyword,
-    Megatron-LM's arg (its --tokenizer-* flags without the prefix where ours drops it)."""
+    """`build_tokenizer`'s options from a run's saved tokenizer flags (each tokenizer reads its own)."""
     options = {name.removeprefix("tokenizer_"): name for name in (
         "tiktoken_pattern", "tiktoken_num_special_tokens", "vocab_size", "special_tokens",
         "tokenizer_sentencepiece_legacy", "tokenizer_sentencepiece_ignore_extra_whitespaces")}
@@ -143,8 +139,8 @@ def tokenizer_options(args: argparse.Namespace) -> dict:
 
 
 def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = None):
-    """The run's tokenizer from its saved options (a mock-data run: `tokenizer_model`'s, else None); not
-    Megatron-LM's builder, which fetches gpt2 from the Hub and may run a tokenizer's code."""
+    """The run's tokenizer from its saved options; not Megatron-LM's builder, which fetches gpt2 from the Hub and may
+    run a tokenizer's code."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     kind = run_tokenizer_type(args)
@@ -160,7 +156,6 @@ def tokenizer_from_args(args: argparse.Namespace, tokenizer_model: str | None = 
 
 
 def _given_tokenizer(args: argparse.Namespace, folder: str):
-    """A tokenizer folder for a mock-data run, refused when the embedding has no row for some of its ids."""
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     try:
@@ -175,7 +170,6 @@ def _given_tokenizer(args: argparse.Namespace, folder: str):
 
 
 def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Namespace:
-    """The saved args for a one-process, local-spec, no-fusion model in `dtype`."""
     from megatron_jreg.compat import CUDA_KERNELS
 
     a = copy.deepcopy(args)
@@ -202,7 +196,7 @@ def _inference_args(args: argparse.Namespace, dtype: torch.dtype) -> argparse.Na
 
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, weights uninitialized from any checkpoint."""
+    """A TP=1/PP=1 GPTModel for the (saved) Megatron-LM args, its weights not loaded."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -265,7 +259,6 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path, iteration: int | None = None, verify: bool = True) -> Checkpoint:
-        """A --save folder (at `iteration`, else its tracker's) or an iter_* folder, its manifest verified first."""
         ckpt, iteration = resolve(path, iteration)
         if verify:
             verify_integrity(ckpt)
@@ -302,13 +295,11 @@ class Checkpoint:
 def load_megatron_model(path: str | Path, iteration: int | None = None, dtype: torch.dtype = torch.float32,
                         tokenizer_model: str | None = None, load_tokenizer: bool = True,
                         verify: bool = True) -> MegatronModel:
-    """A checkpoint's model in one call."""
     return Checkpoint.open(path, iteration, verify).load_model(dtype, tokenizer_model, load_tokenizer)
 
 
 # -- one-process megatron-core -------------------------------------------------------------------------
 def init_process_group() -> None:
-    """torch.distributed (gloo on CPU) for a single process, unless a caller already started it."""
     from megatron_jreg.compat import apply_cpu_compat, dist_backend
 
     apply_cpu_compat()

@@ -27,8 +27,7 @@ def parse_size(text: str) -> int:
 
 
 def check_output_folder(out: Path) -> None:
-    """The output folder is new (or empty) and its parent writable: the result is staged beside it and renamed, so
-    a refusal here costs nothing, while one at the end would cost the whole conversion."""
+    """The output folder is new (or empty) and its parent writable, checked before the conversion's work."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--output {out} exists and is not empty: remove it or choose another folder")
     parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
@@ -41,8 +40,7 @@ def check_output_folder(out: Path) -> None:
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    """One conversion. Field names are the flags' (`--tensor-model-parallel-size` → tensor_model_parallel_size);
-    fields of the other direction keep their defaults."""
+    """One conversion, a field per flag; fields of the other direction keep their defaults."""
 
     direction: str
     output: Path
@@ -64,7 +62,6 @@ class ConvertConfig:
     make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:  # direction and --dtype: argparse's choices
-        object.__setattr__(self, "output", Path(self.output))
         check_output_folder(self.output)
         threshold = self.verify_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
@@ -74,9 +71,6 @@ class ConvertConfig:
         if self.direction == "hf-to-mcore":
             self._check_import()
             return
-        if self.load is None:
-            raise UsageError("mcore-to-hf needs --load CKPT_DIR")
-        object.__setattr__(self, "load", Path(self.load))
         if self.iteration is not None and self.iteration < 0:
             raise UsageError(f"--iteration {self.iteration}: must be >= 0 (or omitted for the latest)")
         if self.no_tokenizer and (self.tokenizer_model or self.tokenizer_type):
@@ -89,8 +83,6 @@ class ConvertConfig:
             raise UsageError(f"--max-shard-size {self.max_shard_size!r}: give a size such as 5GB, 500MB or 2GiB")
 
     def _check_import(self) -> None:
-        if not self.hf:
-            raise UsageError("hf-to-mcore needs --hf HF_DIR")
         if Path(self.hf).is_file():
             raise UsageError(f"--hf {self.hf}: a file; give the Hugging Face model folder that holds it (config.json "
                              f"and weights), e.g. --hf {Path(self.hf).parent}")
@@ -123,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "LlamaForCausalLM",
                          **example("megatron-jreg convert mcore-to-hf --load ckpt/1b-jreg --output out/hf-1b-jreg "
                                    "--dtype bfloat16"))
-    out.add_argument("--load", required=True, help="checkpoint folder (the --save folder, or one iter_* folder)")
+    out.add_argument("--load", type=Path, required=True,
+                     help="checkpoint folder (the --save folder, or one iter_* folder)")
     out.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
-    out.add_argument("--output", required=True, help="new Hugging Face folder (must not exist or be empty)")
+    out.add_argument("--output", type=Path, required=True, help="new Hugging Face folder (must not exist or be empty)")
     out.add_argument("--dtype", choices=WEIGHT_DTYPES,
                      help="dtype of the written weights (default: the run's precision: --bf16 → bfloat16, "
                      "else float32)")
@@ -146,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ckpt/llama-import --tensor-model-parallel-size 2"))
     inp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors or .bin), "
                      "or a hub id in the local Hugging Face cache (org/name[@revision])")
-    inp.add_argument("--output", required=True, help="new checkpoint folder, for `megatron-jreg train --load OUT` "
-                     "(must not exist or be empty)")
+    inp.add_argument("--output", type=Path, required=True,
+                     help="new checkpoint folder, for `megatron-jreg train --load OUT` (must not exist or be empty)")
     layout = ("checked against the model and recorded (Megatron-LM's flag). The checkpoint is written once at "
               "TP=1/PP=1: dist_checkpointing reshards on load, so it loads at any layout")
     inp.add_argument("--tensor-model-parallel-size", type=int, default=1,

@@ -20,7 +20,6 @@ from megatron_jreg.convert.verify import (
     single_process,
     staged_output,
 )
-from megatron_jreg.dtypes import precision_flags
 from megatron_jreg.fileio import write_json
 
 
@@ -48,8 +47,7 @@ def _tokenizer(folder: Path) -> tuple[list[str], int | None, list[str]]:
 
 @torch.no_grad()
 def _load_parameters(gpt: torch.nn.Module, mapped: dict[str, torch.Tensor]) -> None:
-    """Copy the mapped tensors into the GPTModel's parameters, one for one and shape for shape (a
-    disagreement between the mapping and the model builder is a bug here, not a user error)."""
+    """The mapped tensors into the GPTModel's parameters (a mismatch is a bug here, not a user error)."""
     params = dict(gpt.named_parameters())
     if sorted(params) != sorted(mapped):
         raise RuntimeError(f"mapping/model mismatch: {sorted(set(params) ^ set(mapped))[:5]}")
@@ -61,8 +59,6 @@ def _load_parameters(gpt: torch.nn.Module, mapped: dict[str, torch.Tensor]) -> N
 
 
 def save_release_checkpoint(output: Path, model: torch.nn.Module, args: argparse.Namespace, provenance: dict) -> Path:
-    """Write `model`'s weights and `args` as a Megatron-LM release checkpoint under `output`, with the
-    SHA-256 manifest of its files (checkpoints.files.write_integrity)."""
     from megatron.core import dist_checkpointing
 
     from megatron_jreg.checkpoints.files import write_integrity
@@ -80,9 +76,7 @@ def save_release_checkpoint(output: Path, model: torch.nn.Module, args: argparse
 
 
 def machine_flags() -> list[str]:
-    """The `train` flags this machine needs whatever the model: Megatron-LM's default layer spec is Transformer
-    Engine's, so without TE the local one, and on a GPU without TE its default-on fused kernels off (the rules
-    of training.model.check_transformer_impl, which refuses a run without them)."""
+    """The `train` flags this machine needs whatever the model (training.model.check_transformer_impl's rules)."""
     from megatron_jreg.layer_spec import have_transformer_engine
 
     if have_transformer_engine():
@@ -98,8 +92,7 @@ def hf_to_mcore(
     seq_length: int | None = None, make_vocab_size_divisible_by: int = 128, verify: bool | None = None,
     threshold: float | None = None,
 ) -> ImportResult:
-    """Import a Hugging Face Llama folder as a release checkpoint: every refusal before anything is written, and
-    `output` appears only after its logits matched the Hugging Face model's."""
+    """A Hugging Face Llama folder as a release checkpoint; `output` appears only after its logits matched."""
     from megatron_jreg.checkpoints.model import build_model, load_megatron_model, quiet_megatron
     from megatron_jreg.model_files import check_finite_weights, read_config
 
@@ -118,7 +111,7 @@ def hf_to_mcore(
     state = hf_io.load_weights(folder)
     check_finite_weights(state.items(), f"--hf {folder}")
     dtype = hf_io.checkpoint_dtype(hf_cfg, state)
-    args.bf16, args.fp16 = precision_flags(dtype)
+    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     mapped = llama.hf_to_megatron(state, arch, args.padded_vocab_size)
     del state
     if not arch.untie_embeddings_and_output_weights:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_jreg.checkpoints.files import refusal_text
 from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
 from megatron_jreg.errors import JregError
 from megatron_jreg.model_files import SAFETENSORS_INDEX
@@ -24,8 +25,7 @@ class ConversionError(JregError, RuntimeError):
 
 
 def checkpoint_dtype(hf: dict, state: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype the weights are stored in (so a round trip keeps them bit-exact); when they mix dtypes,
-    config.json's `dtype`/`torch_dtype`, else float32."""
+    """The dtype the weights are stored in (a round trip keeps them bit-exact), else config.json's, else float32."""
     stored = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(stored) == 1:
         return stored.pop()
@@ -34,7 +34,6 @@ def checkpoint_dtype(hf: dict, state: dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The weight files of a folder: safetensors (sharded or not), else pytorch .bin (sharded or not)."""
     for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
         index = folder / index_name
         if index.is_file():
@@ -46,7 +45,6 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """{name: tensor} of every weight file; .bin files through torch.load(weights_only=True) only."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
@@ -60,7 +58,7 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
                     part = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
             except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others for non-tensor pickles
                 raise ConversionError(f"{path}: refused to load (torch.load with weights_only=True reads tensors only "
-                                      f"and never runs pickled code): {_load_failure(e)}; convert the file to "
+                                      f"and never runs pickled code): {refusal_text(e)}; convert the file to "
                                       "safetensors where you trust it") from None
         what = f"a {type(part).__name__}" if not isinstance(part, dict) else next(
             (f"{k!r} is a {type(v).__name__}" for k, v in part.items() if not isinstance(v, torch.Tensor)), None)
@@ -71,18 +69,8 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_failure(e: BaseException) -> str:
-    """One line for torch.load's error: its weights_only message spans lines (and advises weights_only=False,
-    which would run the file's code); the line naming what was refused is kept."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    named = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
-    return (named or (lines[0] if lines else type(e).__name__))[:200]
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
-    """Write the weights as transformers' `save_pretrained` does (huggingface_hub's own sharding): one
-    `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (a larger
-    tensor gets its own) with `model.safetensors.index.json`; the file names written."""
+    """The weights as transformers' `save_pretrained` writes them (huggingface_hub's sharding); the names written."""
     from huggingface_hub import save_torch_state_dict
 
     root = logging.getLogger()  # Megatron-LM's training module sets it to INFO, on stdout; huggingface_hub's

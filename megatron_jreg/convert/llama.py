@@ -1,6 +1,5 @@
 """The Llama architecture on both sides (megatron-core's GPTModel, Hugging Face's LlamaForCausalLM) and the exact
-tensor mapping between them, refusing what either side cannot represent; torch only (the parameter table and why
-RoPE needs no permutation: DEVELOPERS.md, convert)."""
+tensor mapping between them, refusing what either side cannot represent; torch only (DEVELOPERS.md, convert)."""
 
 from __future__ import annotations
 
@@ -68,7 +67,6 @@ class LlamaArch:
 
     @classmethod
     def from_hf(cls, hf: dict, seq_length: int | None = None) -> LlamaArch:
-        """The architecture of a (checked) Llama config.json; seq_length defaults to max_position_embeddings."""
         check_hf_config(hf)
         theta, _, scaling = rope_settings(hf)
         max_pos = int(hf.get("max_position_embeddings", 2048))
@@ -85,7 +83,6 @@ class LlamaArch:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, vocab_size: int) -> LlamaArch:
-        """The architecture of a Megatron-LM checkpoint's saved args; refuses what Llama cannot represent."""
         check_megatron_args(args)
         heads = int(args.num_attention_heads)
         groups = int(args.num_query_groups) if args.group_query_attention and args.num_query_groups else heads
@@ -100,7 +97,6 @@ class LlamaArch:
                    layernorm_scaling=bool(getattr(args, "layernorm_scaling", False)))
 
     def megatron_flags(self) -> list[str]:
-        """Megatron-LM's flags for this model (the `pretrain_gpt.py` / `megatron-jreg train` spelling)."""
         base = int(self.rotary_base) if float(self.rotary_base).is_integer() else self.rotary_base
         flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size, "--ffn-hidden-size",
                  self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads, "--group-query-attention",
@@ -116,8 +112,7 @@ class LlamaArch:
         return [str(f) for f in flags]
 
     def hf_config_kwargs(self, bos: int | None, eos: int | None, pad: int | None) -> dict:
-        """`LlamaConfig(**kwargs)`. RoPE is written both ways readers look for it: `rope_theta` (+
-        `rope_scaling`), read by transformers 4.x and most tools, and `rope_parameters` (transformers 5)."""
+        """`LlamaConfig(**kwargs)`, RoPE written both ways readers look for it (transformers 4.x and 5)."""
         rope: dict = {"rope_type": "default", "rope_theta": float(self.rotary_base)}
         scaling = None
         if self.rope_scaling_factor is not None:
@@ -133,7 +128,6 @@ class LlamaArch:
                     mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
     def num_parameters(self) -> int:
-        """Parameter count (true vocabulary), to size the verification's memory."""
         h, f, n, g, d = self.hidden_size, self.ffn_hidden_size, self.num_attention_heads, self.num_query_groups, \
             self.head_dim
         per_layer = h * (n * d + 2 * g * d) + n * d * h + 3 * h * f + 2 * h
@@ -142,8 +136,7 @@ class LlamaArch:
 
 
 def rope_settings(hf: dict) -> tuple[float, str, dict | None]:
-    """(rope θ, rope type, llama3 scaling dict or None) from either config.json format: transformers >= 5
-    writes `rope_parameters`, older versions `rope_theta` (+ `rope_scaling`)."""
+    """(rope θ, rope type, llama3 scaling dict or None) from either transformers' config.json format."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or None
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -156,7 +149,6 @@ def rope_settings(hf: dict) -> tuple[float, str, dict | None]:
 
 
 def check_hf_config(hf: dict) -> None:
-    """Refuse, naming the mismatch, any Hugging Face config the Llama mapping would convert wrongly."""
     model_type = hf.get("model_type")
     where = f"config.json (model_type {model_type!r})"
     if model_type in _OTHER_ARCHITECTURES:
@@ -191,29 +183,22 @@ def check_hf_config(hf: dict) -> None:
 
 
 def check_megatron_args(args: argparse.Namespace) -> None:
-    """Refuse, naming the mismatch, a Megatron-LM model that LlamaForCausalLM cannot represent."""
-    problems = []
-    if args.normalization != "RMSNorm":
-        problems.append(f"--normalization {args.normalization} (LlamaForCausalLM has RMSNorm)")
-    if getattr(args, "apply_layernorm_1p", False):
-        problems.append("--apply-layernorm-1p (zero-centered norm weights)")
-    if args.add_bias_linear or getattr(args, "add_qkv_bias", False):
-        problems.append("linear layers with biases (trained without --disable-bias-linear)")
-    if not args.swiglu:
-        problems.append("a GELU MLP (trained without --swiglu)")
-    if args.position_embedding_type != "rope" or float(getattr(args, "rotary_percent", 1.0)) != 1.0:
-        problems.append(f"--position-embedding-type {args.position_embedding_type} "
-                        f"--rotary-percent {getattr(args, 'rotary_percent', 1.0)} (Llama rotates all dimensions)")
-    if getattr(args, "rotary_interleaved", False):
-        problems.append("--rotary-interleaved")
-    if getattr(args, "qk_layernorm", False):
-        problems.append("--qk-layernorm")
-    if getattr(args, "num_experts", None):
-        problems.append(f"--num-experts {args.num_experts} (MoE)")
-    if getattr(args, "multi_latent_attention", False):
-        problems.append("--multi-latent-attention")
-    if getattr(args, "mtp_num_layers", None):
-        problems.append("--mtp-num-layers (multi-token prediction)")
+    rotary, experts = getattr(args, "rotary_percent", 1.0), getattr(args, "num_experts", None)
+    problems = [text for on, text in (
+        (args.normalization != "RMSNorm", f"--normalization {args.normalization} (LlamaForCausalLM has RMSNorm)"),
+        (getattr(args, "apply_layernorm_1p", False), "--apply-layernorm-1p (zero-centered norm weights)"),
+        (args.add_bias_linear or getattr(args, "add_qkv_bias", False),
+         "linear layers with biases (trained without --disable-bias-linear)"),
+        (not args.swiglu, "a GELU MLP (trained without --swiglu)"),
+        (args.position_embedding_type != "rope" or float(rotary) != 1.0,
+         f"--position-embedding-type {args.position_embedding_type} --rotary-percent {rotary} (Llama rotates all "
+         "dimensions)"),
+        (getattr(args, "rotary_interleaved", False), "--rotary-interleaved"),
+        (getattr(args, "qk_layernorm", False), "--qk-layernorm"),
+        (experts, f"--num-experts {experts} (MoE)"),
+        (getattr(args, "multi_latent_attention", False), "--multi-latent-attention"),
+        (getattr(args, "mtp_num_layers", None), "--mtp-num-layers (multi-token prediction)"),
+    ) if on]
     if problems:
         raise UnsupportedModel(f"this checkpoint's model has {'; '.join(problems)}: it is not a Llama architecture, so "
                                "no Hugging Face LlamaForCausalLM can reproduce it")
@@ -235,7 +220,6 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LlamaArch)
 
 
 def _layer_names(i: int) -> dict[str, str]:
-    """One layer's megatron → Hugging Face names for the tensors that map one to one."""
     m, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
     return {m + "input_layernorm.weight": hf + "input_layernorm.weight",
             m + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
@@ -244,8 +228,7 @@ def _layer_names(i: int) -> dict[str, str]:
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: LlamaArch) -> dict[str, torch.Tensor]:
-    """A TP=1/PP=1 GPTModel state dict → LlamaForCausalLM tensors (vocabulary padding cut); a leftover tensor (a
-    feature this mapping does not know) raises instead of being dropped."""
+    """A TP=1/PP=1 GPTModel state dict → LlamaForCausalLM tensors; a leftover tensor raises instead of being dropped."""
     left = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     vocab, ffn = int(model.vocab_size), model.ffn_hidden_size
 
@@ -288,9 +271,7 @@ def _leftover_reason(name: str) -> str:
 
 
 def hf_to_megatron(state: dict[str, torch.Tensor], model: LlamaArch, padded_vocab_size: int) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM tensors → a TP=1/PP=1 GPTModel state dict (same dtype; vocabulary zero-padded to
-    `padded_vocab_size` rows). Every Hugging Face tensor must be used: leftovers (biases, QK-norm,
-    experts, ...) raise, naming them."""
+    """LlamaForCausalLM tensors → a TP=1/PP=1 GPTModel state dict; a leftover tensor raises instead of being dropped."""
     left = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints' buffers
     vocab = int(model.vocab_size)
 

@@ -24,8 +24,7 @@ class ExportResult:
 
 
 def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfig (mcore-to-hf)
-    """Export a checkpoint to a LlamaForCausalLM folder; verify None checks logits when both models fit in memory.
-    UnsupportedModel, ConversionError and VerificationFailed are raised before `output` appears."""
+    """Export a checkpoint to a LlamaForCausalLM folder; every refusal comes before `output` appears."""
     from megatron_jreg.checkpoints import Checkpoint
     from megatron_jreg.checkpoints.model import quiet_megatron
     from megatron_jreg.convert.cli import parse_size
@@ -76,7 +75,6 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
 
 
 def _true_vocab_size(tok, args) -> tuple[int, str]:  # noqa: ANN001
-    """(the true vocabulary size, a note): the tokenizer's, else what the run recorded, else the padded rows."""
     if tok is not None:
         return int(tok.vocab_size), ""
     recorded = tokenizer.recorded_vocabulary(args)
@@ -87,7 +85,6 @@ def _true_vocab_size(tok, args) -> tuple[int, str]:  # noqa: ANN001
 
 
 def _write_config(folder: Path, model_cfg, ids: dict, dtype: torch.dtype) -> list[str]:
-    """config.json (LlamaConfig) and generation_config.json; ids: {'bos'|'eos'|'pad': token id or None}."""
     from transformers import GenerationConfig, LlamaConfig
 
     kwargs = model_cfg.hf_config_kwargs(ids["bos"], ids["eos"], ids["pad"])

@@ -24,8 +24,7 @@ V5_ONLY_CLASS = "TokenizersBackend"  # transformers 5's name of PreTrainedTokeni
 
 @dataclass
 class TokenizerSource:
-    """A tokenizer by Megatron-LM's flags: `--tokenizer-type`, `--tokenizer-model` (or GPT-2's
-    `--vocab-file`/`--merge-file`) and the run's tokenizer options (`build_tokenizer` keywords)."""
+    """A tokenizer by Megatron-LM's flags and the run's tokenizer options (`build_tokenizer` keywords)."""
 
     type: str
     model: str | None
@@ -42,7 +41,6 @@ class TokenizerSource:
 
 
 def infer_type(path: Path) -> str:
-    """The --tokenizer-type of a tokenizer file or folder, from what it holds."""
     if (path.is_dir() and (path / "tokenizer.json").is_file()) or path.name == "tokenizer.json":
         return "HuggingFaceTokenizer"
     if path.is_file() and path.suffix == ".model":
@@ -101,8 +99,8 @@ def resolve_source(
 
 # Does the tokenizer belong to the checkpoint?
 def recorded_vocabulary(args) -> tuple[str, int, int | None, int | None] | None:  # noqa: ANN001
-    """(what, vocabulary size, end-of-document id, pad id) the run recorded: its own tokenizer when it is on
-    disk, else the tokenizer identity in the preprocess manifests of its data, else NullTokenizer's flags."""
+    """(what, vocabulary size, end-of-document id, pad id) the run recorded: its tokenizer on disk, else its data's
+    preprocess manifests, else NullTokenizer's flags."""
     run_type = run_tokenizer_type(args)
     if run_type == "NullTokenizer":
         vocab = getattr(args, "vocab_size", None)
@@ -134,8 +132,7 @@ def recorded_vocabulary(args) -> tuple[str, int, int | None, int | None] | None:
 
 
 def check_fits_checkpoint(tok: Tokenizer, source: TokenizerSource, args) -> None:  # noqa: ANN001
-    """Refuse, with the numbers, a tokenizer whose vocabulary does not pad to the checkpoint's embedding or
-    whose size or end-of-document id differ from what the run used."""
+    """Refuse, with the numbers, a tokenizer that is not the one the run used."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
     problems = []
@@ -172,8 +169,7 @@ def _token_text(tok: Tokenizer, token_id: int | None) -> str | None:
 
 def _save_fast(backend: Any, folder: Path, specials: dict[str, str | None], context_length: int,
                extra: dict | None = None) -> None:
-    """A `tokenizers.Tokenizer` saved as a transformers fast tokenizer folder. The class is written as
-    `PreTrainedTokenizerFast`, which transformers 4.x and 5.x (where it is `TokenizersBackend`) both load."""
+    """A `tokenizers.Tokenizer` saved as a transformers fast tokenizer folder (4.x and 5.x both load its class)."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=context_length,
@@ -183,8 +179,7 @@ def _save_fast(backend: Any, folder: Path, specials: dict[str, str | None], cont
 
 
 def _patch_config(folder: Path, updates: dict, unless_set: dict | None = None) -> None:
-    """tokenizer_config.json with `updates`, and `unless_set` where it has no value; the class by the name both
-    transformers 4.x and 5.x know (5.x's save_pretrained writes `TokenizersBackend`, the same class)."""
+    """tokenizer_config.json with `updates`, `unless_set` where unset, the class by a name transformers 4.x knows."""
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config.update(updates)
@@ -216,8 +211,7 @@ def _sentencepiece(tok: Any, folder: Path, context_length: int) -> None:
 
 
 def _tiktoken_backend(encoding: Any) -> Any:
-    """A byte-level BPE `tokenizers.Tokenizer` for a tiktoken encoding (transformers' TikTokenConverter),
-    with the encoding's special tokens at their own ids."""
+    """A byte-level BPE `tokenizers.Tokenizer` for a tiktoken encoding, its special tokens at their own ids."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     class _EncodingConverter(TikTokenConverter):
@@ -234,7 +228,6 @@ def _tiktoken_backend(encoding: Any) -> Any:
 
 
 def write_tokenizer(tok: Tokenizer, source: TokenizerSource, folder: Path, context_length: int) -> list[str]:
-    """Write `tok` (built from `source`) into the export folder as a Hugging Face tokenizer; the files written."""
     before = {p.name for p in folder.iterdir()}
     eos = _token_text(tok, tok.eod)
     pad = _token_text(tok, tok.pad) or eos
@@ -258,9 +251,8 @@ def write_tokenizer(tok: Tokenizer, source: TokenizerSource, folder: Path, conte
 
 
 def check_texts(tok: Tokenizer) -> list[str]:
-    """The corpus sample of the id check: a probe text, each special token's text inside a sentence (as
-    text, Megatron-LM's SentencePiece reads it literally; other tokenizers read it as the special id), and
-    the first CHECK_PASSAGES vendored LAMBADA passages."""
+    """The id check's sample: a probe text, each special token's text inside a sentence (Megatron-LM's SentencePiece
+    reads it literally, other tokenizers as the special id), and the first CHECK_PASSAGES LAMBADA passages."""
     from megatron_jreg.data.text import lambada_passages
 
     specials = {_token_text(tok, i) for i in (tok.eod, tok.pad) if i is not None}
@@ -270,8 +262,7 @@ def check_texts(tok: Tokenizer) -> list[str]:
 
 
 def check_written(tok: Tokenizer, source: TokenizerSource, folder: Path, vocab_size: int) -> Any:
-    """The written tokenizer, loaded by transformers from `folder`, must give `tok`'s ids on `check_texts`
-    and fit the model's `vocab_size` embedding rows; returns the loaded tokenizer."""
+    """The written tokenizer as transformers loads it, checked to give `tok`'s ids and fit the embedding."""
     from transformers import AutoTokenizer
 
     if tok.vocab_size > vocab_size:

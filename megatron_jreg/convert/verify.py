@@ -22,7 +22,7 @@ ROUNDING_BUDGET = 16  # see default_threshold
 
 def default_threshold(depth: int, max_abs_logit: float) -> float:
     """The largest |logit difference| two float32 implementations of the same weights may show: each layer adds a
-    few ε₃₂ of relative rounding, a mapping error moves logits by a sizeable fraction of their size."""
+    few ε₃₂ of relative rounding, a mapping error far more."""
     return max(THRESHOLD, ROUNDING_BUDGET * EPS32 * (depth + 1) * max_abs_logit)
 
 
@@ -42,15 +42,13 @@ class Verification:
 
 
 def probe_tokens(vocab_size: int, seq_length: int, batch: int = 2, length: int = 32, seed: int = 0) -> torch.Tensor:
-    """A fixed batch tokens[batch, min(length, seq_length)] of ids drawn uniformly from the true vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, min(length, seq_length)), generator=gen)
 
 
 def compare_logits(reference: Callable[[torch.Tensor], torch.Tensor], converted: Callable[[torch.Tensor], torch.Tensor],
                    tokens: torch.Tensor, threshold: float | None = None, depth: int = 1) -> Verification:
-    """Run tokens[b, t] through both models (each returns fp32 logits[b, t, V]); raise above threshold
-    (default `default_threshold(depth, largest |logit|)`)."""
+    """Run tokens[b, t] through both models; raise above threshold (default `default_threshold`)."""
     with torch.no_grad():
         ref = reference(tokens).float().cpu()
         got = converted(tokens).float().cpu()
@@ -68,7 +66,6 @@ def compare_logits(reference: Callable[[torch.Tensor], torch.Tensor], converted:
 
 @torch.no_grad()
 def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Round a float32 model's weights in place to the values `dtype` can hold; whether any changed."""
     changed = False
     for p in model.parameters():
         rounded = p.to(dtype).to(p.dtype)
@@ -79,8 +76,6 @@ def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 
 def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A transformers LlamaForCausalLM loaded in float32 from `folder` (safetensors, never downloads),
-    as tokens[b, t] → fp32 logits[b, t, V]; weights that do not all load are refused (hub.load_causal_lm)."""
     from megatron_jreg import hub
 
     model = hub.load_causal_lm(folder, where=f"--hf {folder}", dtype=torch.float32, allow_pickle=True).to(device)
@@ -89,8 +84,7 @@ def hf_logits_fn(folder: Path, device: torch.device) -> Callable[[torch.Tensor],
 
 
 def should_verify(verify: bool | None, num_params: int) -> tuple[bool, str]:
-    """(run the logit check?, why not): --verify forces it, --no-verify skips it, the default runs it when
-    three float32 copies of the model (both models + the converted tensors) fit in free memory."""
+    """(run the logit check?, why not): by default when three float32 copies of the model fit in free memory."""
     import psutil
 
     if verify is False:
@@ -104,8 +98,7 @@ def should_verify(verify: bool | None, num_params: int) -> tuple[bool, str]:
 
 
 def single_process() -> None:
-    """Conversions run in one process; under torchrun every rank would load everything and write the same
-    output."""
+    """Conversions run in one process; under torchrun every rank would write the same output."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,8 +109,7 @@ def single_process() -> None:
 
 @contextlib.contextmanager
 def staged_output(output: Path) -> Iterator[Path]:
-    """A temporary sibling folder to write into (`fileio.atomic_folder`): renamed to `output` only when the block
-    succeeds, deleted when it fails. `output` must not exist, or be an empty folder."""
+    """A temporary sibling folder to write into, renamed to `output` only when the block succeeds."""
     from megatron_jreg.convert.cli import check_output_folder
 
     output = Path(output).absolute()

@@ -17,9 +17,9 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.data.text import DEFAULT_LAMBADA
-from megatron_jreg.errors import run_command
+from megatron_jreg.errors import UsageError, run_command
 from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
-from megatron_jreg.evaluate.models import DTYPES, ConfigError, check_model_flags, load_hf_lm, load_megatron_lm
+from megatron_jreg.evaluate.models import DTYPES, check_model_flags, load_hf_lm, load_megatron_lm
 from megatron_jreg.evaluate.results import EvalResults, add_harness
 from megatron_jreg.evaluate.tasks import PAPER_TASKS, check_datasets, task_manager, task_pairs, task_plans
 from megatron_jreg.model_files import read_config
@@ -97,43 +97,42 @@ class EvaluateConfig:
         if self.hf is not None:
             read_config(Path(self.hf), "--hf")
         if not self.tasks or len(set(self.tasks)) != len(self.tasks) or "" in self.tasks:
-            raise ConfigError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
+            raise UsageError(f"--tasks {','.join(self.tasks)}: give distinct task names, e.g. lambada,boolq")
         if "lambada" in self.tasks and not Path(self.lambada_file).is_file():
-            raise ConfigError(f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)')
+            raise UsageError(f'--lambada-file {self.lambada_file}: no such file (JSONL, one {{"text": ...}} a line)')
         for flag, value, least in (("--limit", self.limit, 1), ("--batch-size", self.batch_size, 1),
                                    ("--max-length", self.max_length, 2), ("--num-fewshot", self.num_fewshot, 0),
                                    ("--bootstrap-iters", self.bootstrap_iters, 0)):
             if value is not None and value < least:
-                raise ConfigError(f"{flag} {value}: must be at least {least}")
+                raise UsageError(f"{flag} {value}: must be at least {least}")
         if self.num_fewshot and "lambada" in self.tasks:
-            raise ConfigError(f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it in a "
+            raise UsageError(f"--num-fewshot {self.num_fewshot}: the built-in lambada is zero-shot; evaluate it in a "
                               "separate run, or use lm-eval's lambada_openai task instead")
         if self.device is not None:
             try:
                 device = torch.device(self.device)
             except RuntimeError:
-                raise ConfigError(f"--device {self.device}: not a torch device; use cpu, cuda or cuda:N") from None
+                raise UsageError(f"--device {self.device}: not a torch device; use cpu, cuda or cuda:N") from None
             if device.type == "cuda" and not torch.cuda.is_available():
-                raise ConfigError(f"--device {self.device}: no CUDA device here; use --device cpu")
+                raise UsageError(f"--device {self.device}: no CUDA device here; use --device cpu")
         if self.output is not None:  # not created here: a failed run writes nothing
             out = Path(self.output)
             if out.is_dir():
-                raise ConfigError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")
+                raise UsageError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")
             parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
             if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"--output {out}: cannot write into {parent}; pass a path you can write to")
+                raise UsageError(f"--output {out}: cannot write into {parent}; pass a path you can write to")
         for task, path in self.task_data.items():
             if task not in self.harness_tasks:
-                raise ConfigError(f"--task-data {task}={path}: {task} is not an lm-eval task in --tasks")
+                raise UsageError(f"--task-data {task}={path}: {task} is not an lm-eval task in --tasks")
             if not Path(path).exists():
-                raise ConfigError(f"--task-data {task}={path}: no such file or folder")
+                raise UsageError(f"--task-data {task}={path}: no such file or folder")
         for path in self.include_path:
             if not Path(path).is_dir():
-                raise ConfigError(f"--include-path {path}: no such folder")
+                raise UsageError(f"--include-path {path}: no such folder")
 
     @property
     def harness_tasks(self) -> tuple[str, ...]:
-        """The tasks lm-eval runs (all but the built-in ones)."""
         return tuple(t for t in self.tasks if t not in BUILTIN_TASKS)
 
 
@@ -154,8 +153,7 @@ def _package_version(name: str) -> str | None:
 
 
 def evaluate(cfg: EvaluateConfig, manager=None) -> EvalResults:
-    """Run `cfg.tasks` (`manager`: an lm-eval TaskManager to reuse); every task's data is checked before the model
-    loads, so a missing dataset is one UsageError for all tasks before any compute."""
+    """Run `cfg.tasks` (`manager`: a TaskManager to reuse), every task's data checked before the model loads."""
     hub.force_offline()
     plans = []
     if cfg.harness_tasks:
@@ -204,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg: EvaluateConfig) -> int:
-    """Evaluate, write --output first (the scores are never lost to a failing stdout), report skipped examples
-    on stderr, print the table."""
+    """Evaluate, write --output first (the scores are never lost to a failing stdout), then print."""
     results = evaluate(cfg)
     if cfg.output is not None:
         results.write(cfg.output)

@@ -1,5 +1,4 @@
 """`megatron-jreg compare`: did JREG beat the baseline (or do worse), per task and on average, across seeds?
-
 Runs pair by their "seed", so two arms listed in different orders still compare like with like."""
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ def metric_name(metric: str) -> str:
 def metric_direction(
     task: str, metric: str, runs: dict[Path, EvalResults], overrides: dict[str, bool]
 ) -> tuple[bool, str]:
-    """(higher is better, where that came from): the command line, the files' lm-eval `higher_is_better`,
-    the metric's name, or assumed higher."""
+    """(higher is better, where that came from: the command line, the files, the metric's name, or assumed)."""
     base = metric.partition(",")[0]
     for key in (metric, base):
         if key in overrides:
@@ -83,8 +81,8 @@ def metric_direction(
 def pair_runs(
     baseline: list[Path], jreg: list[Path], runs: dict[Path, EvalResults], by_order: bool = False
 ) -> tuple[list[tuple[Path, Path]], str]:
-    """(baseline, jreg) file pairs of the same seed, and "seed" or "order"; unless `by_order`, a file without a seed
-    is refused: pairing by position would silently pair different seeds."""
+    """(baseline, jreg) file pairs and "seed" or "order"; unless `by_order`, a file without a seed is refused: pairing
+    by position would silently pair different seeds."""
     if len(baseline) != len(jreg):
         raise ValueError(f"--baseline has {len(baseline)} files and --jreg {len(jreg)}; give one per seed in each arm")
     seed = {path: runs[path].seed for path in [*baseline, *jreg]}
@@ -108,7 +106,6 @@ def pair_runs(
 
 
 def _agree(task: str, what: str, values: dict[Path, int | None], fix: str) -> None:
-    """Refuse a task whose known `values` (example counts, few-shot counts) differ between files."""
     known = {path: v for path, v in values.items() if v is not None}
     if len(set(known.values())) > 1:
         listed = ", ".join(f"{path}: {v}" for path, v in known.items())
@@ -118,8 +115,8 @@ def _agree(task: str, what: str, values: dict[Path, int | None], fix: str) -> No
 def compare_runs(pairs: list[tuple[Path, Path]], runs: dict[Path, EvalResults], metric_for: dict[str, str],
                  default_metric: str, confidence: float = 0.95,
                  directions: dict[str, bool] | None = None) -> Comparison:
-    """Per-task rows and the average over the tasks every file has, refusing tasks scored on different examples or
-    shots; the average leaves out groups whose subtasks are compared (they would count twice) and mixed directions."""
+    """Per-task rows and their average; the average leaves out groups whose subtasks are compared (they would count
+    twice) and mixed directions."""
     directions = directions or {}
     paths = [path for pair in pairs for path in pair]
     candidates = list(dict.fromkeys(task for path in paths for task in runs[path].results))
@@ -169,7 +166,6 @@ def compare_runs(pairs: list[tuple[Path, Path]], runs: dict[Path, EvalResults], 
 
 
 def _test(jreg: list[float], baseline: list[float], confidence: float, higher: bool) -> PairedTest:
-    """The paired t-test, or for one seed per arm the difference alone (`stats.untested`)."""
     if len(jreg) == 1:
         return untested(jreg[0], baseline[0], confidence, higher)
     return paired_one_sided(jreg, baseline, confidence, higher)
@@ -235,8 +231,7 @@ def _finite(value: float) -> float | None:
 
 
 def rows_to_json(comparison: Comparison, pairing: str) -> dict:
-    """The comparison as JSON; NaN (an undefined test) is null. The bound is "lower_bound" on the
-    difference when higher is better, "upper_bound" when lower is."""
+    """The comparison as JSON; NaN (an undefined test) is null."""
     rows = {}
     for task, r in comparison.rows.items():
         t = r.test
@@ -281,9 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_scores(runs: dict[Path, EvalResults], metric_for: dict[str, str], default_metric: str) -> None:
-    """Refuse a file whose compared score is NaN, infinite or a boolean: a t-test on it gives nonsense
-    (a NaN difference makes p = 0 and "JREG better: yes"). Scores that are absent or not numbers at all
-    are left to `compare_runs`, which lists those tasks as left out."""
+    """Refuse a compared score that is NaN, infinite or a boolean: a NaN difference makes p = 0 and "JREG better: yes"
+    (absent scores are `compare_runs`' to leave out)."""
     for path, run in runs.items():
         for task, metrics in run.results.items():
             metric = metric_for.get(task, default_metric)
@@ -294,7 +288,6 @@ def check_scores(runs: dict[Path, EvalResults], metric_for: dict[str, str], defa
 
 
 def check_settings(runs: dict[Path, EvalResults]) -> None:
-    """Refuse files evaluated with different few-shot settings: their scores are not comparable."""
     shots = {path: run.config.get("num_fewshot") for path, run in runs.items()}
     if len(set(shots.values())) > 1:
         listed = ", ".join(f"{p.name}: {n}" for p, n in shots.items())
@@ -302,7 +295,7 @@ def check_settings(runs: dict[Path, EvalResults]) -> None:
 
 
 def _few_seeds_warning(n: int, confidence: float) -> str | None:
-    """One line when n < 3 pairs: on 1 degree of freedom a t-test has almost no power, on none there is no test."""
+    """One line when n < 3 pairs: on 1 degree of freedom a t-test has almost no power."""
     if n >= 3:
         return None
     if n == 1:
@@ -319,7 +312,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Read, check and pair the result files, print the table and write --output."""
     if not 0.0 < args.confidence < 1.0:  # also refuses NaN
         raise ValueError(f"--confidence {args.confidence}: must be between 0 and 1, e.g. 0.95")
     if args.output is not None and args.output.is_dir():

@@ -1,6 +1,5 @@
 """The one decoding loop (generate's answers, evaluate's generate_until), through the model's own KV cache; ours so
-each question samples from its own seeded generator, whatever its batch (why not transformers.generate or
-megatron-core's controller: DEVELOPERS.md, evaluate)."""
+each question samples from its own seeded generator, whatever its batch (DEVELOPERS.md, evaluate)."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ class Decoder:
         self._device, self.dtype = weight.device, weight.dtype
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens[n, t] int64: the next t positions of every row → logits[n, V'] (float32) at the last of them."""
+        """tokens[n, t]: the next t positions of every row → float32 logits[n, V'] at the last of them."""
         raise NotImplementedError
 
 
@@ -76,8 +75,7 @@ class HFDecoder(Decoder):
 
 
 class MegatronDecoder(Decoder):
-    """A megatron-core GPTModel with its static-batching KV cache (`StaticInferenceContext`): every layer keeps
-    keys and values for `length` positions of `batch` rows; only the last position's logits are computed."""
+    """A megatron-core GPTModel with its static-batching KV cache; only the last position's logits are computed."""
 
     def __init__(self, model: torch.nn.Module, batch: int, length: int) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -102,9 +100,8 @@ def complete(open_decoder: Callable[[int, int], Decoder], prompts: list[list[int
              vocab_size: int, stop_ids: set[int], sampling: Sampling = Sampling(),
              generators: list[torch.Generator | None] | None = None,
              stopped: Callable[[int, list[int]], bool] | None = None, pad_id: int = 0) -> list[Completion]:
-    """Continue every prompt (shorter than `window`) until a stop id, `max_new_tokens`, a full `window` or
-    `stopped(row, generated_ids)`; open_decoder(batch, length) gives the `Decoder`. Columns from `vocab_size` on
-    (megatron's padding) never win; non-finite logits raise NonFiniteOutput (decoded, they end answers silently)."""
+    """Continue every prompt until a stop id, `max_new_tokens`, a full `window` or `stopped(row, generated_ids)`;
+    non-finite logits raise NonFiniteOutput (decoded, they would end answers silently)."""
     out = [Completion([], "length") for _ in prompts]
     generators = generators or [None] * len(prompts)
     batch = [i for i, p in enumerate(prompts) if len(p) < window]

@@ -19,8 +19,7 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks
 
 
 def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
-    """(non-empty stop strings, max new tokens) from a request's gen_kwargs; greedy decoding only. The end of
-    document needs no stop string: generation stops at the `eod` token itself."""
+    """(non-empty stop strings, max new tokens) from a request's gen_kwargs; greedy decoding only."""
     kwargs = dict(gen_kwargs)
     if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
         raise ValueError(f"generate_until: sampling was requested ({kwargs}); this adapter decodes greedily only")
@@ -31,8 +30,7 @@ def _generation_settings(gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
 
 
 class HarnessLM(TemplateLM):
-    """An lm-eval `TemplateLM` backed by a `CausalLM` (single process: every request is answered here). lm-eval
-    tokenizes the (context, continuation) pairs and cuts the rolling windows; `scoring.score` scores them."""
+    """An lm-eval `TemplateLM` backed by a `CausalLM`: lm-eval tokenizes and cuts, `scoring.score` scores."""
 
     def __init__(self, model: CausalLM, batch_size: int = 8, progress: bool = True) -> None:
         super().__init__()
@@ -73,8 +71,7 @@ class HarnessLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of each whole text: its bare tokens conditioned on the prefix token, in lm-eval's
-        disjoint windows of max_length predictions (as its HFLM cuts them)."""
+        """Log-likelihood of each whole text in lm-eval's disjoint windows (as its HFLM cuts them)."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         windows, owner = [], []
@@ -123,8 +120,7 @@ class HarnessLM(TemplateLM):
 
 @contextlib.contextmanager
 def quiet_git_hash() -> Iterator[None]:
-    """lm-eval's `git describe` prints "fatal: not a git repository" outside one; its own fallback that reads .git/
-    records the same commit silently. Scoped to one evaluation."""
+    """lm-eval's `git describe` prints "fatal: not a git repository" outside one; its .git/ fallback is silent."""
     from unittest import mock
 
     from lm_eval import evaluator
@@ -137,8 +133,6 @@ def quiet_git_hash() -> Iterator[None]:
 def run_harness(model: CausalLM, specs: Sequence[str | dict[str, Any]], manager, limit: int | None = None,
                 batch_size: int = 8, bootstrap_iters: int = 100000, num_fewshot: int | None = None,
                 progress: bool = False) -> dict[str, Any]:
-    """lm-eval's `simple_evaluate` on `model` (its seeds and metrics; each task's few-shot default
-    unless `num_fewshot` is given); raw output."""
     import lm_eval
 
     with quiet_git_hash():

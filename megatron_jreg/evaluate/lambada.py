@@ -17,15 +17,13 @@ from megatron_jreg.progress import progress_bar
 
 
 def split_passage(text: str) -> tuple[str, str]:
-    """(context, target) split on single spaces as lambada_openai's `text.split(' ')` does, so our numbers equal
-    lm-eval's on the same file (a last word after a newline keeps the text since the last space)."""
+    """(context, target) split on single spaces as lambada_openai's `text.split(' ')`: our numbers equal lm-eval's."""
     words = text.split(" ")
     return " ".join(words[:-1]), " " + words[-1]
 
 
 def skip_reason(value: object) -> str | None:
-    """Why a passage's "text" cannot be scored (nothing to predict from, or nothing to predict), or None when it can:
-    the target is the last word, so a passage needs a word before it and a last word that is not empty."""
+    """Why a passage's "text" cannot be scored (nothing to predict from, or nothing to predict), or None."""
     if not isinstance(value, str):
         return "not_a_string"
     if not value.strip():
@@ -39,8 +37,8 @@ def skip_reason(value: object) -> str | None:
 
 
 def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
-    """(scoreable passages, skipped ones counted by reason) of a LAMBADA JSONL file; a malformed line or no
-    scoreable passage is a UsageError, since skipping would change silently what is scored."""
+    """(scoreable passages, skipped ones counted by reason); a malformed line is refused: skipping it would change
+    silently what is scored."""
     path = Path(path)
     passages: list[str] = []
     skipped: Counter[str] = Counter()
@@ -65,20 +63,7 @@ def read_lambada(path: str | Path) -> tuple[list[str], Counter[str]]:
     return passages, skipped
 
 
-def lambada_metrics(scored: Sequence[Scored]) -> dict[str, float | None]:
-    """{acc, acc_stderr, perplexity, perplexity_stderr} from the per-passage target scores (stderr: the sample
-    standard deviation over √n, None for one passage)."""
-    if not scored:
-        raise ValueError("LAMBADA: no passages to score; check --lambada-file and --limit")
-    n, hits, nll = len(scored), [float(s.greedy) for s in scored], [-s.logprob for s in scored]
-    acc_stderr, nll_stderr = (stdev(hits) / math.sqrt(n), stdev(nll) / math.sqrt(n)) if n > 1 else (None, None)
-    perplexity = math.exp(sum(nll) / n)
-    return {"acc": sum(hits) / n, "acc_stderr": acc_stderr, "perplexity": perplexity,
-            "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr}
-
-
 def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False) -> list[Scored]:
-    """Per-passage target scores, in passage order; `progress`: a bar of passages on stderr."""
     pairs = [encode_pair(lm, *split_passage(p)) for p in passages]
     with progress_bar(len(pairs), "lambada", "passage", progress) as bar:
         return score(lm, pairs, batch_size, bar.update)
@@ -87,5 +72,13 @@ def score_lambada(lm: CausalLM, passages: Sequence[str], batch_size: int = 8, pr
 def evaluate_lambada(
     lm: CausalLM, passages: Sequence[str], batch_size: int = 8, progress: bool = False
 ) -> dict[str, float | None]:
-    """LAMBADA metrics of `lm` on `passages` (full passages; the last word is the target)."""
-    return lambada_metrics(score_lambada(lm, passages, batch_size, progress))
+    """{acc, acc_stderr, perplexity, perplexity_stderr} of `lm` on `passages` (the last word is the target; stderr:
+    the sample standard deviation over √n, None for one passage)."""
+    if not passages:
+        raise ValueError("LAMBADA: no passages to score; check --lambada-file and --limit")
+    scored = score_lambada(lm, passages, batch_size, progress)
+    n, hits, nll = len(scored), [float(s.greedy) for s in scored], [-s.logprob for s in scored]
+    acc_stderr, nll_stderr = (stdev(hits) / math.sqrt(n), stdev(nll) / math.sqrt(n)) if n > 1 else (None, None)
+    perplexity = math.exp(sum(nll) / n)
+    return {"acc": sum(hits) / n, "acc_stderr": acc_stderr, "perplexity": perplexity,
+            "perplexity_stderr": None if nll_stderr is None else perplexity * nll_stderr}

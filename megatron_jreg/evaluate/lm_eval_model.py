@@ -31,27 +31,6 @@ logger = logging.getLogger(__name__)
 ModelArgsError = UsageError  # `--model_args` that cannot work; the message names the argument and the fix
 
 
-def _batch_size(value: Any) -> int:
-    """lm-eval's --batch_size (an int, or a string from its CLI) as a positive int; 'auto' is refused
-    because the adapter batches by length itself and never measures memory."""
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ModelArgsError(f"--batch_size {value}: {NAME} takes a number, not auto; e.g. --batch_size 8") from None
-    if size < 1:
-        raise ModelArgsError(f"--batch_size {value}: must be at least 1")
-    return size
-
-
-def _device(value: str | None) -> str | None:
-    """lm-eval's --device, which its CLI sets to cuda:0 by default: CPU when there is no GPU, as lm-eval's
-    own `hf` model does (logged)."""
-    if value is not None and value.startswith("cuda") and not torch.cuda.is_available():
-        logger.warning("%s: --device %s, but no CUDA device here; running on the CPU", NAME, value)
-        return "cpu"
-    return value
-
-
 def _is_hf(spec: str) -> bool:
     """A Hugging Face folder (config.json) or a hub id in the local cache, rather than a checkpoint folder."""
     path = Path(spec).expanduser()
@@ -92,9 +71,19 @@ class MegatronJregLM(HarnessLM):
             raise ModelArgsError(f"--model_args max_length={max_length}: give a whole number of at least 2")
         if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
             raise ModelArgsError(f"--model_args iteration={iteration}: give a checkpoint's iteration number")
-        size = _batch_size(batch_size)
+        try:
+            size = int(batch_size)
+        except (TypeError, ValueError):  # 'auto': the adapter never measures memory
+            raise ModelArgsError(f"--batch_size {batch_size}: {NAME} takes a number, not auto; e.g. --batch_size "
+                                 "8") from None
+        if size < 1:
+            raise ModelArgsError(f"--batch_size {batch_size}: must be at least 1")
         if hf is not None:
-            model = load_hf_lm(str(hf), _device(device), dtype, max_length)
+            if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's CLI defaults to cuda:0; without a GPU, the CPU, as lm-eval's own `hf` model does
+                logger.warning("%s: --device %s, but no CUDA device here; running on the CPU", NAME, device)
+                device = "cpu"
+            model = load_hf_lm(str(hf), device, dtype, max_length)
             self.source = {"hf": str(hf)}
         else:
             path = Path(str(load))
@@ -111,8 +100,7 @@ class MegatronJregLM(HarnessLM):
 
 
 def check_task_data() -> None:
-    """The datasets of lm-eval's command line's tasks, checked as `evaluate` does before any model loads (a
-    UsageError naming each missing one); groups, YAML paths and unknown names are left to lm-eval."""
+    """The datasets of lm-eval's command line's tasks, checked as `evaluate` does before any model loads."""
     from lm_eval._cli import HarnessCLI
 
     from megatron_jreg.evaluate.tasks import check_datasets, task_manager, task_plans
@@ -127,7 +115,6 @@ def check_task_data() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """lm-eval's own command line, offline, with `--model megatron-jreg` registered."""
     from megatron_jreg.hub import force_offline
 
     force_offline()

@@ -20,29 +20,23 @@ DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that declares no context win
 BIG_TOKENIZER_BYTES = 32 << 20  # a tokenizer.json this large takes transformers minutes to load: said first
 
 
-ConfigError = UsageError  # a flag value that cannot work; the message names the flag and the fix
-
-
 def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None) -> None:
-    """The model flags evaluate and generate share: exactly one of --hf (a folder with config.json) and --load."""
     if (hf is None) == (load is None):
-        raise ConfigError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM or "
+        raise UsageError("give exactly one model: --hf DIR (a Hugging Face folder) or --load CKPT (a Megatron-LM or "
                           "megatron-jreg checkpoint)")
     if load is not None and not Path(load).is_dir():
-        raise ConfigError(f"--load {load}: no such checkpoint folder")
+        raise UsageError(f"--load {load}: no such checkpoint folder")
     if iteration is not None and load is None:
-        raise ConfigError("--iteration selects a checkpoint of --load; use it with --load")
+        raise UsageError("--iteration selects a checkpoint of --load; use it with --load")
     if hf is not None and not (Path(hf) / "config.json").is_file():
-        raise ConfigError(f"--hf {hf}: no config.json there; pass the folder save_pretrained wrote")
+        raise UsageError(f"--hf {hf}: no config.json there; pass the folder save_pretrained wrote")
 
 
 class NonFiniteOutput(JregError, ValueError):
-    """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer; so
-    evaluate and generate stop with one line instead (the weights were finite: the activations overflowed)."""
+    """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer."""
 
 
 def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """Raise NonFiniteOutput unless every value of `logits` is finite; `dtype`: the model's weights', for the fix."""
     if bool(torch.isfinite(logits).all()):
         return
     if dtype in (torch.float16, torch.bfloat16):
@@ -56,7 +50,6 @@ def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> 
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A causal language model as the evaluators see it."""
 
     eod: int  # end of document: generation stops when the model predicts it
     prefix_token: int  # what text-less input is conditioned on (lm-eval's prefix_token_id): BOS if any, else eod
@@ -64,17 +57,14 @@ class CausalLM(Protocol):
     max_length: int  # longest input `logits` accepts; callers left-truncate to it
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        """Token ids of `text`; `special=True` adds what the tokenizer puts around a document by default
-        (e.g. Llama's BOS), `special=False` gives the bare tokens (lm-eval's `add_special_tokens`)."""
+        """Token ids of `text`; `special=False`: without what the tokenizer adds around a document (Llama's BOS)."""
         ...
 
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids` with special tokens dropped."""
         ...
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens[b, t] int64, right-padded rows allowed -> logits[b, t, V'] float32 (V' >= vocab_size); causal,
-        which makes right padding harmless."""
+        """tokens[b, t] int64 -> logits[b, t, V'] float32 (V' >= vocab_size); causal: right padding is harmless."""
         ...
 
     def decoder(self, batch: int, length: int):  # noqa: ANN201 - a decoding.Decoder
@@ -83,7 +73,6 @@ class CausalLM(Protocol):
 
 
 class HFCausalLM:
-    """`CausalLM` over a Hugging Face `AutoModelForCausalLM` + `AutoTokenizer` loaded from a local folder."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_length: int) -> None:
         if tokenizer.eos_token_id is None:
@@ -120,9 +109,8 @@ class HFCausalLM:
 def load_hf_lm(
     path: str | Path, device: str | None = None, dtype: str = "auto", max_length: int | None = None
 ) -> HFCausalLM:
-    """A Hugging Face folder (or a hub id in the local cache), offline, checked before anything loads; every problem
-    with its files is one ModelFileError line. dtype "auto": the checkpoint's on GPU, float32 on CPU (CPU half
-    precision is slow and lossy); max_length None: the model's own context window."""
+    """A Hugging Face folder (or a cached hub id), offline, checked before anything loads. dtype "auto": the
+    checkpoint's on GPU, float32 on CPU (CPU half precision is slow and lossy)."""
     from transformers import AutoTokenizer
 
     path = hub.resolve(path, "--hf")
@@ -154,8 +142,7 @@ def load_hf_lm(
 
 
 def _note_big_tokenizer(path: Path) -> None:
-    """One line before a tokenizer that takes transformers minutes to load (e.g. 1.5M added tokens: 308 s), so
-    the silence is explained; the added tokens are counted only in a file that large."""
+    """One line before a tokenizer that takes transformers minutes to load (e.g. 1.5M added tokens: 308 s)."""
     file = path / "tokenizer.json"
     size = file.stat().st_size if file.is_file() else 0
     if size < BIG_TOKENIZER_BYTES:
@@ -170,8 +157,7 @@ def _note_big_tokenizer(path: Path) -> None:
 
 
 class MegatronCausalLM:
-    """A megatron-jreg checkpoint (megatron-core GPTModel, TP=1/PP=1 in this process) as a `CausalLM`; the run's
-    tokenizer encodes as preprocess_data.py did for training (no BOS, EOD between documents)."""
+    """A megatron-jreg checkpoint as a `CausalLM`; the run's tokenizer encodes as preprocess_data.py did (no BOS)."""
 
     def __init__(self, loaded) -> None:
         if loaded.tokenizer is None:
@@ -200,7 +186,6 @@ class MegatronCausalLM:
 
 
 def load_megatron_lm(path: str | Path, iteration: int | None = None) -> CausalLM:
-    """A megatron-jreg checkpoint (any saved TP/PP layout) as a `CausalLM`, run in-process on megatron-core."""
     from megatron_jreg.checkpoints import load_megatron_model
 
     return MegatronCausalLM(load_megatron_model(path, iteration))

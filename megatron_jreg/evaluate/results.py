@@ -40,8 +40,7 @@ class EvalResults:
 
     @classmethod
     def read(cls, path: str | Path) -> EvalResults:
-        """A result file written by `evaluate --output` or by lm-eval (recognised by its "n-samples");
-        anything else fails naming the file, and so does a "seed" that is not a whole number."""
+        """A result file written by `evaluate --output` or by lm-eval (recognised by its "n-samples")."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             results = cls.from_harness(data) if "n-samples" in data else cls(
@@ -65,7 +64,6 @@ class EvalResults:
 
     @classmethod
     def from_harness(cls, raw: dict[str, Any]) -> EvalResults:
-        """lm-eval's results file (`simple_evaluate`'s output as lm-eval saves it) in this shape."""
         config = dict(raw.get("config") or {})
         model = {"kind": "lm-eval", "model": config.get("model"), "model_args": config.get("model_args")}
         results = cls(model=model, seed=raw.get("seed"), config=config)
@@ -73,7 +71,6 @@ class EvalResults:
         return results
 
     def table(self) -> str:
-        """task | metric | value | stderr, one row per metric, tasks in the order they ran."""
         rows = [("task", "metric", "value", "stderr")]
         for task, metrics in self.results.items():
             for metric, value in metrics.items():
@@ -92,25 +89,18 @@ def format_number(value: float | None, sign: str = "") -> str:
     return f"{value:{sign}.4f}" if abs(value) < 1e5 else f"{value:{sign}.4e}"
 
 
-def harness_metrics(task_results: dict[str, Any]) -> Metrics:
-    """One task's lm-eval results in our metric naming (a boolean stays one, for `compare` to refuse)."""
-    metrics: Metrics = {}
-    for key, value in task_results.items():
-        if key in _NOT_METRICS:
-            continue
-        name, _, filter_name = key.partition(",")
-        out = name if filter_name in ("", "none") else key
-        metrics[out] = value if isinstance(value, bool) else float(value) if isinstance(value, int | float) else None
-    return metrics
-
-
 def add_harness(results: EvalResults, raw: dict[str, Any]) -> None:
-    """Add every task of an lm-eval `simple_evaluate` output to `results`, with lm-eval's metric directions,
-    few-shot counts and groups (a group's example count is its subtasks', so none is recorded for it)."""
+    """Every task of an lm-eval `simple_evaluate` output (a group's example count is its subtasks': none recorded)."""
     counts = raw.get("n-samples") or {}
     for task, task_results in raw["results"].items():
+        metrics: Metrics = {}  # "acc,none" as "acc"; a boolean stays one, for `compare` to refuse
+        for key, value in task_results.items():
+            if key not in _NOT_METRICS:
+                name, _, filter_name = key.partition(",")
+                metrics[name if filter_name in ("", "none") else key] = (
+                    value if isinstance(value, bool) else float(value) if isinstance(value, int | float) else None)
         n = (counts.get(task) or {}).get("effective")
-        results.add(task, harness_metrics(task_results), None if n is None else int(n))
+        results.add(task, metrics, None if n is None else int(n))
         directions = (raw.get("higher_is_better") or {}).get(task) or {}
         if known := {metric: flag for metric, flag in directions.items() if isinstance(flag, bool)}:
             results.higher_is_better[task] = known

@@ -23,9 +23,8 @@ class Scored:
 
 
 def encode_pair(lm: CausalLM, context: str, continuation: str) -> Pair:
-    """(context ids, continuation ids) of a non-empty context as lm-eval's `TemplateLM._encode_pair` splits them
-    (LAMBADA's; the adapter is a TemplateLM). Trailing whitespace of the context joins the continuation, and the
-    continuation is whole[len(ctx):], so a merge across the boundary still scores the tokens the model sees."""
+    """(context ids, continuation ids) as lm-eval's `TemplateLM._encode_pair` splits them, so LAMBADA matches lm-eval:
+    a token merged across the boundary still scores as the model sees it."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -43,9 +42,8 @@ def _fit(lm: CausalLM, ctx: list[int], cont: list[int]) -> tuple[list[int], list
 def score(
     lm: CausalLM, pairs: Sequence[Pair], batch_size: int = 8, progress: Callable[[int], object] | None = None
 ) -> list[Scored]:
-    """Each continuation's score given its context, in the order of `pairs`; length-sorted batches right-padded
-    with eod (causal: a row's score ignores its batch). `progress(n)`: a bar's update; non-finite logits raise
-    NonFiniteOutput (they would score as wrong, silently)."""
+    """Each continuation's score given its context, in the order of `pairs`, in length-sorted right-padded batches
+    (causal: a row's score ignores its batch); non-finite logits raise NonFiniteOutput (they would score as wrong)."""
     fitted = [_fit(lm, ctx, cont) for ctx, cont in pairs]
     results = [Scored(0.0, True, 0)] * len(fitted)  # kept for requests with nothing to score
     todo = sorted((i for i, (_, target) in enumerate(fitted) if target), key=lambda i: -len(fitted[i][0]))

@@ -17,9 +17,7 @@ TIE_RTOL = 1e-6
 
 @dataclass(frozen=True)
 class PairedTest:
-    """One paired test of JREG against the baseline; `mean_diff` is JREG - baseline in the metric's own units
-    (negative is better when `higher_is_better` is False). t, p_* and bound are NaN when the test is
-    undefined (`defined` False)."""
+    """One paired test; `mean_diff` is JREG - baseline in the metric's units; t, p_*, bound NaN if undefined."""
 
     n: int
     mean_diff: float
@@ -38,17 +36,14 @@ class PairedTest:
 
     @property
     def tested(self) -> bool:
-        """False for one seed per arm (`untested`): there is no test, only the difference."""
         return self.n >= 2
 
     @property
     def significant(self) -> bool:
-        """JREG better at level 1 - confidence (False when the test is undefined)."""
         return self.p_value < 1.0 - self.confidence
 
     @property
     def worse(self) -> bool:
-        """JREG significantly worse at level 1 - confidence (False when the test is undefined)."""
         return self.p_worse < 1.0 - self.confidence
 
 
@@ -61,8 +56,7 @@ def _check_scores(name: str, values: Sequence[float]) -> None:
 
 def paired_one_sided(jreg: Sequence[float], baseline: Sequence[float], confidence: float = 0.95,
                      higher_is_better: bool = True) -> PairedTest:
-    """Paired t-test of JREG against the baseline; ValueError for inputs whose p-value would mean nothing
-    (unequal arms, < 2 pairs, a non-finite or boolean score, confidence outside (0, 1))."""
+    """Paired t-test of JREG against the baseline; ValueError for inputs whose p-value would mean nothing."""
     if len(jreg) != len(baseline):
         raise ValueError(f"paired test needs as many JREG as baseline scores, got {len(jreg)} and {len(baseline)}")
     n = len(jreg)
@@ -89,8 +83,7 @@ def paired_one_sided(jreg: Sequence[float], baseline: Sequence[float], confidenc
 
 
 def untested(jreg: float, baseline: float, confidence: float = 0.95, higher_is_better: bool = True) -> PairedTest:
-    """One seed per arm: the difference, side by side, and no test (t, p and bound NaN; `tested` False):
-    a t-test has no degrees of freedom on one pair."""
+    """One seed per arm: the difference alone (a t-test has no degrees of freedom on one pair)."""
     _check_scores("JREG", [jreg])
     _check_scores("baseline", [baseline])
     nan = math.nan
@@ -98,8 +91,7 @@ def untested(jreg: float, baseline: float, confidence: float = 0.95, higher_is_b
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values in input order (adjusted_(k) = max_{i<=k} min(1, (m-i+1) p_(i))); a NaN p
-    stays NaN and counts in m, a hypothesis that cannot be rejected."""
+    """Holm-Bonferroni adjusted p-values in input order; a NaN p stays NaN and counts in m (it cannot be rejected)."""
     p = np.asarray(p_values, dtype=float)
     if (bad := np.flatnonzero((p < 0) | (p > 1))).size:
         raise ValueError(f"p-value {p_values[bad[0]]!r} at position {bad[0]}: must be in [0, 1] or NaN")

@@ -27,8 +27,7 @@ def task_pairs(values: Sequence[str], flag: str, what: str, example: str) -> dic
 
 
 def task_manager(names: Sequence[str], include_paths: Sequence[Path] = ()):
-    """An lm-eval TaskManager that knows `names`: the paper's folders plus `include_paths` when
-    every name not in `include_paths` is a paper task, else lm-eval's full index."""
+    """An lm-eval TaskManager that knows `names`: only the paper's folders when that suffices (indexing all is slow)."""
     from lm_eval import tasks as lm_eval_tasks
     from lm_eval.tasks import TaskManager
 
@@ -58,8 +57,7 @@ def task_config(manager, name: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TaskPlan:
-    """One lm-eval task as it will run: its full config, and the Hub dataset that `--task-data`
-    replaced by a local copy (None when the task runs on its default dataset)."""
+    """One lm-eval task as it will run; `replaced_dataset`: the Hub dataset `--task-data` replaced, if any."""
 
     name: str
     config: dict[str, Any]
@@ -72,8 +70,7 @@ class TaskPlan:
 
 
 def task_plans(manager, names: Sequence[str], task_data: Mapping[str, Path]) -> list[TaskPlan]:
-    """A plan per task; `--task-data NAME=DIR` swaps dataset_path for DIR (a copy of the dataset
-    repository) in the task's full default config and changes nothing else."""
+    """A plan per task; `--task-data NAME=DIR` swaps dataset_path for DIR and changes nothing else."""
     plans = []
     for name in names:
         config = task_config(manager, name)
@@ -101,8 +98,7 @@ def _missing(plan: TaskPlan, error: Exception) -> str:
 
 
 def check_datasets(plans: Sequence[TaskPlan]) -> None:
-    """UsageError with one line per task whose data cannot be loaded offline, as lm-eval's task constructor loads it;
-    tasks that build their data in code (`custom_dataset`) cannot be checked and are let through."""
+    """UsageError with one line per task whose data cannot be loaded offline (`custom_dataset`: not checkable)."""
     import datasets
 
     problems = []

@@ -60,13 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_jreg.generate.questions import read_answers, read_questions
     from megatron_jreg.generate.runner import GenerateConfig, generate
 
     cfg = GenerateConfig(**vars(args))  # one config field per flag
-    read_questions(cfg.prompts)  # the files first: a bad line costs no model load
-    read_answers(Path(cfg.output), cfg.name)
-    if cfg.chat_template is not None:
+    if cfg.chat_template is not None:  # before the model loads, as generate reads the question and answer files
         from megatron_jreg.data.chat import load_template
 
         load_template(cfg.chat_template)

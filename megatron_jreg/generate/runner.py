@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_jreg.data.checks import DataError, check_output_folder
+from megatron_jreg.data.checks import check_output_folder
 from megatron_jreg.dtypes import torch_dtype
+from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.decoding import Sampling, complete
-from megatron_jreg.evaluate.models import ConfigError, check_model_flags
+from megatron_jreg.evaluate.models import check_model_flags
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
 from megatron_jreg.progress import progress_bar, show_progress
 
@@ -25,7 +26,7 @@ _HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """What to answer, with which model (exactly one of `hf`, `load`), how (the flags of generate/cli.py)."""
+    """What to answer, with which model, how: a field per flag of generate/cli.py."""
 
     prompts: Path
     output: Path | str  # a str keeps a trailing "/" (a folder meant), which Path drops
@@ -48,37 +49,33 @@ class GenerateConfig:
         check_model_flags(self.hf, self.load, self.iteration)
         if self.tokenizer is not None:
             if self.load is None:
-                raise ConfigError("--tokenizer replaces a checkpoint's tokenizer: use it with --load (an --hf folder "
+                raise UsageError("--tokenizer replaces a checkpoint's tokenizer: use it with --load (an --hf folder "
                                   "has its own)")
             if not Path(self.tokenizer).is_dir():
-                raise ConfigError(f"--tokenizer {self.tokenizer}: no such folder (a Hugging Face tokenizer folder)")
+                raise UsageError(f"--tokenizer {self.tokenizer}: no such folder (a Hugging Face tokenizer folder)")
         if not Path(self.prompts).is_file():
             what = "is a folder" if Path(self.prompts).is_dir() else "no such file"
-            raise ConfigError(f"--prompts {self.prompts}: {what}; give a question JSONL file (FastChat's MT-bench "
+            raise UsageError(f"--prompts {self.prompts}: {what}; give a question JSONL file (FastChat's MT-bench "
                               "format, e.g. examples/sft/data/wikitext_questions.jsonl)")
         for flag, value, least in (("--max-new-tokens", self.max_new_tokens, 1), ("--batch-size", self.batch_size, 1),
                                    ("--seed", self.seed, 0), ("--iteration", self.iteration, 0)):
             if value is not None and value < least:
-                raise ConfigError(f"{flag} must be >= {least}, got {value}")
+                raise UsageError(f"{flag} must be >= {least}, got {value}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
+            raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.model_id is not None and not self.model_id.strip():
-            raise ConfigError("--model-id must not be empty (FastChat's judge names the model by it)")
+            raise UsageError("--model-id must not be empty (FastChat's judge names the model by it)")
         out = Path(self.output)
         if str(self.output).endswith(("/", os.sep)) or out.is_dir():
-            raise ConfigError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
+            raise UsageError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
         if out.resolve() == Path(self.prompts).resolve():
-            raise ConfigError(f"--output {self.output} is the --prompts file; write the answers to another file")
-        try:
-            check_output_folder(out.parent, f"--output {self.output}")  # created, and proven writable
-        except DataError as e:
-            raise ConfigError(str(e)) from None
+            raise UsageError(f"--output {self.output} is the --prompts file; write the answers to another file")
+        check_output_folder(out.parent, f"--output {self.output}")  # created, and proven writable (a DataError)
 
     @property
     def name(self) -> str:
-        """The model id written into every answer (FastChat's judge reports scores under it)."""
         if self.model_id is not None:
             return self.model_id
         folder = Path(self.hf or self.load).resolve()
@@ -97,7 +94,6 @@ class ChatModel:
     stop_texts: tuple[str, ...] = ()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of the conversation so far plus the assistant header."""
         ids = self.tokenizer.apply_chat_template(messages, chat_template=self.template, add_generation_prompt=True,
                                                  tokenize=True, return_dict=False)
         if hasattr(ids, "tolist"):
@@ -119,7 +115,6 @@ class ChatModel:
 
 
 def _template(cfg: GenerateConfig, tokenizer) -> tuple[str | None, str, tuple[str, ...]]:  # noqa: ANN001
-    """(template text or None for the tokenizer's own, its name, stop texts) for `cfg.chat_template`."""
     from megatron_jreg.data.chat import SIMPLE_STOP_TEXTS, SIMPLE_TEMPLATE, load_template, own_template
 
     if cfg.chat_template is not None:
@@ -133,7 +128,6 @@ def _template(cfg: GenerateConfig, tokenizer) -> tuple[str | None, str, tuple[st
 
 
 def load_chat_model(cfg: GenerateConfig) -> ChatModel:
-    """The model and chat tokenizer of `cfg` (--hf or --load), ready to answer."""
     from megatron_jreg.data.chat import load_hf_tokenizer
 
     if cfg.hf is not None:
@@ -154,16 +148,16 @@ def load_chat_model(cfg: GenerateConfig) -> ChatModel:
         if cfg.tokenizer is not None:
             folder = str(cfg.tokenizer)
         elif kind not in _HF_TOKENIZER_TYPES or not folder:
-            raise ConfigError(f"--load {cfg.load}: the run's tokenizer is {kind}; generate renders chats with a "
+            raise UsageError(f"--load {cfg.load}: the run's tokenizer is {kind}; generate renders chats with a "
                               "Hugging Face tokenizer: pass --tokenizer DIR (a Hugging Face folder, same vocabulary)")
         elif not Path(folder).is_dir():
-            raise ConfigError(f"--load {cfg.load}: the run's tokenizer folder {folder} is gone; pass its current path "
+            raise UsageError(f"--load {cfg.load}: the run's tokenizer folder {folder} is gone; pass its current path "
                               "with --tokenizer DIR")
         tokenizer = load_hf_tokenizer(folder, "--tokenizer")
         loaded.tokenizer = build_tokenizer("HuggingFaceTokenizer", folder)  # the vocabulary MegatronCausalLM reads
         padded = int(getattr(loaded.args, "padded_vocab_size", 0) or 0)
         if padded and len(tokenizer) > padded:
-            raise ConfigError(f"--tokenizer {folder}: {len(tokenizer)} tokens, more than the model's {padded} "
+            raise UsageError(f"--tokenizer {folder}: {len(tokenizer)} tokens, more than the model's {padded} "
                               "embedding rows; give the tokenizer the checkpoint was trained with")
         lm = MegatronCausalLM(loaded)
         stop = {lm.eod}
@@ -209,7 +203,6 @@ def question_generator(seed: int, question_id: int | str) -> torch.Generator:
 def answer_batch(
     model: ChatModel, batch: list[Question], cfg: GenerateConfig, summary: GenerateSummary
 ) -> list[list[str]]:
-    """Answers (one text per turn) to each question of `batch`, asking all of them turn by turn together."""
     sampling = Sampling(cfg.temperature, cfg.top_p)
     generators = [None if sampling.greedy else question_generator(cfg.seed, q.question_id) for q in batch]
     history: list[list[dict]] = [[] for _ in batch]
@@ -239,7 +232,7 @@ def answer_batch(
 
 
 def generate(cfg: GenerateConfig) -> GenerateSummary:
-    """Answer every question of cfg.prompts not yet in cfg.output; the file is rewritten after each batch."""
+    """Answer every question not yet in cfg.output, the file rewritten after each batch."""
     questions = read_questions(Path(cfg.prompts))
     model_id = cfg.name
     done = read_answers(Path(cfg.output), model_id)

@@ -46,7 +46,6 @@ def rank_lost(args: argparse.Namespace, error: BaseException) -> RankLost | None
 
 
 def patch_makers(record: RunRecord) -> dict:
-    """The save/load wrappers of the run `record` belongs to (rows of megatron_jreg.patches.PATCHES)."""
     pending: dict = {}  # save_checkpoint's record for the dist_checkpointing.save it calls
     load, save = "megatron.training.training.load_checkpoint", "megatron.training.training.save_checkpoint"
     return {load: lambda orig: functools.partial(_load_checkpoint, orig, record.start),
@@ -58,8 +57,7 @@ DIST_SAVE = "megatron.core.dist_checkpointing.save"
 
 
 def _dist_save(original, pending: dict, *a, **k):  # noqa: ANN001
-    """dist_checkpointing.save without its rank-0 manifest, then `finish_save` (at once, or when --async-save's
-    request finalizes)."""
+    """dist_checkpointing.save without its rank-0 manifest, then `finish_save` (now, or when --async-save finalizes)."""
     call = patches.arguments(original, a, k)
     call["verify_integrity"] = False
     result = original(**call)
@@ -75,7 +73,6 @@ def _dist_save(original, pending: dict, *a, **k):  # noqa: ANN001
 
 
 def _all_gather(value: object) -> list:
-    """`value` from every rank, in rank order (a world of one: itself)."""
     if torch.distributed.get_world_size() == 1:
         return [value]
     values: list = [None] * torch.distributed.get_world_size()
@@ -122,8 +119,7 @@ def finish_save(ckpt: Path, sidecar: dict | None, digest: bool) -> None:
 
 
 def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # noqa: ANN001
-    """Megatron-LM's save_checkpoint with the run record; skipped without --save or with non-finite tensors (a
-    resume needs a finite checkpoint); a failure becomes one SaveError line."""
+    """Megatron-LM's save_checkpoint with the run record; skipped without --save or with non-finite tensors."""
     from megatron.training import get_args, print_rank_0
     from megatron.training.checkpointing import get_checkpoint_name
 
@@ -149,7 +145,7 @@ def _save_checkpoint(original, record: RunRecord, pending: dict, *a, **k):  # no
 
     def collect(record: logging.LogRecord) -> bool:
         """The writer's error records, kept off the console: the only place its OSError text survives (Megatron-LM
-        re-raises "<class 'OSError'>"); the SaveError line carries the first."""
+        re-raises "<class 'OSError'>")."""
         if record.levelno >= logging.ERROR:
             errors.append(record.getMessage())
         return record.levelno < logging.ERROR
@@ -213,7 +209,6 @@ def _optimizers(optimizer) -> list:  # noqa: ANN001 - Megatron-LM's optimizer, c
 
 
 def _optimizer_tensors(optimizer, names: dict[int, str]) -> list[tuple[str, object]]:  # noqa: ANN001
-    """The optimizer's floating-point tensors that are not model weights, named after their model parameter."""
     found: list[tuple[str, object]] = []
     for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
@@ -239,7 +234,7 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 def _checkpoint_bytes(model, optimizer) -> int:
-    """About the bytes of one checkpoint of this run, for a failed save's "needs about" (no earlier save)."""
+    """About the bytes of one checkpoint of this run (no earlier save to measure)."""
     from megatron.core import parallel_state
 
     params = {id(p): p.numel() * p.element_size() for _, p in _named_parameters(model)}
@@ -257,7 +252,6 @@ def _checkpoint_bytes(model, optimizer) -> int:
 
 
 def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, model, optimizer) -> str:
-    """The one line for a failed save (`text`: the writer's error), after removing the partial folder."""
     removed = False
     if int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0 and ckpt.exists() and previous != iteration:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -287,7 +281,6 @@ def _save_failure(save: str, iteration: int, ckpt: Path, previous, text: str, mo
 
 
 def _adam_states(opt) -> list[dict]:  # noqa: ANN001 - a DistributedOptimizer over torch's Adam
-    """The per-parameter states of torch's Adam that hold a `step` tensor."""
     return [state for state in opt.optimizer.state.values() if isinstance(state.get("step"), torch.Tensor)]
 
 
@@ -341,8 +334,7 @@ def _load_checkpoint(original, start: Start | None, *a, **k):  # noqa: ANN001
 
 
 def _scheduler_mismatch(root: str | None, message: str) -> str:
-    """Megatron-LM's scheduler mismatch (`class input value X and checkpointvalue Y for NAME`) as the fix it
-    wants: e.g. a larger --train-iters on resume changes the schedule's length."""
+    """Megatron-LM's scheduler mismatch as the fix it wants (e.g. a larger --train-iters on resume)."""
     found = re.search(r"class input value (\S+) and checkpoint ?value (\S+) for (.+?) do not match", message)
     what = message
     if found:
@@ -355,7 +347,6 @@ def _scheduler_mismatch(root: str | None, message: str) -> str:
 
 
 def _torch_adam_distributed(optimizer) -> list:
-    """The DistributedOptimizers whose inner optimizer is torch's (no apex / TE fused Adam)."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:

@@ -26,7 +26,7 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Paths Megatron-LM would only trip over after the model is built (or silently ignore)."""
+    """Paths and sizes Megatron-LM would only trip over after the model is built (or silently ignore)."""
     if args.load is not None and Path(args.load).is_file():
         raise UsageError(f"--load {args.load} is a file: give the checkpoint directory (the one holding "
                          "latest_checkpointed_iteration.txt) or an iter_* directory's parent")
@@ -77,7 +77,6 @@ def check_sft(args: argparse.Namespace) -> None:
 
 
 def check_data(args: argparse.Namespace) -> None:
-    """Every dataset the run reads exists (Megatron-LM fails deep in the builder)."""
     from megatron_jreg.training.data import data_paths
 
     for option, path in data_paths(args):
@@ -91,7 +90,7 @@ def check_data(args: argparse.Namespace) -> None:
 
 
 def check_cpu(args: argparse.Namespace) -> None:
-    """Features that need CUDA, refused on a CPU: Megatron-LM would fail late or hang."""
+    """Features that need CUDA: on a CPU Megatron-LM would fail late or hang."""
     dp = "on a CPU use data parallelism, optionally with --use-distributed-optimizer"
     grouped = ("runs grouped-GEMM CUDA kernels, which need a GPU: drop it on a CPU (the experts then run as separate "
                "MLPs)")
@@ -116,8 +115,7 @@ def check_cpu(args: argparse.Namespace) -> None:
 
 
 def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
-    """pretrain_gpt.py flags train does not run as Megatron-LM would (the full list: DEVELOPERS.md), refused before
-    Megatron-LM's validation, which calls CUDA for some."""
+    """pretrain_gpt.py flags train does not run as Megatron-LM would (DEVELOPERS.md), refused before its validation."""
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -162,7 +160,6 @@ def check_pretrain_gpt_flags(args: argparse.Namespace) -> None:
 
 
 def args_from_checkpoint(args: argparse.Namespace, start: Start | None) -> None:
-    """--use-checkpoint-args: Megatron-LM's load_args_from_checkpoint on the (checked) starting checkpoint."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     if start is None:
@@ -228,8 +225,7 @@ def check_tokenizer_path(args: argparse.Namespace) -> None:
 
 
 def check_megatron_prerequisites(args: argparse.Namespace) -> None:
-    """What Megatron-LM's optimizer, scheduler and layers need but validate_args leaves to the build or the first
-    step (once per rank), refused here naming the flag."""
+    """What Megatron-LM's optimizer, scheduler and layers need but validate_args leaves to the build or first step."""
     from megatron_jreg.model_files import custom_code
 
     if not args.skip_train:
@@ -284,8 +280,7 @@ _VOCAB_SIZE_READERS = ("NullTokenizer", "NullMultimodalTokenizer", "TikTokenizer
 
 
 def note_unused_vocab_size(args: argparse.Namespace) -> None:
-    """A note, not a refusal (pretrain_gpt.py accepts it; launch scripts carry it), when --vocab-size is ignored
-    for a tokenizer's own vocabulary of another size."""
+    """A note, not a refusal (pretrain_gpt.py accepts it), when a tokenizer's own vocabulary overrides --vocab-size."""
     from megatron.training import get_tokenizer, print_rank_0
 
     if args.vocab_size is None or args.tokenizer_type in _VOCAB_SIZE_READERS:

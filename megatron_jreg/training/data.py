@@ -48,27 +48,14 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [] if args.mock_data or args.sft else paths
 
 
-def _recorded_max_token_id(prefix: str) -> int | None:
-    """The preprocess manifest's max_token_id, when the manifest describes this very .bin (its recorded size);
-    a manifest left beside data rewritten since says nothing about it."""
-    for manifest in (Path(prefix + ".manifest.json"), Path(prefix + ".json")):
-        if manifest.is_file():
-            try:
-                record = json.loads(manifest.read_text(encoding="utf-8"))
-                value, size = record.get("max_token_id"), (record.get("files") or {}).get("bin_bytes")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(value, int) and size == Path(prefix + ".bin").stat().st_size:
-                return value
-    return None
-
-
 def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int = 256 << 20) -> tuple[int, bool]:
-    """(largest token id, exact): small .bin files scanned whole, larger ones from a manifest describing them,
-    else scanned (only the ends when larger still)."""
+    """(largest token id, exact): scanned, or read from a manifest for a large .bin (only its ends past the limit)."""
     size = Path(prefix + ".bin").stat().st_size if Path(prefix + ".bin").is_file() else 0
-    if size > exact_bytes and (recorded := _recorded_max_token_id(prefix)) is not None:
-        return recorded, True
+    if size > exact_bytes:  # a manifest's, when it describes this very .bin (not data rewritten since)
+        record = read_manifest(prefix) or {}
+        files = record["files"] if isinstance(record.get("files"), dict) else {}
+        if isinstance(record.get("max_token_id"), int) and files.get("bin_bytes") == size:
+            return record["max_token_id"], True
     try:
         dtype = verify_dataset(prefix).dtype  # megatron's reader would fail deep in the builder
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
@@ -85,7 +72,7 @@ def max_token_id(prefix: str, scan_limit_bytes: int = 2 << 30, exact_bytes: int 
 
 
 def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> UsageError | None:
-    """One line for the embedding's IndexError: a token id beyond the vocabulary that `check_vocabulary` missed."""
+    """One line for the embedding's IndexError: a token id beyond the vocabulary `check_vocabulary` missed."""
     while error is not None:
         if isinstance(error, IndexError) and "index out of range" in str(error):
             from megatron.training import get_tokenizer
@@ -100,8 +87,7 @@ def token_beyond_vocabulary(error: BaseException, args: argparse.Namespace) -> U
 
 
 def data_changed(error: BaseException, args: argparse.Namespace) -> Failed | None:
-    """One line when a data worker died of a dataset changed under the run (SIGBUS, which torch blames on shared
-    memory); None otherwise."""
+    """One line when a data worker died of a dataset changed under the run (SIGBUS, torch blames shared memory)."""
     while error is not None and "DataLoader worker" not in str(error):  # "killed by signal", "exited unexpectedly"
         error = error.__cause__ or error.__context__
     if error is None:
@@ -117,8 +103,6 @@ def data_changed(error: BaseException, args: argparse.Namespace) -> Failed | Non
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:
-    """Stop before training when the data does not fit the run's tokenizer (ids, the manifest's tokenizer, SFT
-    conversations)."""
     from megatron.training import get_tokenizer
 
     if args.sft:
@@ -145,8 +129,8 @@ def check_vocabulary(args: argparse.Namespace) -> None:
 
 
 def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
-    """pretrain_gpt.py's dataset config fields, from Megatron-LM's args (core_gpt_dataset_config_from_args,
-    pretrain_gpt.py:377-441 at core_v0.19.0; the run's tokenizer instead of a second one it builds)."""
+    """pretrain_gpt.py's core_gpt_dataset_config_from_args (:377-441 at core_v0.19.0), with the run's tokenizer
+    instead of a second one it builds."""
     from megatron.training import get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
 
@@ -199,8 +183,7 @@ def _built_on_rank(vp_stage: int | None = None, packed: bool = False) -> bool:
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
-    """(train, valid, test) datasets with at least the requested number of samples each
-    (pretrain_gpt.py:444-477 at core_v0.19.0)."""
+    """pretrain_gpt.py:444-477 at core_v0.19.0."""
     from megatron.training import get_args, print_rank_0
 
     args = get_args()

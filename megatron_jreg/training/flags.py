@@ -42,7 +42,6 @@ def preset_flags(name: str) -> list[str]:
 
 
 def expand_preset(argv: list[str]) -> list[str]:
-    """Put the preset's architecture flags before the user's (explicit flags then override them)."""
     for i, arg in enumerate(argv):
         if arg.startswith("--model-preset=") or (arg == "--model-preset" and i + 1 < len(argv)):
             name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
@@ -57,22 +56,17 @@ EXAMPLE = ("megatron-jreg train --model-preset tiny --transformer-impl local --m
            "--lr 1e-3 --eval-interval 10 --eval-iters 2 --jreg-lambda 1")
 
 
-def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
-    """Doubles a bare `%` in help texts (megatron-core 0.19.2 has one, and --help raises on it)."""
-    for action in parser._actions:
-        if isinstance(action.help, str):
-            try:
-                action.help % collections.defaultdict(str)
-            except (ValueError, TypeError, KeyError):
-                action.help = re.sub(r"%%|%\(\w+\)[a-z]|%", lambda m: m[0] if len(m[0]) > 1 else "%%", action.help)
-
-
 def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's `extra_args_provider`: our flags, one-line argparse errors, a help that prints."""
     from megatron_jreg.usage import example
 
     parser.prog = PROG
-    _escape_bare_percent(parser)
+    for action in parser._actions:  # a bare `%` in a help text (megatron-core 0.19.2 has one) makes --help raise
+        if isinstance(action.help, str):
+            try:
+                action.help % collections.defaultdict(str)
+            except (ValueError, TypeError, KeyError):
+                action.help = re.sub(r"%%|%\(\w+\)[a-z]|%", lambda m: m[0] if len(m[0]) > 1 else "%%", action.help)
     for key, value in example(EXAMPLE).items():
         setattr(parser, key, value)
 
@@ -112,7 +106,6 @@ def add_jreg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Megatron-LM's parse_args on `argv`, with our flags; raises UsageError."""
     argv = expand_preset(list(argv))
     if any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in argv):  # Megatron-LM loads it while parsing
         raise UsageError("--yaml-cfg is not supported by megatron-jreg train: give the flags on the command line")

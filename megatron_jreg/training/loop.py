@@ -40,8 +40,7 @@ EVALUATE_RESULT = ("total_loss_dict", "collected_non_loss_data", "timelimit")
 
 
 class JregLoop:
-    """The plugin across one `pretrain` call, with the run's Ctrl-C and divergence line; what is written goes to
-    `telemetry`."""
+    """The plugin across one `pretrain` call, with the run's Ctrl-C and divergence line."""
 
     def __init__(self, args: argparse.Namespace, cfg: JregConfig, folder: RunFolder) -> None:
         self.args, self.cfg, self.folder = args, cfg, folder
@@ -63,7 +62,6 @@ class JregLoop:
             self._sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     def attach(self, model_chunks: list) -> list:
-        """Post-wrap hook of the model builder: JREG on this rank's (DDP-wrapped) chunks."""
         self.plugin = JregPlugin(model_chunks, self.cfg)
         return model_chunks
 
@@ -94,7 +92,7 @@ class JregLoop:
               file=sys.stderr, flush=True)
 
     def _stop_if_interrupted(self, agree: bool = True) -> None:
-        """Interrupted on every rank if any saw Ctrl-C; the collective (a host sync) only where ranks log (`agree`)."""
+        """Interrupted on every rank if any saw Ctrl-C; the collective (a host sync) only where ranks log."""
         stop = self._interrupted
         if _ranks() > 1:
             if not agree:
@@ -120,7 +118,6 @@ class JregLoop:
         self.plugin.start_step(get_num_microbatches(), record=self._record)
 
     def on_train_step_end(self, iteration: int | None, model: list, result: Mapping[str, Any]) -> None:
-        """After Megatron-LM's train_step; `result` by TRAIN_STEP_RESULT's names."""
         done = (iteration or 0) + 1  # the iteration Megatron-LM prints (1-based)
         self.stats = self.plugin.finish_step() if self._record else None
         self._warn_zero_states(self.stats)
@@ -135,7 +132,6 @@ class JregLoop:
         self._stop_if_interrupted(agree=self._record)
 
     def _warn_zero_states(self, stats: JregStats | None) -> None:
-        """Once per run, at the first step that records one: layers whose hidden states are the zero vector."""
         if stats is None or self._zero_warned or not stats.zero_layers:
             return
         from megatron.training import print_rank_last
@@ -144,8 +140,7 @@ class JregLoop:
         print_rank_last(zero_state_warning(stats))
 
     def _report_divergence(self, iteration: int, exit_code: int) -> None:
-        """One line for Megatron-LM's NaN/Inf stop (exit 16: resume to tell a fault from a divergence; 17:
-        confirmed), with the checkpoint to resume from and what the hidden states rule out."""
+        """One line for Megatron-LM's NaN/Inf stop (exit 16: resume to tell a fault from a divergence)."""
         from megatron.training import print_rank_0
 
         found = [(root, it) for root in (self.args.save, self.args.load) if (it := tracked(root)) is not None]
@@ -176,14 +171,12 @@ class JregLoop:
                      f"checkpoint: {last}; {advice}")
 
     def on_eval_start(self, eval_iters: int | None) -> None:
-        """Before Megatron-LM's evaluate of `eval_iters` iterations (None: --eval-iters)."""
         a = self.args
         microbatches = a.eval_global_batch_size // (a.eval_micro_batch_size * a.data_parallel_size
                                                     * a.gtp_weight_remat_size)
         self.plugin.start_step(microbatches * (a.eval_iters if eval_iters is None else eval_iters), record=True)
 
     def on_eval_end(self, result: Mapping[str, Any]) -> None:
-        """After Megatron-LM's evaluate; `result` by EVALUATE_RESULT's names."""
         stats = self.plugin.finish_step()
         self._warn_zero_states(stats)
         losses = result["total_loss_dict"] or {}
@@ -204,7 +197,6 @@ def _ranks() -> int:
 
 
 def zero_state_warning(stats: JregStats) -> str:
-    """One line naming the layers where a real token's hidden state is the zero vector, and how many tokens."""
     fraction = stats.zero_fraction
     where = ", ".join(f"{ell} ({'every token' if fraction[ell - 1] >= 1 else f'{100 * fraction[ell - 1]:.3g} %'})"
                       for ell in stats.zero_layers)
@@ -214,8 +206,7 @@ def zero_state_warning(stats: JregStats) -> str:
 
 
 class MegatronLoopAdapter:
-    """Megatron-LM's loop functions → `JregLoop`'s events: arguments read by name (patches checks the parameters),
-    results by TRAIN_STEP_RESULT / EVALUATE_RESULT."""
+    """Megatron-LM's loop functions → `JregLoop`'s events: arguments read by name, results by the *_RESULT names."""
 
     def __init__(self, events: JregLoop) -> None:
         self.events = events
@@ -266,7 +257,6 @@ class MegatronLoopAdapter:
 
 
 def _around(original: Callable, before: Callable[[dict], None], after: Callable[[dict, Any], None]) -> Callable:
-    """`original` wrapped: `before(call)` and `after(call, result)` around it, `call` its arguments by name."""
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

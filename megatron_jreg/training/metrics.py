@@ -29,7 +29,6 @@ def jreg_fields(stats: JregStats) -> dict:
 
 
 def console_suffix(stats: JregStats) -> str:
-    """What megatron-jreg appends to Megatron-LM's iteration line (its fields stay as they are)."""
     parts = [f" jreg loss: {stats.jreg_loss:.6E} |"]
     parts += [f" {key}: {value:.3f} |" for key, value in stats.zeta.items()]
     parts.append(" psi: " + ",".join(f"{p:.4f}" for p in stats.psi) + " |")
@@ -39,7 +38,6 @@ def console_suffix(stats: JregStats) -> str:
 
 
 def write_scalars(stats: JregStats, step: int, prefix: str) -> None:
-    """JREG scalars into Megatron-LM's TensorBoard writer (Ψ per layer and a Ψ histogram) and W&B run."""
     from megatron.training import get_tensorboard_writer, get_wandb_writer
 
     scalars = {f"{prefix}/jreg_loss": stats.jreg_loss, **{f"{prefix}/{k}": v for k, v in stats.zeta.items()}}
@@ -82,7 +80,7 @@ class LossWindow:
         return float(self.loss) / self.advanced if self.advanced else None
 
     def state(self) -> dict:
-        """JSON for a checkpoint (its exact float32 value: the resumed sum is the same bits)."""
+        """JSON for a checkpoint (the exact float32 value: the resumed sum is the same bits)."""
         return {"lm_loss_sum": float(self.loss) if self.loss is not None else None, "advanced": self.advanced,
                 "skipped": self.skipped}
 
@@ -104,7 +102,7 @@ class MetricsFile:
         self.opened = self.path is None
 
     def open(self, start: int) -> None:
-        """Rows after `start` (work past the checkpoint resumed from, about to be replayed) move to PATH.replaced."""
+        """Rows after `start` (work past the checkpoint resumed from, about to be redone) move to PATH.replaced."""
         self.opened = True
         if self.path is None:
             return
@@ -137,7 +135,6 @@ class MetricsFile:
 
 
 def _finite(value: object) -> object:
-    """`value` with NaN/Inf floats (also inside a list, e.g. psi) as None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, list):
@@ -146,7 +143,7 @@ def _finite(value: object) -> object:
 
 
 def _iteration(line: bytes) -> int:
-    """A row's iteration (-1 for a line that is not a record, e.g. not JSON or not UTF-8: kept)."""
+    """A row's iteration (-1 for a line that is not a record: kept)."""
     try:
         value = json.loads(line).get("iteration")
     except (ValueError, AttributeError):  # UnicodeDecodeError is a ValueError
@@ -168,8 +165,7 @@ class _MegatronRateBar(tqdm):
 
 
 class _AboveBar:
-    """sys.stdout / sys.stderr while the bar is drawn: each complete line goes above the bar, so log lines and the
-    bar never overwrite each other."""
+    """sys.stdout / sys.stderr while the bar is drawn: each complete line goes above the bar."""
 
     def __init__(self, stream, bar: tqdm) -> None:  # noqa: ANN001 - a text stream
         self._stream, self._bar, self._pending = stream, bar, ""
@@ -188,7 +184,6 @@ class _AboveBar:
         self._stream.flush()
 
     def release(self) -> None:
-        """Any unfinished line, written to the wrapped stream."""
         self._stream.write(self._pending)
         self._pending = ""
 
@@ -197,8 +192,7 @@ class _AboveBar:
 
 
 class Progress:
-    """A progress bar on stderr at Megatron-LM's own rate; by default where stderr is a terminal and Megatron-LM
-    does not print every iteration (--log-interval > 1)."""
+    """A progress bar on stderr at Megatron-LM's own rate (default: stderr a terminal and --log-interval > 1)."""
 
     def __init__(self, enabled: bool | None, train_iters: int | None, log_interval: int = 1) -> None:
         default = sys.stderr.isatty() and log_interval > 1
@@ -208,7 +202,6 @@ class Progress:
         self._restore = contextlib.ExitStack()  # the streams and logging handlers as they were
 
     def start(self, iteration: int) -> None:
-        """At the run's first step (after setup; `iteration` > 0 on a resume)."""
         if not self.enabled or self._bar is not None:
             return
         self._bar = _MegatronRateBar(total=self.train_iters, initial=iteration, desc="train", unit="it",
@@ -256,7 +249,6 @@ class Telemetry:
         self._line: dict = {}  # what on_log_start read for the line training_log is making
 
     def begin(self, start: int, sidecar: dict) -> None:
-        """At the run's first step: the bar from `start`, and the open window of the checkpoint it resumes."""
         self.start = start
         self.progress.start(start)
         saved = sidecar.get("metrics_window") or {}
@@ -264,13 +256,11 @@ class Telemetry:
             self.window = LossWindow.restore(saved)
 
     def checkpoint_fields(self, iteration: int) -> dict:
-        """What each checkpoint's megatron_jreg.json keeps: --metrics-file's open window, so a run resumed from it
-        writes the rows the uninterrupted run would have."""
+        """--metrics-file's open window, kept in each checkpoint so a run resumed from it writes the same rows."""
         return {"metrics_window": {"iteration": iteration, **self.window.state()}}
 
     def on_log_start(self, log: Mapping[str, Any], stats: JregStats | None) -> str | None:
-        """Before Megatron-LM's training_log: its console line's suffix, if any; reads the window's iteration count
-        before training_log resets it."""
+        """Before Megatron-LM's training_log (which resets the window's count): its console line's suffix, if any."""
         iteration, total = log["iteration"], log["total_loss_dict"]
         self.window.add(log["loss_dict"].get("lm loss"), bool(log["skipped_iter"]))
         on_grid = iteration % self.args.log_interval == 0
@@ -285,7 +275,7 @@ class Telemetry:
         return console_suffix(stats) if stats is not None else None
 
     def on_log(self, log: Mapping[str, Any], window_seconds: float | None) -> None:
-        """After Megatron-LM's training_log; `window_seconds`: its line's `interval-time` (None: no line)."""
+        """After Megatron-LM's training_log; `window_seconds`: its line's `interval-time`."""
         line, iteration = self._line, log["iteration"]
         seconds = window_seconds / line["iterations"] if window_seconds is not None and line["logging_now"] else None
         if line["row"]:
@@ -327,7 +317,7 @@ class Telemetry:
 
     def evaluation_records(self, prefix: str, iteration: int,
                            evaluations: list[tuple[JregStats, float | None]]) -> None:
-        """One record per evaluation and validation set; the one after training (same iteration) is `final`."""
+        """One record per evaluation and validation set; the one after training is `final`."""
         from megatron.training import print_rank_last
 
         split = "test" if "on test set" in str(prefix) else "valid"

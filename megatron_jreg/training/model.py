@@ -21,8 +21,7 @@ def _have_apex() -> bool:
 
 
 def check_transformer_impl(args: argparse.Namespace) -> None:
-    """Transformer Engine layers and FP8 that cannot run here stop with what is missing and what to use (FP8's
-    needs are checked in order: TE layers, --bf16, the GPU, TE's version, TE's own verdict)."""
+    """Transformer Engine layers and FP8 that cannot run here stop with what is missing and what to use."""
     have_te = have_transformer_engine()
     if args.transformer_impl == "transformer_engine" and not have_te:
         raise UsageError(
@@ -84,8 +83,7 @@ def check_transformer_impl(args: argparse.Namespace) -> None:
 
 
 def gpt_model_config(args: argparse.Namespace):
-    """Megatron-LM's GPTModelConfig for `args` (gpt_config_from_args, pretrain_gpt.py:517-521 at core_v0.19.0)
-    with our spec and init hook (the run adds JREG's post-wrap hook)."""
+    """Megatron-LM's GPTModelConfig (pretrain_gpt.py:517-521 at core_v0.19.0) with our spec and init hook."""
     from megatron.training.argument_utils import gpt_config_from_args
 
     cfg = gpt_config_from_args(args)

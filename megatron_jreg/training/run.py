@@ -18,8 +18,7 @@ if TYPE_CHECKING:
 
 
 def parse_and_validate(argv: list[str]) -> tuple[argparse.Namespace, JregConfig, Start | None]:
-    """Flags → (Megatron-LM's validated args, the JREG config, the checkpoint to start from), each built once, in
-    Megatron-LM's own order with our checks before its validation; UsageError before any work."""
+    """Flags → (Megatron-LM's validated args, the JREG config, the checkpoint to start from), our checks first."""
     import importlib.util
 
     import torch
@@ -101,7 +100,6 @@ _OPTIMIZER_FLAGS = {"adam": "--lr, --adam-beta1, --adam-beta2, --adam-eps, --wei
 
 
 def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup_model_and_optimizer
-    """`setup` with its flag-combination errors turned into one UsageError line naming the flags."""
     import functools
     import traceback
 
@@ -131,7 +129,6 @@ def _build_errors_as_usage(setup):  # noqa: ANN001, ANN202 - Megatron-LM's setup
 
 @contextlib.contextmanager
 def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-LM's args, training.loop.JregLoop
-    """The TRAINING-scope rows of PATCHES, applied around `pretrain` and undone after it, also when it raises."""
     from megatron_jreg import patches
     from megatron_jreg.training import checkpointing
     from megatron_jreg.training.sft import CHAT_TARGETS, chat_targets
@@ -147,13 +144,11 @@ def training_patches(args, loop) -> Iterator[None]:  # noqa: ANN001 - Megatron-L
 
 
 def _not_a_traceback_copy(record: logging.LogRecord) -> bool:
-    """Drops StragglerDetector's copy of the traceback of an exception leaving a timed region: the train entry
-    reports it once."""
+    """Drops StragglerDetector's copy of the traceback of an exception leaving a timed region."""
     return not (record.funcName == "__exit__" and "Traceback (most recent call last)" in record.getMessage())
 
 
 def run(argv: list[str]) -> int:
-    """Train with Megatron-LM's loop; returns the process exit code. Raises UsageError before any work."""
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training import training
@@ -201,7 +196,7 @@ def run(argv: list[str]) -> int:
         return 0
     except JregError:
         raise
-    except Exception as e:  # what a library reports far from its cause: the data, a process limit (run's docstring)
+    except Exception as e:  # what a library reports far from its cause: the data, a process limit
         known = (token_beyond_vocabulary(e, args) or data_changed(e, args)) if args is not None else None
         if known is None and (limit := limit_reached(e)) is not None:
             known = LimitReached(f"{limit}; {resume_hint(args)}" if args is not None else str(limit))
@@ -232,7 +227,7 @@ def _stop_data_workers() -> None:
 
 
 def teardown() -> None:
-    """Undo Megatron-LM's global state so the process can run again (the process group stays)."""
+    """Undo Megatron-LM's global state so the process can train again (the process group stays)."""
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader,
     )

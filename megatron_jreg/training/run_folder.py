@@ -27,7 +27,6 @@ _HELD: set[str] = set()  # lock files this process holds (POSIX locks never excl
 
 
 def tracked(root: str | None) -> int | str | None:
-    """The iteration a folder's tracker names; None without one (or an unreadable one)."""
     try:
         return read_tracker(root) if root else None
     except CheckpointError:
@@ -35,7 +34,6 @@ def tracked(root: str | None) -> int | str | None:
 
 
 def resume_hint(args: argparse.Namespace) -> str:
-    """Where a run that stopped resumes from: its --save's last checkpoint and the command, or that there is none."""
     save, last = args.save, tracked(args.save)
     if not save:
         return "no --save: nothing was saved, a rerun starts over"
@@ -123,8 +121,8 @@ class RunFolder:
 
     @classmethod
     def open(cls, args: argparse.Namespace, jreg: JregConfig, start: Start | None) -> RunFolder:
-        """Lock --save and check the checkpoint this run starts from, before any work (UsageError); Megatron-LM's
-        own --verify-integrity goes off (checkpointing.py digests on every rank)."""
+        """Lock --save and check the starting checkpoint before any work; Megatron-LM's --verify-integrity goes off
+        (checkpointing.py digests on every rank)."""
         args.verify_integrity = False
         lock = SaveLock.acquire(args.save) if args.save and args.rank == 0 else None
         try:
@@ -143,8 +141,7 @@ class RunFolder:
 
 
 def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
-    """UsageError when --save holds another run's checkpoints that this run does not continue (`root`: the folder
-    it loads); with --overwrite-save they are moved aside instead."""
+    """Refuse (or with --overwrite-save move aside) another run's checkpoints in --save that this run does not load."""
     save = Path(args.save)
     continuing = root is not None and (Path(root).resolve() == save.resolve()
                                        or save.resolve() in Path(root).resolve().parents)
@@ -153,7 +150,10 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
                          "checkpoint that --overwrite-save moves aside first; drop --overwrite-save to continue that "
                          "run, or load another folder to start over in this one")
     found = saved_iterations(save)
-    tracker = _tracker_text(save)
+    try:
+        tracker = None if (named := read_tracker(save)) is None else f"tracker at {named}"
+    except CheckpointError:
+        tracker = "a damaged tracker"
     if continuing or (not found and tracker is None):
         return  # continuing that folder (its tracker, or one of its iterations), or nothing there
     shown = ", ".join(map(str, found[-6:])) if found else "none complete"
@@ -171,7 +171,6 @@ def _refuse_foreign(args: argparse.Namespace, root: str | None) -> None:
 
 
 def _move_aside(save: Path) -> Path:
-    """The iter_*/release folders and tracker of `save` renamed into `save`/overwritten-DATE/ (nothing lost)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = save / f"overwritten-{stamp}", 1
     while aside.exists():
@@ -183,11 +182,3 @@ def _move_aside(save: Path) -> Path:
         if path.name == "release" or (path.name.startswith("iter_") and path.is_dir()):
             os.replace(path, aside / path.name)
     return aside
-
-
-def _tracker_text(save: Path) -> str | None:
-    try:
-        found = read_tracker(save)
-    except CheckpointError:
-        return "a damaged tracker"
-    return None if found is None else f"tracker at {found}"

@@ -27,7 +27,6 @@ SIDECAR = "megatron_jreg.json"
 
 
 def read_sidecar(ckpt: Path) -> dict | None:
-    """An iteration folder's megatron_jreg.json; None for Megatron-LM's own saves."""
     path = Path(ckpt) / SIDECAR
     if not path.is_file():
         return None
@@ -42,7 +41,6 @@ def read_sidecar(ckpt: Path) -> dict | None:
 
 
 def write_sidecar(ckpt: Path, record: dict) -> None:
-    """An iteration folder's megatron_jreg.json, whole or not at all."""
     with atomic_write(Path(ckpt) / SIDECAR) as f:
         f.write(json.dumps(record, indent=2))
 
@@ -66,8 +64,8 @@ def _has_checkpoint(root: str | None) -> bool:
 
 
 def find_start(args: argparse.Namespace) -> Start | None:
-    """The checkpoint Megatron-LM will load (--load's, else --pretrained-checkpoint's), checked safe to read before
-    any work (Megatron-LM exits 0 on a bad tracker; torch unpickles `.metadata`); None: a fresh start."""
+    """The checkpoint Megatron-LM will load, checked safe to read before any work (Megatron-LM exits 0 on a bad
+    tracker; torch unpickles `.metadata`); None: a fresh start."""
     install_safe_checkpoint_reader()
     pretrained = args.pretrained_checkpoint is not None and not _has_checkpoint(args.load)
     root, option = (args.pretrained_checkpoint, "--pretrained-checkpoint") if pretrained else (args.load, "--load")
@@ -88,7 +86,7 @@ def find_start(args: argparse.Namespace) -> Start | None:
 
 
 def tokenizer_sha256(args: argparse.Namespace) -> str | None:
-    """SHA-256 of the run's tokenizer files as preprocess records it in a manifest; None for NullTokenizer."""
+    """SHA-256 of the run's tokenizer files as preprocess records it in a manifest."""
     if args.tokenizer_type == "NullTokenizer":
         return None
     if args.tokenizer_type == "GPT2BPETokenizer":
@@ -114,22 +112,8 @@ def run_settings(args: argparse.Namespace, jreg: JregConfig) -> dict:
             "layernorm_scaling": bool(args.layernorm_scaling), "jreg": jreg.record()}
 
 
-def _settings_from_args(saved: argparse.Namespace) -> dict:
-    """run_settings' fields from the Megatron-LM args a checkpoint saved (one without megatron_jreg.json)."""
-    from megatron_jreg.plugin import JregConfig
-
-    names = ("padded_vocab_size", "global_batch_size", "rampup_batch_size", "seq_length", "seed")
-    settings = {name: getattr(saved, name, None) for name in names}
-    settings["vocab_size"] = getattr(saved, "vocab_size", None)  # --vocab-size when given (NullTokenizer)
-    settings["layernorm_scaling"] = bool(getattr(saved, "layernorm_scaling", False))
-    if getattr(saved, "jreg_lambda", None) is not None:
-        settings["jreg"] = JregConfig.from_args(saved).record()
-    return settings
-
-
 def saved_settings(ckpt: Path) -> dict | None:
-    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args Megatron-LM saved (its own
-    checkpoints), read weights-only; None when neither is readable."""
+    """run_settings of the run that saved `ckpt`: its megatron_jreg.json, else the args Megatron-LM saved."""
     recorded = (read_sidecar(ckpt) or {}).get("run")
     if isinstance(recorded, dict):
         return recorded
@@ -145,7 +129,16 @@ def saved_settings(ckpt: Path) -> dict | None:
         except Exception:  # noqa: BLE001 - an unreadable common state is reported by the load itself
             return None
     saved = state.get("args") if isinstance(state, dict) else None
-    return _settings_from_args(saved) if isinstance(saved, argparse.Namespace) else None
+    if not isinstance(saved, argparse.Namespace):
+        return None
+    from megatron_jreg.plugin import JregConfig
+
+    names = ("padded_vocab_size", "vocab_size", "global_batch_size", "rampup_batch_size", "seq_length", "seed")
+    settings = {name: getattr(saved, name, None) for name in names}  # vocab_size: --vocab-size when given
+    settings["layernorm_scaling"] = bool(getattr(saved, "layernorm_scaling", False))
+    if getattr(saved, "jreg_lambda", None) is not None:
+        settings["jreg"] = JregConfig.from_args(saved).record()
+    return settings
 
 
 # flag, why a resume must keep it
@@ -158,7 +151,7 @@ _RECORDED = {"seed": "--seed", "layernorm_scaling": "--layernorm-scaling"}  # an
 
 
 def flag_of(key: str) -> str:
-    """The flag of a flattened setting: "jreg.min-weight" → "--jreg-min-weight" (JregConfig.record's keys)."""
+    """"jreg.min-weight" → "--jreg-min-weight"."""
     return _RECORDED.get(key) or flag(key.replace(".", "_"))
 
 
@@ -215,8 +208,7 @@ def compare(ckpt: Path, saved: dict, now: dict, fresh: bool, vocab_flag: str) ->
 
 
 class RunRecord:
-    """This run's megatron_jreg.json: built from the checkpoint it starts from (compared with this run's settings
-    before any work), written by each save with what the training loop adds (`loop_fields`)."""
+    """This run's megatron_jreg.json: built from the checkpoint it starts from, written by each save."""
 
     def __init__(self, args: argparse.Namespace, jreg: JregConfig, start: Start | None) -> None:
         self.args, self.jreg, self.start = args, jreg, start
@@ -227,7 +219,6 @@ class RunRecord:
             self._continue(start)
 
     def _continue(self, start: Start) -> None:
-        """Compare the starting checkpoint's settings with this run's; refuse, or record and print the changes."""
         from megatron.training import print_rank_0
 
         args = self.args
@@ -252,10 +243,9 @@ class RunRecord:
 
     @functools.cached_property
     def settings(self) -> dict:
-        """run_settings of this run (computed when first needed: a run that neither loads nor saves needs none)."""
+        """Computed when first needed: a run that neither loads nor saves needs none."""
         return run_settings(self.args, self.jreg)
 
     def sidecar(self, torch_adam_step: int | None) -> dict:
-        """The megatron_jreg.json of a save of this run."""
         return {"torch_adam_step": torch_adam_step, "jreg": self.settings["jreg"], "run": self.settings,
                 "history": self.history, **(self.loop_fields() if self.loop_fields is not None else {})}

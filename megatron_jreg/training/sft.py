@@ -14,7 +14,6 @@ CHAT_TARGETS = "megatron.training.global_vars._GLOBAL_TOKENIZER"  # a row of meg
 
 
 def chat_targets(tokenizer):  # noqa: ANN001, ANN201 - Megatron-LM's tokenizer object
-    """The maker for CHAT_TARGETS: Megatron-LM's global tokenizer (built) → `ChatTargets` around it."""
     return tokenizer if isinstance(tokenizer, ChatTargets) else ChatTargets(tokenizer)
 
 
@@ -27,8 +26,7 @@ def real_token_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """cu_seqlens[n + 1] (conversation boundaries of one flattened pack) → attention mask [1, 1, s, s],
-    True where attention is *not* allowed: causal within each conversation, nothing across them."""
+    """cu_seqlens[n + 1] of one flattened pack → mask [1, 1, s, s], True where attention is *not* allowed."""
     bounds = cu_seqlens.to(torch.int64).tolist()
     segment = torch.zeros(seq_length, dtype=torch.int64, device=cu_seqlens.device)
     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -44,8 +42,8 @@ _ROLES = ("system", "user", "assistant")
 
 
 def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa: ANN001 - Megatron-LM's args
-    """Every --sft JSONL file read as SFTDataset reads it, before any work: it would fail with a traceback, in a
-    worker iterations later, or train nothing; UsageError names the file, line and fix."""
+    """Every --sft JSONL file read as SFTDataset reads it, before any work: it would fail in a worker iterations later,
+    or train nothing."""
     from megatron_jreg.errors import UsageError
 
     fix = "clean it with megatron-jreg prepare-chat (docs/sft.md)"
@@ -76,7 +74,6 @@ def check_conversations(args, paths: Iterable[tuple[str, str]]) -> None:  # noqa
 
 
 def _record_problem(raw: bytes) -> str | None:
-    """Why SFTDataset cannot read one JSONL line, or None."""
     try:
         record = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:

@@ -11,23 +11,16 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import unwrap_model
 
 # Global keys of megatron's "output" projections, initialised with the depth-scaled std.
 _OUTPUT_LAYER_KEYS = ("linear_proj.weight", "linear_fc2.weight")
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def param_shards(
     chunk: torch.nn.Module, value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
 ) -> Iterator[ShardedTensor]:
-    """A ShardedTensor for each parameter shard, its data `value(param)` or a view of the parameter."""
-    model = unwrap(chunk)
+    model = unwrap_model(chunk)
     sharded = model.sharded_state_dict()
     for name, param in model.named_parameters():
         entry = sharded.get(name)
@@ -42,7 +35,7 @@ def param_shards(
 
 
 def global_index(sh: ShardedTensor) -> tuple:
-    """Index of this shard inside its global tensor (integers on prepended axes such as layers)."""
+    """Index of this shard in its global tensor (integers on prepended axes such as layers)."""
     lead, offsets = sh.global_offset[: sh.prepend_axis_num], sh.global_offset[sh.prepend_axis_num :]
     return (*lead, *(slice(off, off + size) for off, size in zip(offsets, sh.local_shape)))
 
@@ -79,8 +72,7 @@ def gather_full(
     value: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{global key: full fp32 CPU tensor} of parameters (or `value(param)`) on every rank; all_gather_object:
-    for tests and small models."""
+    """{global key: full fp32 CPU tensor} of parameters (or `value(param)`) on every rank (tests, small models)."""
     pieces = []
     for chunk in chunks:
         for sh in param_shards(chunk, value):

@@ -82,7 +82,7 @@ def get_batch(data_iterator, config, vp_stage: int | None = None, count_loss_tok
 
 
 def _jreg_tokens(batch: dict, tp_rank: int, sft: bool, count_loss_tokens: bool):
-    """(real-token mask [b, s] or None, loss-token count or None), one broadcast from TP rank 0."""
+    """(real-token mask [b, s], loss-token count), each or None, in one broadcast from TP rank 0."""
     if not sft and not count_loss_tokens:
         return None, None
     args = get_args()
