@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,28 @@ def atomic_write(path: str | Path, mode: str = "w", *, fsync: bool = True) -> It
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def check_output_folder(folder: str | Path, what: str, *, create: bool = False, empty: bool = False) -> Path:
+    """Refuse before any work an output folder that is a file, holds files (`empty`), or lies where nothing can be
+    written (a ValueError naming `what`), proven by writing a probe file; created when `create`."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}: {folder} is a file, not a folder; choose another output path")
+    if empty and folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"{what} exists and is not empty: remove it or choose another folder")
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{what}: {existing} is a file, not a folder; choose another output path")
+    probed = folder if create else existing
+    try:
+        probed.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=probed, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write in {probed} ({e.strerror}); choose a writable folder or fix its "
+                         "permissions") from None
+    return folder
 
 
 def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> None:

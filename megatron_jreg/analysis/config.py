@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from megatron_jreg import hub, jreg
 from megatron_jreg.analysis.source import AnalysisError
 from megatron_jreg.data import text
 from megatron_jreg.dtypes import torch_dtype
+from megatron_jreg.fileio import check_output_folder
 
 DTYPES = ("float32", "bfloat16")  # of dtypes.WEIGHT_DTYPES: float16 overflows in the residual stream of deep models
 DATA_FORMATS = ("lambada", "wikitext", "jsonl", "text")
@@ -86,7 +86,7 @@ class AnalyzeConfig:
             self.tokenizer = str(hub.resolve(self.tokenizer, "--tokenizer"))
             if not Path(self.tokenizer).exists():
                 raise AnalysisError(f"--tokenizer {self.tokenizer}: no such folder; pass a folder with tokenizer.json")
-        check_output_dir(self.output, "--output")
+        check_output_folder(self.output, f"--output {self.output}")
         parse_data_spec(self.data)  # fail on a bad --data before any model is loaded
 
     @property
@@ -103,17 +103,6 @@ class AnalyzeConfig:
         """The settings as written into results.json (paths as strings)."""
         out = {key: value for key, value in asdict(self).items() if key != "progress"}
         return {**out, "output": str(self.output), "device": str(self.torch_device)}
-
-
-def check_output_dir(path: Path, flag: str) -> None:
-    """A folder we can create or write into, checked before any work (not after the last model)."""
-    if path.exists() and not path.is_dir():
-        raise AnalysisError(f"{flag} {path}: is a file, not a folder; pass a folder (it is created if missing)")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise AnalysisError(f"{flag} {path}: cannot write into {existing}; pass a folder you can write to")
 
 
 def parse_data_spec(spec: str) -> tuple[str, Path, str | None]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from megatron_jreg.dtypes import WEIGHT_DTYPES
 from megatron_jreg.errors import UsageError
+from megatron_jreg.fileio import check_output_folder
 from megatron_jreg.usage import example
 
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -24,18 +24,6 @@ def parse_size(text: str) -> int:
         if upper.endswith(unit):
             return int(float(upper[: -len(unit)]) * factor)
     return int(upper)
-
-
-def check_output_folder(out: Path) -> None:
-    """The output folder is new (or empty) and its parent writable, checked before the conversion's work."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--output {out} exists and is not empty: remove it or choose another folder")
-    parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
-    if not parent.is_dir():
-        raise UsageError(f"--output {out}: {parent} is a file, not a folder; choose another output path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--output {out}: cannot write in {parent} (permission denied); choose a folder you "
-                         "can write to")
 
 
 @dataclass(frozen=True)
@@ -62,7 +50,7 @@ class ConvertConfig:
     make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:  # direction and --dtype: argparse's choices
-        check_output_folder(self.output)
+        check_output_folder(self.output, f"--output {self.output}", empty=True)
         threshold = self.verify_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
             raise UsageError(f"--verify-threshold {threshold}: must be a positive finite number")

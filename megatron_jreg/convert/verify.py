@@ -110,10 +110,10 @@ def single_process() -> None:
 @contextlib.contextmanager
 def staged_output(output: Path) -> Iterator[Path]:
     """A temporary sibling folder to write into, renamed to `output` only when the block succeeds."""
-    from megatron_jreg.convert.cli import check_output_folder
+    from megatron_jreg.fileio import check_output_folder
 
     output = Path(output).absolute()
-    check_output_folder(output)
+    check_output_folder(output, f"--output {output}", empty=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     with atomic_folder(output) as tmp:
         yield tmp

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from megatron_jreg.data.checks import DataError, check_output_folder
-from megatron_jreg.fileio import atomic_folder
+from megatron_jreg.data.checks import DataError
+from megatron_jreg.fileio import atomic_folder, check_output_folder
 
 ROLES = ("system", "user", "assistant")
 PAD_NAMES = ("<|pad|>", "<pad>")  # reserved pad tokens picked up when the tokenizer sets none
@@ -138,7 +138,7 @@ def write_tokenizer_with_template(source: Path, output: Path, tokenizer, templat
     if output.exists() and not (output / MARKER).is_file():
         raise DataError(f"--tokenizer-output {output}: exists and was not written by prepare-chat; remove it or "
                         "choose another folder")
-    check_output_folder(output.parent, f"--tokenizer-output {output}")
+    check_output_folder(output.parent, f"--tokenizer-output {output}", create=True)
     with atomic_folder(output) as tmp:  # plain mkdir and copies: the modes the umask gives
         for name in tokenizer_files(source, tokenizer):
             shutil.copyfile(source / name, tmp / name)

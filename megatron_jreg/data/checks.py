@@ -8,12 +8,12 @@ import functools
 import logging
 import math
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from megatron_jreg.errors import JregError
+from megatron_jreg.fileio import check_output_folder
 
 
 class DataError(JregError, ValueError):
@@ -34,25 +34,7 @@ def check_output_prefix(prefix: str, flag: str = "--output-prefix", what: str = 
     path = Path(prefix)
     if not prefix or prefix.endswith(("/", os.sep)) or path.is_dir():
         raise DataError(f"{flag} {prefix!r} is a folder; give {what} inside it, e.g. {path / example}")
-    return check_output_folder(path.parent, f"{flag} {prefix}")
-
-
-def check_output_folder(folder: Path, what: str) -> Path:
-    """Create `folder` if needed and write a probe file there; a DataError names `what` otherwise."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise DataError(f"{what}: {existing} is a file, not a folder; choose another output path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
-            pass
-    except OSError as e:
-        raise DataError(
-            f"{what}: cannot write in {folder} ({e.strerror}); choose a writable folder or fix its permissions"
-        ) from None
-    return folder
+    return check_output_folder(path.parent, f"{flag} {prefix}", create=True)
 
 
 def describe_skips(skipped: dict[str, int], examples: dict[str, list[str]]) -> str:

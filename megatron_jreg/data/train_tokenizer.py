@@ -14,10 +14,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_jreg.data.checks import DataError, check_output_folder, check_output_prefix, check_positive, skip_counts
+from megatron_jreg.data.checks import DataError, check_output_prefix, check_positive, skip_counts
 from megatron_jreg.data.sources import iter_texts, resolve_inputs
 from megatron_jreg.data.tokenizers import ENDOFTEXT
 from megatron_jreg.errors import run_command
+from megatron_jreg.fileio import check_output_folder
 from megatron_jreg.usage import OneLineParser, example
 
 PROG = "megatron-jreg train-tokenizer"
@@ -73,7 +74,7 @@ def train_tokenizer(input: list[str], output: str, vocab_size: int, kind: str = 
     elif Path(output).exists() and not Path(output).is_dir():
         raise DataError(f"--output {output}: is a file; hf-bpe writes a folder, so give a new folder path")
     else:
-        check_output_folder(Path(output).parent, f"--output {output}")
+        check_output_folder(Path(output).parent, f"--output {output}", create=True)
     samples = _Samples(input, json_key, max_chars, hf_split)
     if kind == "sentencepiece":
         import sentencepiece

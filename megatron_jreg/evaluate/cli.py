@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -22,6 +21,7 @@ from megatron_jreg.evaluate.lambada import evaluate_lambada, read_lambada
 from megatron_jreg.evaluate.models import DTYPES, check_model_flags, load_hf_lm, load_megatron_lm
 from megatron_jreg.evaluate.results import EvalResults, add_harness
 from megatron_jreg.evaluate.tasks import PAPER_TASKS, check_datasets, task_manager, task_pairs, task_plans
+from megatron_jreg.fileio import check_output_folder
 from megatron_jreg.model_files import read_config
 from megatron_jreg.progress import show_progress
 from megatron_jreg.usage import example
@@ -119,9 +119,7 @@ class EvaluateConfig:
             out = Path(self.output)
             if out.is_dir():
                 raise UsageError(f"--output {out}: is a folder; pass a file name, e.g. {out / 'results.json'}")
-            parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
-            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                raise UsageError(f"--output {out}: cannot write into {parent}; pass a path you can write to")
+            check_output_folder(out.parent, f"--output {out}")
         for task, path in self.task_data.items():
             if task not in self.harness_tasks:
                 raise UsageError(f"--task-data {task}={path}: {task} is not an lm-eval task in --tasks")

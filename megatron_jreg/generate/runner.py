@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_jreg.data.checks import check_output_folder
 from megatron_jreg.dtypes import torch_dtype
 from megatron_jreg.errors import UsageError
 from megatron_jreg.evaluate.decoding import Sampling, complete
 from megatron_jreg.evaluate.models import check_model_flags
+from megatron_jreg.fileio import check_output_folder
 from megatron_jreg.generate.questions import Question, answer_record, read_answers, read_questions, write_answers
 from megatron_jreg.progress import progress_bar, show_progress
 
@@ -72,7 +72,7 @@ class GenerateConfig:
             raise UsageError(f"--output {self.output} is a folder; give the answer file, e.g. {out / 'model.jsonl'}")
         if out.resolve() == Path(self.prompts).resolve():
             raise UsageError(f"--output {self.output} is the --prompts file; write the answers to another file")
-        check_output_folder(out.parent, f"--output {self.output}")  # created, and proven writable (a DataError)
+        check_output_folder(out.parent, f"--output {self.output}", create=True)  # created, and proven writable
 
     @property
     def name(self) -> str:
