@@ -37,26 +37,23 @@ def ignore_further_interrupts() -> None:
     line ("Exception ignored in ... __del__"), or kill it before that line (the main thread only: signals)."""
     import signal
     import threading
+    import traceback
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not getattr(sys.excepthook, "quiet_resource_sharer", False):
-        sys.excepthook = _quiet_resource_sharer(sys.excepthook)
-
-
-def _quiet_resource_sharer(previous: Any) -> Any:
-    """sys.excepthook without multiprocessing's resource-sharer thread reporting a data worker that ended mid-way
-    through handing over a shared tensor while the command stops (a ConnectionResetError traceback after the
-    command's own line; the batch it carried is not needed)."""
-    import traceback
+    previous = sys.excepthook
+    if getattr(previous, "quiet_resource_sharer", False):
+        return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        # silent: multiprocessing's resource-sharer thread reporting a data worker that ended mid-way through handing
+        # over a shared tensor (a ConnectionResetError traceback after the command's own line; its batch is not needed)
         sharer = any(f.filename.endswith("resource_sharer.py") for f in traceback.extract_tb(tb))
         if not (sharer and issubclass(kind, ConnectionError | EOFError)):
             previous(kind, value, tb)
 
     hook.quiet_resource_sharer = True  # type: ignore[attr-defined]
-    return hook
+    sys.excepthook = hook
 
 
 class ModelFileError(JregError, ValueError):
@@ -88,10 +85,8 @@ _LIMITS = ((errno.EMFILE, ("Too many open files",), "RLIMIT_NOFILE", "ulimit -n"
 
 
 def limit_reached(error: BaseException) -> LimitReached | None:
-    """LimitReached when `error`, or an error behind it (its cause, its context, a library's message quoting it:
-    gloo's "socket: Too many open files", a compiler "terminated by File size limit exceeded"), is this process
-    running into `ulimit -n` or `ulimit -f`; else None. Libraries end such failures in tracebacks far from the
-    limit (megatron-core's process groups, torch.compile's C++ compiler, a checkpoint writer)."""
+    """LimitReached when `error`, or an error behind it (its cause, its context, a library's message quoting it),
+    is this process running into `ulimit -n` or `ulimit -f`, which libraries report in tracebacks far from it."""
     import resource
 
     seen: set[int] = set()
@@ -110,8 +105,7 @@ def limit_reached(error: BaseException) -> LimitReached | None:
 
 
 def one_line(message: object, limit: int | None = None) -> str:
-    """A message (or an exception's) with any line breaks from a library folded into one line, optionally
-    shortened to `limit` characters: library errors can span pages."""
+    """A message (or an exception's) folded into one line, cut to `limit` characters: library errors span pages."""
     text = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
     if not text and isinstance(message, BaseException):
         text = type(message).__name__
@@ -122,8 +116,7 @@ INPUT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADi
 
 
 def exit_code(error: BaseException) -> int:
-    """The convention: a JregError's own code; other ValueErrors and unreadable inputs are input errors (2);
-    any other OSError is the machine's (1)."""
+    """A JregError's own code; other ValueErrors and unreadable inputs: USAGE; any other OSError: FAILED."""
     if isinstance(error, JregError):
         return error.exit_code
     if isinstance(error, OSError) and not isinstance(error, INPUT_OS_ERRORS):
@@ -131,25 +124,20 @@ def exit_code(error: BaseException) -> int:
     return USAGE
 
 
-def error_line(prog: str, error: BaseException) -> str:
-    """`prog: error: <one line>`; an OSError names its file."""
-    named = isinstance(error, OSError) and not isinstance(error, JregError) and error.filename
-    return f"{prog}: error: {one_line(f'{error.filename}: {error.strerror}' if named else str(error))}"
-
-
 def report(prog: str, error: BaseException, debug: bool = False) -> int:
-    """Print `error_line` (after the traceback behind it, with `debug`) on stderr; return `exit_code`."""
+    """Print `prog: error: <one line>`, an OSError naming its file (after the traceback behind it, with `debug`), on
+    stderr; return `exit_code`."""
     if debug:
         import traceback
 
         traceback.print_exception(error.__cause__ or error, file=sys.stderr)
-    print(error_line(prog, error), file=sys.stderr)
+    named = isinstance(error, OSError) and not isinstance(error, JregError) and error.filename
+    print(f"{prog}: error: {one_line(f'{error.filename}: {error.strerror}' if named else str(error))}", file=sys.stderr)
     return exit_code(error)
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body with `keep_output`; expected failures (JregError, ValueError, OSError) are `report`ed;
-    the exit code as `output_code` makes it."""
+    """Run a command body with `keep_output`, `report`ing expected failures (JregError, ValueError, OSError)."""
     keep_output(prog)
     try:
         code = body()
@@ -165,8 +153,7 @@ _prog = ["megatron-jreg"]  # the command named in the line a failed stdout gets
 
 class _KeptFile(io.FileIO):
     """fd 1 or 2 whose first failed write (EPIPE, ENOSPC, EFBIG, EIO) is remembered and points the descriptor at
-    /dev/null: the write and every later one, of this object or any other holding the descriptor (a logging
-    handler, a C library), then succeed. A non-blocking descriptor's EAGAIN is left to the caller."""
+    /dev/null, so that every later write by anyone holding it succeeds; a non-blocking EAGAIN is the caller's."""
 
     def write(self, data) -> int:  # noqa: ANN001 - bytes-like
         try:

@@ -45,11 +45,8 @@ def _looks_like_id(spec: str) -> bool:
 
 
 def _split(spec: str) -> list[tuple[str, str | None, str]]:
-    """Candidate (repo id, revision, path inside the snapshot) readings of `spec`, most specific first.
-
-    `org/name/file.gguf` may be the file of repo org/name or (for a one-part legacy id) more path; both
-    readings are tried, two-part ids first, as the Hub's own ids are.
-    """
+    """Candidate (repo id, revision, path inside the snapshot) readings of `spec`: `org/name/file.gguf` as a file of
+    repo org/name first (as the Hub's own ids are), then as more path of a one-part legacy id."""
     out = []
     parts = spec.split("/")
     for n in (2, 1) if len(parts) > 1 else (1,):
@@ -62,8 +59,7 @@ def _split(spec: str) -> list[tuple[str, str | None, str]]:
 
 
 def _snapshot(cache: Path, repo_id: str, revision: str | None, flag: str) -> Path:
-    """The snapshot folder of `revision` (a branch or tag, a commit hash or its prefix), by huggingface_hub
-    (`local_files_only`); why not, in one line, when it finds none."""
+    """The cached snapshot of `revision` (a branch, tag, commit or its prefix), by huggingface_hub; else why not."""
     from huggingface_hub import snapshot_download as cached_snapshot
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -128,10 +124,8 @@ def resolve(spec: str | Path, flag: str = "--model", cache: Path | None = None) 
 
 
 def hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the Hugging Face hub (huggingface_hub's ENDPOINT, through the HTTPS proxy when one is set) cannot be
-    reached from here: its host name does not resolve, the connection is refused, or no answer within `timeout`
-    seconds; None when a TCP connection opens. One try: huggingface_hub retries a failed request five times
-    with backoff (about a minute) before transformers gives up, for a name that most likely was a mistyped folder."""
+    """Why the Hugging Face hub (its ENDPOINT, through the HTTPS proxy when set) cannot be reached, in one try of
+    `timeout` seconds where huggingface_hub retries for a minute; None when a TCP connection opens."""
     import socket
     import threading
     import urllib.parse
@@ -176,8 +170,7 @@ def named_keys(keys: Iterable[str]) -> str:
 
 
 def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignore: Iterable[str] = ()) -> None:
-    """Raise IncompleteWeightsError when `from_pretrained(..., output_loading_info=True)` reports missing,
-    unexpected or mismatched tensors (keys starting with one of `ignore` excepted)."""
+    """IncompleteWeightsError when a loading report has missing, unexpected or misshaped keys (but `ignore`d ones)."""
     skip = tuple(ignore)
     problems = []
     for field, what in (("missing_keys", "missing from the files (they would be random)"),
@@ -196,10 +189,8 @@ def check_loading_info(info: dict[str, Any], model_class: str, where: str, ignor
 def load_causal_lm(folder: Path, *, where: str, ignore: Iterable[str] = (), allow_pickle: bool = False,
                    checked: bool = False, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` (local files, no remote code) after `inspect_model_folder` (unless
-    `checked`: the caller ran it), refusing weights that are missing, unused or of the wrong shape
-    (ignore_mismatched_sizes, so that shapes are reported here rather than raised as a RuntimeError pointing at
-    a report). Transformers' own load report is silenced, since this error replaces it. `where` starts the
-    message (e.g. "--model DIR")."""
+    `checked`), refusing missing, unused or misshaped weights in one line starting with `where`, in place of
+    transformers' own report (ignore_mismatched_sizes: shapes are reported here, not raised as a RuntimeError)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

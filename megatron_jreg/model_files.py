@@ -157,9 +157,8 @@ class TensorEntry:
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
-    """The tensors of one safetensors file, its header read and validated by `safetensors.safe_open` (length,
-    JSON, dtypes, shape × dtype against each byte range, ranges contiguous and covering the file) before any
-    tensor is read. Byte ranges follow from that validated order (for the streaming reader's plain reads)."""
+    """The tensors of one safetensors file, its header validated by `safetensors.safe_open` before any tensor is
+    read; the byte ranges (for the streaming reader's plain reads) follow from that validated order."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -200,8 +199,7 @@ def _inside(folder: Path, name: Any, index: Path) -> Path:
 
 
 def safetensors_sources(folder: Path) -> tuple[Path | None, dict[str, str] | None, list[Path]]:
-    """(index, its weight map, the files) of a folder's safetensors: the index's shards (names checked),
-    else every `*.safetensors`; ([], None) parts when there are none."""
+    """(index, its weight map, the files) of a folder's safetensors: the index's shards (names checked), else all."""
     folder = Path(folder)
     index = folder / SAFETENSORS_INDEX
     if not index.exists():
@@ -220,8 +218,7 @@ def safetensors_sources(folder: Path) -> tuple[Path | None, dict[str, str] | Non
 
 
 def read_safetensors_folder(folder: Path) -> dict[str, TensorEntry]:
-    """Every tensor of a folder's safetensors files (see `safetensors_sources`), headers checked, and
-    every tensor of an index present in the shard it names."""
+    """Every tensor of a folder's safetensors files, headers checked, each of an index in the shard it names."""
     index, weight_map, files = safetensors_sources(folder)
     tensors: dict[str, TensorEntry] = {}
     for path in files:
@@ -321,12 +318,8 @@ def _positive_number(values: dict, key: str, label: str, where: str) -> None:
 
 
 def check_weights_fit(config: dict, stored: int, where: str, what: str) -> None:
-    """Refuse sizes whose weights exceed what the files hold (`stored` values, `what` says how counted).
-
-    Each bound is a lower bound on the weights of any decoder (an embedding of vocab × hidden, a layer with
-    at least hidden²/2 weights, one FFN matrix, learned positions, one vector per expert), far below a real
-    model's size, so only sizes no file could back are refused, naming the key.
-    """
+    """Refuse sizes whose weights exceed the `stored` values the files hold (`what` says how counted): each bound is
+    a lower bound on any decoder's weights, far below a real model's, so only sizes no file could back are refused."""
     configs = _text_configs(config)
     values = {k: v for part in reversed(configs) for k, v in part.items() if type(v) is int}
     hidden = _first(configs, _HIDDEN)
@@ -363,9 +356,8 @@ def _json(path: Path) -> dict:
 
 
 def custom_code(folder: Path, *, any_map: bool = False) -> str | None:
-    """What in `folder` needs its own Python code that transformers does not implement (`auto_map` with an
-    unknown model_type or tokenizer class), for an error line; None when transformers' own classes load it.
-    any_map: report any `auto_map` (what `trust_remote_code=True` would run even where transformers has the class)."""
+    """What in `folder` needs its own code (an `auto_map` for a model_type or tokenizer class transformers lacks;
+    any_map: any `auto_map`, which trust_remote_code=True would run), for an error line; else None."""
     folder = Path(folder)
     config = _json(folder / "config.json")
     if isinstance(config.get("auto_map"), dict) and config["auto_map"]:
@@ -399,8 +391,7 @@ def refuse_custom_code(folder: Path, flag: str) -> None:
 # The one check.
 @dataclass(frozen=True)
 class ModelFolder:
-    """A checked Hugging Face folder: its config.json and its safetensors tensors, each header read once and
-    carried to whoever sizes or streams the weights."""
+    """A checked Hugging Face folder: config.json and the safetensors headers, read once and carried along."""
 
     path: Path
     config: dict
@@ -410,11 +401,9 @@ class ModelFolder:
 def inspect_model_folder(
     folder: str | Path, flag: str, *, allow_pickle: bool = False, require_weights: bool = True
 ) -> ModelFolder:
-    """Check a Hugging Face model folder before anything loads it (DEVELOPERS.md, "Hugging Face folders checked
-    before they load").
-    allow_pickle: accept pickle-format weights, unchecked, when there are no safetensors (`convert hf-to-mcore`
-    reads them with torch.load(weights_only=True)). require_weights=False leaves a folder without weight files
-    to the caller (convert names what is missing after refusing an architecture it cannot map)."""
+    """Check a Hugging Face model folder before anything loads it. allow_pickle: pickle weights pass, unchecked,
+    where there are no safetensors (`convert` reads them with weights_only=True); require_weights=False leaves a
+    folder without weights to the caller (convert first refuses an architecture it cannot map)."""
     folder = Path(folder)
     where = f"{flag} {folder}"
     check_entries(folder, flag)

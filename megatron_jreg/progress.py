@@ -10,14 +10,12 @@ from typing import Any
 
 
 def show_progress(flag: bool | None) -> bool:
-    """--progress/--no-progress, or by default whether stderr is a terminal (a bar redrawn into a log file only
-    grows it)."""
+    """--progress/--no-progress, or by default whether stderr is a terminal (a bar in a log file only grows it)."""
     return sys.stderr.isatty() if flag is None else flag
 
 
 def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr with its rate and time left (a no-op one when not `enabled`); use as a context
-    manager, `update(n)` per step."""
+    """A tqdm bar on stderr with its rate and time left (a no-op one when not `enabled`), a context manager."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, file=sys.stderr,
@@ -26,10 +24,8 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
 
 @contextlib.contextmanager
 def library_bars(enabled: bool) -> Iterator[None]:
-    """transformers' own bars while a model loads only when `enabled` (the command's --progress): its
-    weight-loading bar and, for a GGUF file, "Converting and de-quantizing GGUF tensors", a plain tqdm of
-    `modeling_gguf_pytorch_utils` that transformers' `disable_progress_bar` does not reach (so it is swapped
-    for a disabled one while the context lasts, and restored after)."""
+    """transformers' own bars while a model loads only when `enabled`: its weight-loading bar and GGUF
+    de-quantizing bar, a plain tqdm that `disable_progress_bar` does not reach (so swapped for a disabled one)."""
     if enabled:
         yield
         return

@@ -31,10 +31,6 @@ def _ints(value: str) -> tuple[int, ...]:
             from e
 
 
-def _names(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",")]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-jreg analyze",
@@ -47,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", dest="models", action="append", metavar="PATH",
                    help="HF model folder or hub id (org/name, read from the local cache), GGUF file, or megatron-jreg "
                    "checkpoint directory (repeatable)")
-    p.add_argument("--revision", dest="revisions", type=_names, metavar="A,B,...",
+    p.add_argument("--revision", dest="revisions", type=lambda v: [r.strip() for r in v.split(",")], metavar="A,B,...",
                    help="revisions of each --model hub id, read from the local cache (e.g. Pythia's "
                    "step1000,step2000): a series whose step is read from each name; nothing downloads (default: none)")
     p.add_argument("--checkpoints", metavar="GLOB",
@@ -103,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from megatron_jreg.checkpoints.model import quiet_megatron
 
-        # torch's "No CUDA runtime is found" (when the JREG op first compiles on a CPU), megatron-core's fallbacks:
-        # notices about this machine, not about the models measured
+        # torch's "No CUDA runtime is found", megatron-core's fallbacks: about this machine, not the models measured
         with quiet_megatron():
             measured.extend(run_analysis(AnalyzeConfig(**vars(args))))  # one config field per flag
         return 0
@@ -112,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = run_command("megatron-jreg analyze", body)
     except Interrupted as e:
-        saved = f"; the {e.measured} model(s) measured before it are in {args.output}" if e.files else \
-            "; nothing written"
-        print(f"\nmegatron-jreg analyze: {e}{saved}", file=sys.stderr)
+        print(f"\nmegatron-jreg analyze: {e}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("\nmegatron-jreg analyze: interrupted before any model was measured; nothing written", file=sys.stderr)

@@ -21,8 +21,7 @@ POSITIONS = ("all", "last")
 
 @dataclass
 class AnalyzeConfig:
-    """What to measure and how: one field per CLI flag (`--num-samples` → num_samples), whose --help says what it
-    takes, so the library and the CLI share one set of defaults."""
+    """One field per CLI flag (`--num-samples` → num_samples): the library and the CLI share one set of defaults."""
 
     models: list[str] = field(default_factory=list)
     checkpoints: str | None = None

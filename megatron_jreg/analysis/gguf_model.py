@@ -28,8 +28,7 @@ _EXPERTS = re.compile(r"_(ch)?exps\.")
 
 @dataclass
 class GgufPlan:
-    """What loading a GGUF file takes: the config (with what was applied), the rotary frequency factors
-    to divide by after loading, and notes for the log."""
+    """What loading a GGUF file takes: the config, rotary frequency factors to divide by, notes for the log."""
 
     config: Any
     tensor_names: set[str] = field(default_factory=set)
@@ -149,8 +148,7 @@ def _unused_tensors(config: Any, arch: str, names: list[str]) -> list[str]:
 
 
 def plan_gguf(path: Path, where: str) -> GgufPlan:
-    """Audit a GGUF file (see the module docstring): the config to load it with, or AnalysisError naming
-    the file as unreadable (`read_gguf`) or every key or tensor transformers would drop."""
+    """The config to load a GGUF file with, or an AnalysisError naming every key or tensor transformers would drop."""
     from transformers import AutoConfig
     from transformers.integrations import GGUF_CONFIG_MAPPING
     from transformers.integrations.gguf import is_gguf_arch_supported

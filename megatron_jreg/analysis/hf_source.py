@@ -63,28 +63,21 @@ def find_decoder_layers(model: nn.Module, expected: int | None = None) -> tuple[
     return name, layers
 
 
-def text_decoder(model: nn.Module) -> nn.Module:
-    """The module whose decoder layers are measured: the base model, or for a multimodal model the text
-    decoder (`get_decoder()`), which runs alone on text and whose layers are not the vision tower's."""
-    config = model.config
-    found = model.base_model
-    if hasattr(config, "get_text_config") and config.get_text_config() is not config and hasattr(model, "get_decoder"):
-        found = model.get_decoder()
-    if found is model and isinstance(getattr(model, "model", None), nn.Module):
-        found = model.model  # e.g. Llama4ForCausalLM, whose base_model_prefix names no attribute: not the LM head
-    return found
-
-
 def decoder_stack(model: nn.Module) -> tuple[nn.Module, str, list[nn.Module]]:
-    """(`text_decoder(model)`, the qualified name of its decoder layers in it, the layers)."""
-    base = text_decoder(model)
-    return base, *find_decoder_layers(base, _declared(model.config, "num_hidden_layers"))
+    """(the module measured, the qualified name of its decoder layers in it, the layers): the base model, or a
+    multimodal model's text decoder (`get_decoder()`), which runs alone on text."""
+    config = model.config
+    base = model.base_model
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config and hasattr(model, "get_decoder"):
+        base = model.get_decoder()
+    if base is model and isinstance(getattr(model, "model", None), nn.Module):
+        base = model.model  # e.g. Llama4ForCausalLM, whose base_model_prefix names no attribute: not the LM head
+    return base, *find_decoder_layers(base, _declared(config, "num_hidden_layers"))
 
 
 def other_towers(config: Any) -> tuple[str, ...]:
-    """Weight-name prefixes of the non-text parts of a multimodal checkpoint (vision or audio towers,
-    projectors: the top-level modules of its `architectures` class besides the language model), which the
-    causal LM transformers builds for it does not have; () for a text-only config."""
+    """Weight-name prefixes of a multimodal checkpoint's non-text parts (the top-level modules of its `architectures`
+    class besides the language model), which its causal LM lacks; () for a text-only config."""
     import transformers
 
     cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
@@ -206,9 +199,8 @@ def load_tokenizer(path: Path, gguf_file: str | None, tokenizer: str | None, con
 def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                    include_final_norm: bool = False, tokenizer: str | None = None, with_tokenizer: bool = True,
                    config: Any = None, tensors: dict[str, Any] | None = None) -> HFSource:
-    """A local Hugging Face folder or GGUF file (never downloads) as a source; files lacking weights of the architecture
-    or holding unused ones are refused (`hub.load_causal_lm`), the LM head exempt (`head_missing`). config, tensors:
-    what `loading.identify` read."""
+    """A local Hugging Face folder or GGUF file as a source, loaded strictly (`hub.load_causal_lm`) but for the LM
+    head (`head_missing`); config, tensors: what `loading.identify` read."""
     path = Path(path)
     gguf_file = path.name if is_gguf_file(path) else None
     folder = path.parent if gguf_file else path
@@ -259,9 +251,8 @@ def head_missing(model: nn.Module, path: Path, gguf_tensors: set[str] | None = N
 
 
 def weight_targets(model: nn.Module, mapping: list, name: str, keys: dict) -> list[str]:
-    """The keys of `model` (`keys`: its state dict) that checkpoint tensor `name` loads into under `mapping`
-    (`get_model_conversion_mapping`), as `from_pretrained` renames older names (GPT-NeoX's `embed_out.weight` →
-    `lm_head.weight`) and converts them (a converted tensor may feed several keys, e.g. a fused qkv)."""
+    """The keys of `model` (`keys`: its state dict) that checkpoint tensor `name` loads into as `from_pretrained`
+    renames and converts it under `mapping` (GPT-NeoX's `embed_out.weight` → `lm_head.weight`; a fused qkv)."""
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
     renamings = [m for m in mapping if not isinstance(m, WeightConverter)]

@@ -34,15 +34,12 @@ class ModelSpec:
     revision: str | None = None  # the Hugging Face revision it was resolved at (`--revision`)
     flag: str = "--model"  # or "--checkpoints": a series, whose unreadable members are skipped
     unreadable: str | None = None  # why a --checkpoints match cannot be read (it is skipped, saying this)
-    # A Hugging Face folder's transformers config and checked files (config.json, safetensors headers), read once
-    # by `identify` so that no later step parses them again.
     config: Any = field(default=None, compare=False, repr=False)
     files: ModelFolder | None = field(default=None, compare=False, repr=False)
 
 
 def identify(path: Path, flag: str = "--model") -> tuple[str, Any, ModelFolder | None]:
-    """(kind, transformers config, checked files) of a path given to `flag`: ("hf", config, files),
-    ("gguf", None, None) or ("megatron", None, None); an AnalysisError says what was expected."""
+    """(kind "hf", "gguf" or "megatron", transformers config, checked files) of a path given to `flag`."""
     if path.is_dir() and (path / "config.json").exists():
         files = inspect_model_folder(path, flag)  # bad config, headers, pickles or custom code stop here
         return "hf", auto_config(path, flag), files
@@ -64,24 +61,17 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def named_step(name: str) -> int | None:
-    """The step a checkpoint or revision name states (step143000, iter_0001000, checkpoint-20,
-    stage1-step1000-tokens4B → 1000), or None when it names none."""
-    match = _STEP.search(name)
-    return int(match.group(1)) if match else None
-
-
 def resolve_models(models: list[str], checkpoints: str | None, revisions: list[str] | None = None,
                    stream: bool | None = None) -> list[ModelSpec]:
-    """`--model` paths or hub ids (each at every `--revision`) in order, then `--checkpoints` by step, as specs with
-    unique labels, each identified once; with stream=True a model --stream cannot read is refused before any is
-    measured."""
+    """`--model` paths or hub ids (each at every `--revision`) in order, then `--checkpoints` by step, each identified
+    once; with stream=True a model --stream cannot read is refused before any is measured."""
     given = [(f"{m}@{r}", r) for m in models for r in revisions] if revisions else [(m, None) for m in models]
     entries: list[tuple[Path, str, int | None, str | None, Path]] = []  # path, flag, step, revision, shown as
     for name, revision in given:
         path = hub.resolve(name, "--model")
         shown = path.resolve() if path == Path(name).expanduser() else Path(name)  # a hub id by its name
-        entries.append((path, "--model", named_step(revision or Path(name).name), revision, shown))
+        step = _STEP.search(revision or Path(name).name)  # step143000, iter_0001000, stage1-step1000-tokens4B → 1000
+        entries.append((path, "--model", int(step.group(1)) if step else None, revision, shown))
     if checkpoints:
         matches = [Path(p) for p in glob.glob(checkpoints)]
         if not matches:
@@ -93,8 +83,13 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
                                 "the glob")
         entries += [(p, "--checkpoints", steps[p], None, p.resolve())
                     for p in sorted(matches, key=lambda p: (steps[p], str(p)))]
+    parts = [e[-1].parts for e in entries]
+    for depth in range(1, max(map(len, parts), default=1) + 1):  # each label: the shortest unique path suffix
+        labels = ["/".join(ps[-depth:]) for ps in parts]
+        if len(set(labels)) == len(labels):
+            break
     specs = []
-    for (path, flag, step, revision, _), label in zip(entries, _unique_labels([e[-1] for e in entries])):
+    for (path, flag, step, revision, _), label in zip(entries, labels):
         try:
             kind, config, files = identify(path, flag)
             specs.append(ModelSpec(path, label, kind, step, revision, flag, config=config, files=files))
@@ -112,22 +107,12 @@ def resolve_models(models: list[str], checkpoints: str | None, revisions: list[s
     return specs
 
 
-def _unique_labels(paths: list[Path]) -> list[str]:
-    parts = [p.parts for p in paths]
-    for depth in range(1, max(map(len, parts), default=1) + 1):
-        labels = ["/".join(ps[-depth:]) for ps in parts]
-        if len(set(labels)) == len(labels):
-            break
-    return labels
-
-
 # --------------------------------------------------------------------------------------------------
 # The loader, streaming or not.
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory where the model would live: the GPU's free memory, or the host's available memory
-    (MemAvailable, capped by a cgroup limit when the process runs in a container)."""
+    """Free memory where the model would live: the GPU's, or the host's MemAvailable capped by a cgroup limit."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     available = psutil.virtual_memory().available  # MemAvailable on Linux

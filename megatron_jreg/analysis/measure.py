@@ -24,7 +24,8 @@ from megatron_jreg.progress import progress_bar
 
 @dataclass
 class ModelResult:
-    """Per-layer totals of one model and the figures derived from them (layers ℓ = 1..L, states h_0..h_L)."""
+    """Per-layer totals of one model and the figures derived from them (layers ℓ = 1..L, states h_0..h_L), each
+    defined once in `report.DEFINITIONS`."""
 
     label: str
     path: str
@@ -53,46 +54,38 @@ class ModelResult:
 
     @property
     def psi(self) -> list[float]:
-        """Ψ_ℓ for ℓ = 1..L."""
         return [s / c if c else math.nan for s, c in zip(self.sums, self.counts)]
 
     @property
     def zeta(self) -> list[float]:
-        """ζ_ℓ for ℓ = 2..L (`jreg.jump_rates`); empty for a 1-layer model."""
         if self.num_layers < 2:
             return []
         return jreg.jump_rates(torch.tensor(self.psi, dtype=torch.float64)).tolist()
 
     @property
     def final_jumps(self) -> dict[str, float]:
-        """{zeta_L, zeta_L-1, zeta_L-2} (`jreg.final_jumps`), NaN where L is too small."""
         if self.num_layers < 2:
             return dict.fromkeys(("zeta_L", "zeta_L-1", "zeta_L-2"), math.nan)
         return jreg.final_jumps(torch.tensor(self.psi, dtype=torch.float64))
 
     @property
     def middle_layers(self) -> tuple[int, int] | None:
-        """(first, last) ℓ of the middle layers: the central half of the stack, never layer 1 or L."""
         n = self.num_layers
         lo, hi = max(2, n // 4 + 1), min(n - 1, n - n // 4)
         return (lo, hi) if lo <= hi else None
 
     @property
     def psi_mid_median(self) -> float:
-        """Median Ψ of the middle layers: the typical step size that Ψ_L is compared against."""
         span = self.middle_layers
         return statistics.median(self.psi[span[0] - 1 : span[1]]) if span else math.nan
 
     @property
     def psi_ratio(self) -> float:
-        """Ψ_L / median middle-layer Ψ: how many typical steps the last layer takes (1 = no jump)."""
         mid = self.psi_mid_median
         return self.psi[-1] / mid if mid and math.isfinite(mid) else math.nan
 
     @property
     def largest_rise(self) -> tuple[int | None, float]:
-        """(ℓ, 100·(Ψ_ℓ − Ψ_{ℓ−1})) of the largest rise of Ψ over the layer below (ζ's units), ℓ = 2..L;
-        (None, NaN) for one layer, and the rise is ≤ 0 when Ψ never rises."""
         psi = self.psi
         if len(psi) < 2:
             return None, math.nan
@@ -106,20 +99,15 @@ class ModelResult:
 
     @property
     def residual_norms(self) -> list[float]:
-        """Mean ‖h_ℓ‖ over the measured tokens, ℓ = 0..L (h_0: the embeddings entering layer 1)."""
         return [s / self.tokens if self.tokens else math.nan for s in self.norm_sums]
 
     @property
     def residual_growth(self) -> float:
-        """‖h_L‖ / ‖h_0‖ (mean norms): the residual stream's growth over the stack, the table's summary of the
-        norms (pre-norm models grow it with depth, so that deep layers turn it less: Sun et al. 2025)."""
         norms = self.residual_norms
         return norms[-1] / norms[0] if len(norms) > 1 and norms[0] and math.isfinite(norms[0]) else math.nan
 
     @property
     def layer_distances(self) -> list[list[float]]:
-        """Gromov et al.'s distance between h_ℓ and h_{ℓ+n}: row n − 1 (n = 1..L) holds ℓ = 0..L − n; the
-        n = 1 row is Ψ_1..Ψ_L when each layer's input is the previous layer's output."""
         size = len(self.distance_sums)
         n_tok = self.tokens or math.nan
         return [[self.distance_sums[i][i + n] / n_tok for i in range(size - n)] for n in range(1, size)]
@@ -127,8 +115,7 @@ class ModelResult:
 
 def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int | None
                    ) -> tuple[list[list[int]], int, str | None]:
-    """(token ids of each non-empty text truncated to `max_length` or the model's context, number truncated, what cut
-    them)."""
+    """(token ids of each non-empty text, truncated to `max_length` or the context; number truncated; what cut them)."""
     limit = max_length or source.context_length
     samples, truncated = [], 0
     for ids in source.encode(texts):
@@ -142,8 +129,7 @@ def encode_samples(source: HiddenStateSource, texts: list[str], max_length: int 
 
 def padded_batches(samples: list[list[int]], batch_size: int, pad_id: int, padding_side: str = "right"
                    ) -> Iterator[tuple[Tensor, Tensor]]:
-    """(input_ids[b, t], attention_mask[b, t]) int64 batches, longest first so a batch too large for memory fails at
-    once."""
+    """(input_ids[b, t], attention_mask[b, t]) batches, longest first so a batch too large for memory fails at once."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     for start in range(0, len(order), batch_size):
         chunk = [torch.tensor(samples[i], dtype=torch.long) for i in order[start : start + batch_size]]
@@ -154,9 +140,8 @@ def padded_batches(samples: list[list[int]], batch_size: int, pad_id: int, paddi
 def measure(source: HiddenStateSource, texts: list[str], spec: ModelSpec, *, batch_size: int = 8,
             max_length: int | None = None, kind: str = "angular", padding_side: str = "right", progress: bool = False,
             positions: str = "all", remove_layers: Sequence[int] | None = None) -> ModelResult:
-    """Ψ_ℓ, residual norms and the distances between any two layers of `source` over `texts` (padding
-    excluded; `positions` "all" tokens or each sample's "last"), and with `remove_layers` (the top k values)
-    layer removal (`removal.py`) on the same samples."""
+    """The figures of `ModelResult` for `source` over `texts` (padding excluded), and with `remove_layers` (the
+    top k values) layer removal on the same samples."""
     if remove_layers is not None:  # before any work: k within the model's layers, an LM head to score with
         remove_layers = check_top_k(remove_layers, source.num_layers, "--top-k")
         if getattr(source, "head_missing", None):
@@ -199,6 +184,8 @@ def measure(source: HiddenStateSource, texts: list[str], spec: ModelSpec, *, bat
 
 
 def _status_bytes(key: str) -> int | None:
+    """A /proc/self/status figure: VmHWM is the peak clear_refs resets (getrusage's ru_maxrss keeps the peak at any
+    thread's exit, so a series would carry an earlier model's)."""
     try:
         match = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
     except OSError:

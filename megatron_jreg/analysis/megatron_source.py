@@ -40,7 +40,6 @@ class MegatronSource(HiddenStateSource):
 
     @property
     def layers(self) -> list[torch.nn.Module]:
-        """The decoder's TransformerLayers, in order."""
         return list(self.loaded.model.decoder.layers)
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -60,13 +59,24 @@ class MegatronSource(HiddenStateSource):
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
                     ) -> dict[str, Tensor]:
         """See `HiddenStateSource.layer_stats`: Ψ from `JregPlugin`, h_0..h_L kept by hooks on the same pass."""
+        from megatron_jreg.plugin import JregConfig, JregPlugin
+
         mask = attention_mask.bool()
         select = mask if select is None else select.bool() & mask
         ids, mask, select = _right_pad(input_ids, mask, self.pad_id, select)
         device = next(self.loaded.model.parameters()).device
         last = self.loaded.model.decoder.final_layernorm if self.include_final_norm else None
         with LayerDisplacementHooks(self.layers, select.t().to(device), None, last=last) as hooks:  # [s, b, h]
-            sums, counts = _plugin_sums(self.loaded, ids, select, kind)
+            plugin = JregPlugin([self.loaded.model], JregConfig(lam=0.0, distance=kind))  # recording Ψ only
+            try:
+                plugin.start_step(1, record=True)
+                plugin.set_token_mask(select.to(device))
+                self.loaded.logits(ids)
+                psi = torch.tensor(plugin.finish_step().psi_distance, dtype=torch.float64)
+            finally:
+                plugin.remove_hooks()
+        counts = torch.full_like(psi, float(select.sum()))
+        sums = psi * counts
         if self.include_final_norm:  # Ψ_L between layer L's input and the final norm's output
             total, _ = jreg.displacement_sum(hooks.states[-2], hooks.states[-1], None, kind)
             sums[-1] = total.double().cpu()
@@ -105,8 +115,7 @@ def _right_pad(ids: Tensor, mask: Tensor, pad_id: int, *others: Tensor) -> tuple
 def load_megatron_source(path: Path, *, label: str, dtype: torch.dtype, device: torch.device | str,
                          include_final_norm: bool = False, tokenizer: str | None = None, with_tokenizer: bool = True
                          ) -> MegatronSource:
-    """Load a megatron-jreg dist_checkpointing checkpoint (run dir or iter_* dir) as a source;
-    with_tokenizer=False: token ids come from the caller (the run's tokenizer is not needed)."""
+    """A megatron-jreg checkpoint (run dir or iter_* dir) as a source; with_tokenizer=False: ids from the caller."""
     from megatron_jreg.checkpoints import CheckpointError, load_megatron_model
 
     try:
@@ -117,20 +126,3 @@ def load_megatron_source(path: Path, *, label: str, dtype: torch.dtype, device: 
         raise AnalysisError(str(e)) from None
     return MegatronSource(loaded, label, include_final_norm)
 
-
-def _plugin_sums(loaded, tokens: Tensor, mask: Tensor, kind: str) -> tuple[Tensor, Tensor]:  # noqa: ANN001
-    """(sums[L], counts[L]) float64 of tokens[b, t] over mask[b, t] (right padding), from `JregPlugin` in recording
-    mode."""
-    from megatron_jreg.plugin import JregConfig, JregPlugin
-
-    plugin = JregPlugin([loaded.model], JregConfig(lam=0.0, distance=kind))
-    try:
-        plugin.start_step(1, record=True)
-        plugin.set_token_mask(mask.to(next(loaded.model.parameters()).device))
-        loaded.logits(tokens)
-        stats = plugin.finish_step()
-    finally:
-        plugin.remove_hooks()
-    count = float(mask.sum())
-    psi = torch.tensor(stats.psi_distance, dtype=torch.float64)
-    return psi * count, torch.full_like(psi, count)

@@ -130,8 +130,7 @@ def removal_figures(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]
 
 def removal_totals(source: Any, batches: Sequence[tuple[Tensor, Tensor, Tensor]], top_k: Sequence[int],
                    on_pass: Callable[[int], None] | None = None) -> RemovalTotals:
-    """Σ CE of the model and every variant over right-padded (ids, mask, targets) batches; on_pass(n) counts layer
-    passes for a bar."""
+    """Σ CE of the model and every variant over right-padded (ids, mask, targets) batches; on_pass(n): layer passes."""
     ks = check_top_k(top_k, source.num_layers, "--top-k" if on_pass else "top_k")
     if hasattr(source, "stream_removal"):
         sums = source.stream_removal(list(batches), ks, ce_sum, on_pass)
@@ -190,9 +189,8 @@ def check_windows(windows: Any, vocab_size: int | None) -> Tensor:
 def layer_removal(model: Any, windows: Tensor, top_k: Sequence[int] | None = None, *, batch_size: int = 8,
                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                   stream: bool = False, progress: bool = False) -> dict:
-    """ΔCE per skipped decoder layer and for the top k skipped, on windows[N, S] of token ids (the model reads 0..S−2,
-    predicts 1..S−1). model: a path (HF, GGUF, megatron-jreg) or a loaded model (`_as_source`); returns
-    `RemovalTotals.as_dict()`."""
+    """`RemovalTotals.as_dict()` of `model` (a path or a loaded model: `_as_source`) on windows[N, S] of token ids:
+    the model reads 0..S−2 and predicts 1..S−1."""
     if batch_size < 1:
         raise AnalysisError(f"batch_size must be >= 1, got {batch_size}")
     source, owned = _as_source(model, dtype, device, stream, progress)

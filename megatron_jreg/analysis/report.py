@@ -18,9 +18,7 @@ _HEADERS = {"zeta_L": "ζ_L", "zeta_L-1": "ζ_L-1", "zeta_L-2": "ζ_L-2", "psi_L
             "residual_growth": "‖h_L‖/‖h_0‖", "base_ce": "CE"}  # other columns: their key
 DISTANCES = {"angular": "angular distance arccos(cos)/π (the paper's Ψ)", "cosine": "cosine distance 1 − cos"}
 POSITIONS = {"all": "all real tokens", "last": "the last token of each sample"}
-JUMP_RATIO = 1.5
-"""A rise in the top three layers counts as a jump when that layer's Ψ is at least this many times the median
-middle-layer Ψ (the reading's rule, documented in docs/analysis.md)."""
+JUMP_RATIO = 1.5  # the reading's rule for a jump at the top of the stack (docs/analysis.md)
 REFERENCE = ("Shibata et al. 2026, Suppressing Final Layer Hidden State Jumps in Transformer Pretraining (Findings "
              "of EACL 2026, arXiv 2601.18302), Table 2: their 1B Llama baseline ζ_L 6.42, with JREG (λ = 1, α = 1) "
              "0.00 (angular Ψ, all tokens)")
@@ -177,8 +175,7 @@ def result_record(result: ModelResult) -> dict:
 
 
 def write_results(results: list[ModelResult], settings: dict, output: Path) -> list[Path]:
-    """Write results.json, results.csv (the table), layers.csv (per model and layer), layer_distances.csv
-    (per model, layer ℓ and span n), then the plots (`write_plots`)."""
+    """Write results.json, the CSV files (the table, per layer, per layer and span) and the plots; their paths."""
     output.mkdir(parents=True, exist_ok=True)
     paths = [output / "results.json", output / "results.csv", output / "layers.csv", output / "layer_distances.csv"]
     write_json(paths[0], {"settings": settings, "definitions": DEFINITIONS, "reference": REFERENCE,
@@ -233,7 +230,6 @@ def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "tight
 
 
 def _finish(path: Path, *axes, **legend) -> Path:  # noqa: ANN001 - matplotlib Axes
-    """A grid on each of `axes` and a legend with `legend`'s options (none without), then their figure saved."""
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if legend:
@@ -243,7 +239,6 @@ def _finish(path: Path, *axes, **legend) -> Path:  # noqa: ANN001 - matplotlib A
 
 
 def _curves(ax, results: list[ModelResult], x, y, suffix=lambda r: "") -> None:  # noqa: ANN001 - Axes, callables
-    """One line per model: x(r) against y(r), coloured and labelled by `_colors` (plus suffix(r))."""
     colors, labels = _colors(results)
     for r, color, label in zip(results, colors, labels):
         ax.plot(x(r), y(r), color=color, label=label + suffix(r), **_LINE)
@@ -286,8 +281,7 @@ _JUMP_LABELS = {"zeta_L": r"$\zeta_L$", "zeta_L-1": r"$\zeta_{L-1}$", "zeta_L-2"
 
 
 def plot_zeta_series(results: list[ModelResult], path: Path) -> Path:
-    """ζ_L, ζ_{L−1}, ζ_{L−2}: lines over the step for a checkpoint series, grouped bars otherwise; zeros stay visible.
-    """
+    """ζ_L, ζ_{L−1}, ζ_{L−2}: lines over the step for a checkpoint series, else grouped bars; zeros stay visible."""
     ax = _figure().add_subplot()
     series = _is_series(results)
     keys = [k for k in _JUMP_LABELS if not all(math.isnan(r.final_jumps[k]) for r in results)]
@@ -409,8 +403,7 @@ def plot_residual_norms(results: list[ModelResult], path: Path) -> Path:
 
 
 def write_plots(results: list[ModelResult], output: Path) -> list[Path]:
-    """psi_profiles.png, layer_distances.png and residual_norms.png always; zeta_series.png for several models
-    or checkpoints; removal.png with layer removal."""
+    """The plots of `results`: zeta_series.png for several models only, removal.png with layer removal only."""
     paths = [plot_psi_profiles(results, output / "psi_profiles.png")]
     if len(results) > 1:
         paths.append(plot_zeta_series(results, output / "zeta_series.png"))

@@ -45,17 +45,12 @@ def _model_failures(spec: ModelSpec) -> Iterator[None]:
 
 
 class Interrupted(Exception):  # noqa: N818 - the user's Ctrl-C, carried to the CLI with what was saved
-    """Ctrl-C during model `index` of `total`; `files` hold the `measured` models before it (maybe none)."""
-
-    def __init__(self, index: int, total: int, measured: int, files: list[Path]):
-        super().__init__(f"interrupted while measuring model {index} of {total}")
-        self.index, self.total, self.measured, self.files = index, total, measured, files
+    """Ctrl-C while measuring a model; the message says which, and what was written."""
 
 
 def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
-    """Measure every model of `cfg` on the same samples, one at a time (a series needs one model's memory); returns
-    (results, files written). An unreadable --checkpoints match is skipped in one line; Ctrl-C writes what was measured
-    and raises `Interrupted`."""
+    """(results, files written) of every model of `cfg`, one at a time (a series needs one model's memory); Ctrl-C
+    writes what was measured and raises `Interrupted`."""
     specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions, cfg.stream)
     texts = load_texts(cfg.data, cfg.num_samples)
     log(
@@ -79,8 +74,11 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
                 continue
             results.append(result)
     except KeyboardInterrupt:
-        files = write_results(results, cfg.settings(), cfg.output) if results else []
-        raise Interrupted(i, len(specs), len(results), files) from None
+        saved = "nothing written"
+        if results:
+            write_results(results, cfg.settings(), cfg.output)
+            saved = f"the {len(results)} model(s) measured before it are in {cfg.output}"
+        raise Interrupted(f"interrupted while measuring model {i} of {len(specs)}; {saved}") from None
     if not results:
         raise AnalysisError(f"--checkpoints {cfg.checkpoints!r}: no checkpoint could be read (each is named above)")
     return results, write_results(results, cfg.settings(), cfg.output)

@@ -37,12 +37,11 @@ def refused_as_analysis(prefix: str = "") -> Iterator[None]:
 
 
 class HiddenStateSource(Protocol):
-    """A model the analysis can measure (`HFSource`, `MegatronSource`, `StreamingSource`): label, num_layers L,
-    context_length (None: no truncation), pad_id, convention (`LAYER_IO`/`FINAL_NORM`), model_class, streamed."""
+    """A model the analysis can measure (`HFSource`, `MegatronSource`, `StreamingSource`)."""
 
     label: str
     num_layers: int
-    context_length: int | None
+    context_length: int | None  # None: no truncation
     pad_id: int
     convention: str
     model_class: str
@@ -60,9 +59,8 @@ class HiddenStateSource(Protocol):
 
     def layer_stats(self, input_ids: Tensor, attention_mask: Tensor, kind: str, select: Tensor | None = None
                     ) -> dict[str, Tensor]:
-        """`layer_sums` and `state_totals` of one batch over the tokens of select[b, t] (default: the real
-        ones; `--positions last` selects each sample's last token): {"sums", "counts", "norm_sums",
-        "zero_tokens", "distance_sums"}, float64 on the CPU (`batch_stats`)."""
+        """`layer_sums` and `state_totals` of one batch over the tokens of select[b, t] (default: the real ones), as
+        `batch_stats` returns them."""
         ...
 
     def close(self) -> None:
@@ -96,7 +94,6 @@ def masked_displacement_sum(h_in: Tensor, h_out: Tensor, rows: Tensor | None, ki
 
 
 def first_tensor(value: Any) -> Tensor | None:
-    """The hidden states in a layer's output: the tensor itself or the first element of a tuple/list."""
     if isinstance(value, Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
@@ -105,8 +102,7 @@ def first_tensor(value: Any) -> Tensor | None:
 
 
 def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-    """A decoder layer's input hidden states: its first positional argument or its `hidden_states=` keyword
-    (Hugging Face decoder layers and megatron-core's TransformerLayer both pass them so)."""
+    """A decoder layer's input hidden states: its first positional argument or its `hidden_states=` keyword."""
     h = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
     if not isinstance(h, Tensor):
         raise UnsupportedArchitectureError(f"{type(module).__name__} (a decoder layer) was called without its hidden "
@@ -116,8 +112,7 @@ def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
 
 
 def with_hidden(output: Any, hidden: Tensor) -> Any:
-    """`output` (a layer's return value: the hidden states, or a tuple starting with them, e.g. megatron's
-    (hidden_states, context)) with its hidden states replaced by `hidden`."""
+    """`output` (a layer's hidden states, or a tuple starting with them) with `hidden` in their place."""
     if isinstance(output, Tensor):
         return hidden
     return type(output)((hidden, *output[1:]))

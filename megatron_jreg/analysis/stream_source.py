@@ -4,6 +4,7 @@ only h_{ℓ−1} and h_ℓ (memory and design: docs/analysis.md, DEVELOPERS.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -51,8 +52,7 @@ class _LayerDone(Exception):  # noqa: N818 - control flow, not an error: the for
 
 @dataclasses.dataclass
 class _Batch:
-    """One right-padded batch: input_ids[b, t], attention_mask[b, t], rows[n] of real tokens, the real
-    token count, and the latest layer's full output (what the layers already done return in its place)."""
+    """One right-padded batch and the latest layer's full output (what the layers already done return instead)."""
 
     ids: Tensor
     mask: Tensor
@@ -84,8 +84,7 @@ def _skeleton(config: Any, dtype: torch.dtype, device: torch.device | str = "cpu
 
 
 def not_streamable(folder: Path, config: Any = None) -> str | None:
-    """Why layer streaming cannot read `folder` (a sentence), or None when it can. config: its transformers
-    config when the caller has read it (`loading.identify`)."""
+    """Why layer streaming cannot read `folder` (a sentence), or None when it can."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if not any(Path(folder).glob("*.safetensors")):
@@ -114,8 +113,7 @@ def not_streamable(folder: Path, config: Any = None) -> str | None:
 
 
 class SafetensorsFolder:
-    """Every tensor of a model folder: `model.safetensors.index.json` with its shards, or the
-    `*.safetensors` files themselves when there is no index (headers and index names checked by
+    """Every tensor of a model folder's safetensors, read by plain reads (headers and index checked by
     `model_files.read_safetensors_folder`)."""
 
     def __init__(self, folder: Path, tensors: dict[str, TensorEntry] | None = None):
@@ -147,8 +145,7 @@ class SafetensorsFolder:
         return out
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
-        """Rows `ids` (sorted, distinct) of a 2-D tensor, e.g. the embeddings of the tokens in use,
-        read in contiguous runs: [len(ids), width] in the stored dtype."""
+        """Rows `ids` (sorted, distinct) of a 2-D tensor, read in contiguous runs, in the stored dtype."""
         info = self.tensors[name]
         dtype, width = DTYPES[info.dtype], info.shape[1]
         row_bytes = width * dtype.itemsize
@@ -162,18 +159,6 @@ class SafetensorsFolder:
         return out
 
 
-def return_large_blocks_to_the_os() -> bool:
-    """Have glibc mmap every block of 1 MiB or more, so freed layers leave the resident set at once (True when set)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return name is not None and bool(ctypes.CDLL(name).mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD := 1 MiB
-    except (OSError, AttributeError):
-        return False
-
-
 class StreamingSource(HFSource):
     """An `HFSource` whose parameters stay on the meta device until their layer is read: all batches go through one
     layer at a time (`stream_stats`, `stream_removal`)."""
@@ -185,7 +170,8 @@ class StreamingSource(HFSource):
                  tensors: dict[str, TensorEntry] | None = None):
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        return_large_blocks_to_the_os()  # a dropped layer leaves the resident set
+        with contextlib.suppress(OSError, AttributeError):  # glibc mmaps blocks >= 1 MiB: a dropped layer is freed
+            ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD := 1 MiB
         self.folder = Path(folder)
         reason = not_streamable(self.folder, config)
         if reason is not None:
@@ -205,9 +191,8 @@ class StreamingSource(HFSource):
 
     # ----------------------------------------------------------------------------------- the files
     def _plan(self) -> tuple[dict[str, list[str]], str]:
-        """Group the file's tensors by the layer they load into ("rest": outside the layers), refusing
-        missing, unknown or misshaped tensors before any work (the in-memory path's strict load); and find
-        the input embedding's file tensor, read only for the rows in use."""
+        """The file's tensors by the layer they load into ("rest": outside the layers), missing, unknown or misshaped
+        ones refused before any work as a strict load would; and the input embedding's tensor (rows read as used)."""
         meta = self.model.state_dict()
         targets_of = functools.partial(weight_targets, self.model, self._mapping, keys=meta)
         base = f"{self._base_prefix}." if self._base_prefix else ""
@@ -253,8 +238,7 @@ class StreamingSource(HFSource):
         return groups, embedding_file
 
     def _load(self, names: list[str], what: str) -> None:
-        """Read `names` into the model through transformers' own renaming/conversion, in our dtype and on
-        our device; every tensor must land with its shape."""
+        """Read `names` into the model through transformers' own renaming/conversion; each must land, shaped right."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -272,9 +256,8 @@ class StreamingSource(HFSource):
 
     def _start(self, batches: Sequence[tuple[Tensor, Tensor, Tensor]], select: bool = True
                ) -> tuple[torch.utils.hooks.RemovableHandle, list[_Batch]]:
-        """(hook, batches on the device) for right-padded (ids[b, t], mask[b, t], select[b, t] or targets) batches:
-        the input embedding gets only the rows of the tokens in use, and a hook (removed by the caller) maps
-        token ids to those rows; the model's own embedding module (its scaling included) then runs as usual."""
+        """(hook, batches on the device) for right-padded (ids, mask, select or targets) batches: the embedding holds
+        only the rows of the tokens in use, and the hook (removed by the caller) maps token ids to those rows."""
         if any(bool((mask[:, :-1] < mask[:, 1:]).any()) for _, mask, _ in batches):
             raise ValueError("layer streaming needs right-padded batches (padding_side='right')")
         used = torch.unique(torch.cat([ids.reshape(-1) for ids, _, _ in batches]))
@@ -294,9 +277,8 @@ class StreamingSource(HFSource):
             _Batch(ids, mask, real_rows(rows) if select else None, int(mask.sum())) for ids, mask, rows in on]
 
     def _advance(self, i: int, batch: _Batch, final_norm: bool = False) -> tuple[Tensor | None, Tensor | None]:
-        """Batch through layer i, the layers before it answering with `batch.output` (their recorded output);
-        batch.output becomes layer i's output. Returns (layer i's input, with final_norm the final norm's output:
-        the last `output_hidden_states` entry (`HFSource._hidden_states`), else None)."""
+        """Batch through layer i, the layers before it answering with `batch.output`, which becomes layer i's output;
+        returns (layer i's input, with final_norm the final norm's output (`HFSource._hidden_states`), else None)."""
         layer, captured, normed = self.layers[i], {}, None
 
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -440,9 +422,7 @@ class StreamingSource(HFSource):
 
 def load_stream_source(path: Path, *, tokenizer: str | None = None, with_tokenizer: bool = True, config: Any = None,
                        tensors: dict[str, TensorEntry] | None = None, **options: Any) -> StreamingSource:
-    """`hf_source.load_hf_source` for layer streaming: a local Hugging Face folder (never downloads) read by a
-    `StreamingSource`, which takes `options` (label, dtype, device, include_final_norm); config and tensors:
-    what `loading.identify` read."""
+    """`hf_source.load_hf_source` for layer streaming; `options`: StreamingSource's."""
     config = config or auto_config(Path(path))
     tok = load_tokenizer(Path(path), None, tokenizer, config) if with_tokenizer else None
     return StreamingSource(Path(path), tok, config=config, tensors=tensors, **options)

@@ -112,7 +112,6 @@ def load_hf_tokenizer(folder: str | Path, flag: str = "--tokenizer"):  # noqa: A
 
 
 def own_template(tokenizer) -> str | None:  # noqa: ANN001
-    """The tokenizer's default chat template text, or None."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
@@ -159,7 +158,7 @@ PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 
 
 def probe(tokenizer, what: str) -> None:  # noqa: ANN001
-    """The chat template renders a system/user/assistant/user conversation with a generation prompt."""
+    """A DataError naming `what` unless the chat template renders a plain conversation with its content."""
     try:
         text = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - jinja errors, the template's raise_exception

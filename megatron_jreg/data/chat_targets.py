@@ -14,19 +14,13 @@ class ChatTargets:
     prompt (`add_generation_prompt=True`) and its end: any template that renders prefixes consistently."""
 
     def __init__(self, tokenizer) -> None:  # noqa: ANN001 - Megatron-LM's tokenizer object
-        self._inner = tokenizer
-        self._hf = self._find_hf(tokenizer)
-
-    @staticmethod
-    def _find_hf(tokenizer):  # noqa: ANN001, ANN205
-        """The transformers tokenizer inside Megatron-LM's tokenizer wrappers (text → SFT → transformers)."""
         from transformers import PreTrainedTokenizerBase
 
-        node = tokenizer
-        for _ in range(4):
-            if isinstance(node, PreTrainedTokenizerBase):
-                return node
-            node = getattr(node, "_tokenizer", None)
+        self._inner = self._hf = tokenizer
+        for _ in range(4):  # the transformers tokenizer inside Megatron-LM's wrappers (text → SFT → transformers)
+            if isinstance(self._hf, PreTrainedTokenizerBase):
+                return
+            self._hf = getattr(self._hf, "_tokenizer", None)
         raise ValueError("--sft: the tokenizer has no chat template support (use --tokenizer-type SFTTokenizer "
                          "with a Hugging Face tokenizer folder)")
 

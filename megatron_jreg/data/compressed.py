@@ -92,8 +92,7 @@ def _zstd_pieces(raw: BinaryIO) -> Iterator[bytes]:
 
 
 def iter_decompressed(raw: BinaryIO, compression: str | None) -> Iterator[bytes]:
-    """Decompressed pieces of `raw` in order, `StreamDamaged` after the last good one (an empty file is an empty
-    stream, as for `gzip.open`)."""
+    """Decompressed pieces of `raw`, `StreamDamaged` after the last good one (an empty file: an empty stream)."""
     if compression is None:
         yield from iter(lambda: raw.read(READ_BYTES), b"")
     elif compression == "gzip":

@@ -122,9 +122,8 @@ def verify_dataset(prefix: str | Path) -> Dataset:
 
 
 def document_end_token(prefix: str | Path, sample: int = 1000, least: int = 20) -> int | None:
-    """The token that every one of up to `sample` documents (spread over a verified dataset) ends with: a
-    tokenizer's end-of-document id when the data was made with --append-eod. None when they end differently, or
-    with fewer than `least` documents (too few for a text's own last token to say anything)."""
+    """The token that up to `sample` documents spread over a verified dataset all end with (the eod, with
+    --append-eod); None when they end differently, or with fewer than `least` documents."""
     index = megatron_package().core.datasets.indexed_dataset.IndexedDataset(str(prefix), mmap=False).index
     docs = index.document_indices
     if len(docs) - 1 < least:

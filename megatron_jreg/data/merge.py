@@ -1,7 +1,5 @@
 """`megatron-jreg merge-datasets`: concatenate indexed-dataset shards into one `.bin/.idx` pair.
-
-Every input is checked before anything is written, so a damaged shard, or one made by another tokenizer, is
-named instead of being copied into the merge.
+Every input is checked first: a damaged shard, or one made by another tokenizer, is named, not merged.
 """
 
 from __future__ import annotations

@@ -98,8 +98,7 @@ class ChatConfig:
 
 
 def _setup_tokenizer(cfg: ChatConfig, summary: ChatSummary):  # noqa: ANN202 - a transformers tokenizer
-    """The tokenizer to check records with: the given folder when it has the chat template to use, else a
-    copy written with it (`chat.write_tokenizer_with_template`)."""
+    """The tokenizer to check records with: the given folder when it has the template to use, else a copy with it."""
     source = Path(cfg.tokenizer)
     tokenizer = chat.load_hf_tokenizer(source)
     own = chat.own_template(tokenizer)

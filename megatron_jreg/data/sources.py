@@ -342,8 +342,7 @@ def read_records(unit: Unit, keys: list[str], want_score: bool) -> Records:
 
 
 def iter_texts(files: list[InputFile], key: str = "text", skipped: Counter | None = None) -> Iterator[str]:
-    """Every readable text of `files` in order (tokenizer and Punkt training); bad records are skipped and,
-    with `skipped`, counted there by reason (blank lines are not counted)."""
+    """Every readable text of `files` in order (tokenizer and Punkt training); bad records counted in `skipped`."""
     for file in files:
         if file.kind == "text":
             with open(file.path, encoding="utf-8", errors="replace") as f:

@@ -50,8 +50,7 @@ class _Samples:
                     return
 
     def check(self, report: bool = True) -> None:
-        """After training: no text at all is an error naming the input and the key; records skipped are never
-        silent (`report`: one line on stderr with their counts by reason)."""
+        """After training: no text is an error naming the input and key; skipped records are reported (`report`)."""
         if self.count == 0:
             raise DataError(f"--input {' '.join(f.path for f in self.files)}: no text to train on under --json-key "
                             f"{self.json_key!r} ({skip_counts(self.skipped)}); check the files and --json-key")
@@ -62,9 +61,8 @@ class _Samples:
 def train_tokenizer(input: list[str], output: str, vocab_size: int, kind: str = "sentencepiece", *,
                     json_key: str = "text", max_chars: int | None = None, hf_split: str | None = None,
                     special_tokens: list[str] | tuple[str, ...] = ()) -> str:
-    """Train a tokenizer of `vocab_size` entries; returns the path to give `--tokenizer-model`. `max_chars` (the
-    inputs' first characters) keeps a run on a large corpus short; `special_tokens` are reserved in the vocabulary
-    (as Llama-3 does), so a later chat format or padding needs no new embedding rows."""
+    """Train a tokenizer; returns the path to give `--tokenizer-model`. `special_tokens` are reserved in the
+    vocabulary (as Llama-3 does), so a later chat format or padding needs no new embedding rows."""
     if kind not in KINDS:
         raise DataError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     check_positive("--vocab-size", vocab_size, 300, allow_none=False)  # a byte-level vocabulary needs >= 259
