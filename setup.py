@@ -6,7 +6,7 @@ that brings its own torch (NGC PyTorch with Transformer Engine).
 
 from setuptools import find_packages, setup
 
-DATA = ["pyarrow>=15", "sentencepiece>=0.2", "tokenizers>=0.20", "tiktoken>=0.7", "nltk>=3.9", "zstandard>=0.22"]
+DATA = ["pyarrow>=15", "sentencepiece>=0.2", "tokenizers>=0.20", "tiktoken>=0.9", "nltk>=3.9", "zstandard>=0.22"]
 HF = ["transformers>=4.51", "safetensors>=0.4", "gguf>=0.10", "matplotlib>=3.8"]
 EVAL = ["lm-eval>=0.4.8", "scipy>=1.11", "accelerate>=1.0"]
 LOGGING = ["tensorboard>=2.15"]

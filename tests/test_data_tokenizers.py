@@ -237,7 +237,7 @@ def test_sentencepiece_bpe_runs_on_tiktoken(tmp_path, byte_fallback):
         byte_fallback=byte_fallback, character_coverage=0.999, user_defined_symbols=["<tag>", "<|im_start|>"])
     tok = build_tokenizer("SentencePieceTokenizer", f"{prefix}.model")
     assert tok.backend == "tiktoken"
-    _same_ids_as_megatron_core(tok, [*_corpus(), "a<tag>b <tag> <|im_start|>x東京😀y"])
+    _same_ids_as_megatron_core(tok, [*_corpus(), "a<tag>b <tag> <|im_start|>x東京😀y", "▁a▁ b▁"])  # ▁ not special
     processor = tok.megatron._tokenizer.tokenizer
     lacking = [i for i in tok.tokenize("x \U0001f600\U0001f680 y") if processor.is_byte(i) or processor.is_unknown(i)]
     assert len(lacking) == (8 if byte_fallback else 1)  # two emoji: their 8 bytes, or one unknown piece

@@ -65,21 +65,24 @@ class TiktokenBPE:
         except UnicodeEncodeError:  # a lone surrogate: the library decides
             return False
 
-    def _bpe(self, text: str) -> list[int]:
-        if self._specials:
-            return self.encoding.encode(text, allowed_special=self._specials, disallowed_special=())
-        return self.encoding.encode_ordinary(text)
+    def _bpe(self, text: str) -> list[int] | np.ndarray:
+        """tiktoken's ids; an array where the table maps them (no Python int made per token: ~20% less CPU).
+        tiktoken's array encode wants a special token (without one it looks for one at every position)."""
+        if not self._specials:
+            return self.encoding.encode_ordinary(text)
+        if self.plan.table is not None:
+            return self.encoding.encode_to_numpy(text, allowed_special=self._specials, disallowed_special=())
+        return self.encoding.encode(text, allowed_special=self._specials, disallowed_special=())
 
-    def _pieces(self, text: str) -> list[int]:
+    def _pieces(self, text: str) -> np.ndarray:
         """BPE between the cut-out runs, the runs' own ids in place."""
-        ids, at = [], 0
+        parts, at = [], 0
         for run in self.plan.cut.finditer(text):
             if run.group() in self._specials:  # a special token: tiktoken's to match
                 continue
-            ids += self._bpe(text[at : run.start()])
-            ids += self.plan.cut_ids(run.group())
+            parts += [self._bpe(text[at : run.start()]), self.plan.cut_ids(run.group())]
             at = run.end()
-        return ids + self._bpe(text[at:])
+        return np.concatenate([*parts, self._bpe(text[at:])])
 
     def ids(self, text: str) -> list[int] | np.ndarray:
         """The ids of `text`: a list, or an int64 array where the plan maps tiktoken's ids (no copy back)."""
@@ -385,7 +388,9 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
         assembly[encoded] = i
     ranks = {piece: r for r, piece in enumerate(assembly)}
     ranks.update({piece.encode("utf-8"): len(assembly) + r for r, (_, _, piece) in enumerate(merged)})
-    specials = {s: len(ranks) + k for k, s in enumerate(sorted(user, key=len, reverse=True))}
+    # ▁ a special token too, never matched (the prepared text has spaces instead): TiktokenBPE._bpe wants one
+    symbols = sorted(user, key=len, reverse=True)
+    specials = {s: len(ranks) + k for k, s in enumerate([*symbols, SPACE])}
     # A character that is not a piece stays alone: its UTF-8 bytes as byte pieces (byte fallback), else one
     # unknown piece for a run of them (sentencepiece merges adjacent unknown pieces).
     base = len(ranks) + len(specials)
@@ -402,14 +407,14 @@ def sentencepiece_plan(model_proto: bytes) -> Plan:
         if len(unknown) != 1:
             raise NoConversion("no single unknown piece")
         lacking = unknown
-    table = np.array([*assembly.values(), *(i for _, i, _ in merged), *(user[s] for s in specials), *lacking],
-                     dtype=np.int64)
+    table = np.array([*assembly.values(), *(i for _, i, _ in merged), *(user.get(s, -1) for s in specials),
+                      *lacking], dtype=np.int64)
     if model.trainer_spec.byte_fallback:
         spelled = {ranks[p]: table[[base + b for b in p]] for p, i in assembly.items() if i < 0}
         return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, spelled=spelled)
     lacking_run = f"[^{_char_class(list(chars))}]"
-    if specials:  # a user-defined symbol is matched before anything is cut: the regex steps over it whole
-        either = "|".join(map(re.escape, specials))
+    if symbols:  # a user-defined symbol is matched before anything is cut: the regex steps over it whole
+        either = "|".join(map(re.escape, symbols))
         lacking_run = f"(?:{either})|(?:(?!(?:{either})){lacking_run})"
     return Plan(r" [^ ]*|[^ ]+", ranks, specials, table, cut=re.compile(lacking_run + "+"), cut_ids=lambda _: [base])
 
