@@ -178,6 +178,8 @@ class JregPlugin:
     then `finish_step()` for the step's Ψ/ζ/L_cos (collective: every rank calls it)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], cfg: JregConfig) -> None:
+        if not model_chunks:
+            raise ValueError("JregPlugin needs the model chunks of this rank")
         self.chunks = list(model_chunks)
         self.mcfg = get_model_config(model_chunks[0])  # the TransformerConfig under the DDP/Float16 wrappers
         self.num_layers = self.mcfg.num_layers
