@@ -8,7 +8,7 @@ reading the first layer (streamed) to the last Ψ:
 - in_memory: `load_hf_source` + `measure`, the default path for models that fit;
 - streamed: `load_stream_source` + `measure`, one decoder layer's weights in memory at a time.
 
-Memory is the process's peak resident set (VmHWM; `megatron_jreg.analysis.measure.PeakMemory`), shown
+Memory is the process's peak resident set (VmHWM; `megatron_jreg.analysis.run.PeakMemory`), shown
 whole and above the level after importing the model's modeling code (~160 MiB of Python modules for a
 Llama in transformers 5, paid by both variants). Without --model, a random model is built and saved here,
 big enough for the weights to dominate the in-memory peak: `--family llama` (default) a 12-layer Llama
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from megatron_jreg.analysis.loading import ModelSpec
-from megatron_jreg.analysis.measure import PeakMemory
+from megatron_jreg.analysis.run import PeakMemory
 from megatron_jreg.data.text import lambada_passages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py

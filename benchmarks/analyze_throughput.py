@@ -10,7 +10,7 @@ Same model, same LAMBADA samples, same batch size, one run each:
 - naive_base (shown for reference): the same loop on the base model, i.e. without the LM head logits.
 
 Each variant runs in a fresh subprocess, so allocator caches of one cannot help another. Memory is
-the peak above the level after loading the model and tokenizing (`megatron_jreg.analysis.measure.PeakMemory`:
+the peak above the level after loading the model and tokenizing (`megatron_jreg.analysis.run.PeakMemory`:
 on CPU the kernel's peak resident set, VmHWM, reset right before the loop; on CUDA the caching allocator's
 `max_memory_allocated`). Without --model, a random 8-layer Llama (hidden 256, vocab 8192) is built
 with a tokenizer trained on LAMBADA passages that are not among the measured samples.
@@ -33,7 +33,8 @@ import torch
 from megatron_jreg import jreg
 from megatron_jreg.analysis.hf_source import load_hf_source
 from megatron_jreg.analysis.loading import ModelSpec
-from megatron_jreg.analysis.measure import PeakMemory, encode_samples, measure, padded_batches
+from megatron_jreg.analysis.measure import encode_samples, measure, padded_batches
+from megatron_jreg.analysis.run import PeakMemory
 from megatron_jreg.data.text import lambada_passages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/_toy.py

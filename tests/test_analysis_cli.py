@@ -97,15 +97,15 @@ def test_dispatcher_and_errors_name_the_flag(models, tmp_path, capsys):
 
 
 def test_data_specs(tmp_path):
-    from megatron_jreg.analysis.config import load_texts
+    from megatron_jreg.data.text import read_samples
 
     (tmp_path / "d.jsonl").write_text('{"body": "first"}\n{"body": ""}\n{"body": "second"}\n')
     (tmp_path / "w.txt").write_text(" = A = \n alpha \n = B = \n beta \n")
     (tmp_path / "p.txt").write_text("one\n\ntwo\n\nthree\n")
-    assert load_texts(f"jsonl:{tmp_path / 'd.jsonl'}:body", None) == ["first", "second"]
-    assert len(load_texts(f"wikitext:{tmp_path / 'w.txt'}", None)) == 2
-    assert load_texts(f"text:{tmp_path / 'p.txt'}", 2) == ["one", "two"]
-    assert load_texts("lambada", 3) == lambada_passages()[:3]  # full passages, target word included
+    assert read_samples(f"jsonl:{tmp_path / 'd.jsonl'}:body", None) == ["first", "second"]
+    assert len(read_samples(f"wikitext:{tmp_path / 'w.txt'}", None)) == 2
+    assert read_samples(f"text:{tmp_path / 'p.txt'}", 2) == ["one", "two"]
+    assert read_samples("lambada", 3) == lambada_passages()[:3]  # full passages, target word included
 
 
 def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkeypatch):
@@ -136,7 +136,7 @@ def test_megatron_checkpoints_are_routed_to_the_megatron_source(tmp_path, monkey
 
 def test_config_validation():
     from megatron_jreg.analysis import source
-    from megatron_jreg.analysis.config import AnalyzeConfig
+    from megatron_jreg.analysis.run import AnalyzeConfig
 
     with pytest.raises(source.AnalysisError, match="--distance"):
         AnalyzeConfig(models=["x"], distance="euclid")

@@ -1,15 +1,15 @@
-"""`megatron-jreg analyze`: parsing only; the settings are validated by `AnalyzeConfig`, the work is done by
+"""`megatron-jreg analyze`: parsing only; the settings are validated by `run.AnalyzeConfig`, the work is done by
 `run.run_analysis` (usage: `megatron-jreg analyze --help`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from megatron_jreg import jreg
-from megatron_jreg.analysis.config import DTYPES, POSITIONS, AnalyzeConfig
+from megatron_jreg.analysis.run import DTYPES, POSITIONS, AnalyzeConfig, Interrupted, run_analysis
 from megatron_jreg.errors import run_command
 from megatron_jreg.usage import example
 
@@ -81,19 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress bars on stderr (default: when stderr is a terminal)")
     # The defaults are AnalyzeConfig's, said once: one config field per flag (and padding_side, which has none).
-    p.set_defaults(**{f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-                      for f in dataclasses.fields(AnalyzeConfig)})
+    p.set_defaults(**{f.name: f.default_factory() if f.default is MISSING else f.default
+                      for f in fields(AnalyzeConfig)})
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        from megatron_jreg.analysis.report import format_table
-        from megatron_jreg.analysis.run import Interrupted, run_analysis
-    except KeyboardInterrupt:
-        print("\nmegatron-jreg analyze: interrupted while starting; nothing written", file=sys.stderr)
-        return 130
     measured: list = []  # (results, files written)
 
     def body() -> int:
@@ -113,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmegatron-jreg analyze: interrupted before any model was measured; nothing written", file=sys.stderr)
         return 130
     if measured:  # the table and its reading on stdout, then where the files went
+        from megatron_jreg.analysis.report import format_table
+
         results, files = measured
         print(format_table(results))
         print("wrote " + ", ".join(str(p) for p in files))

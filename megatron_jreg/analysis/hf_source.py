@@ -202,7 +202,7 @@ def load_hf_source(path: Path, *, label: str, dtype: torch.dtype = torch.float32
     """A local Hugging Face folder or GGUF file as a source, loaded strictly (`hub.load_causal_lm`) but for the LM
     head (`head_missing`); config, tensors: what `loading.identify` read."""
     path = Path(path)
-    gguf_file = path.name if is_gguf_file(path) else None
+    gguf_file = path.name if config is None and is_gguf_file(path) else None  # a config: a folder identify read
     folder = path.parent if gguf_file else path
     plan = plan_gguf(path, f"--model {path}") if gguf_file else None  # nothing in the file may be dropped by the loader
     checked = plan is not None or config is not None  # loading.identify checked the folder when it read its config

@@ -15,7 +15,6 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.analysis.source import AnalysisError, HiddenStateSource
-from megatron_jreg.checkpoints.files import is_checkpoint
 from megatron_jreg.model_files import ModelFolder, auto_config, inspect_model_folder, is_gguf_file
 
 HEADROOM = 1.25  # in-memory analysis needs the weights plus activations; below this factor we stream
@@ -45,6 +44,8 @@ def identify(path: Path, flag: str = "--model") -> tuple[str, Any, ModelFolder |
         return "hf", auto_config(path, flag), files
     if is_gguf_file(path):
         return "gguf", None, None
+    from megatron_jreg.checkpoints.files import is_checkpoint  # its package imports megatron-core's checkpointing
+
     if is_checkpoint(path):
         return "megatron", None, None
     if not path.exists():  # asked only here: `hub.resolve` already looked for it

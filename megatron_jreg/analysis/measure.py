@@ -3,13 +3,10 @@ means), so batching never changes the result."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import re
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -181,44 +178,3 @@ def measure(source: HiddenStateSource, texts: list[str], spec: ModelSpec, *, bat
                                 "needs samples of two tokens or more")
         result.removal = removal_figures(source, with_targets, remove_layers, label, progress)
     return result
-
-
-def _status_bytes(key: str) -> int | None:
-    """A /proc/self/status figure: VmHWM is the peak clear_refs resets (getrusage's ru_maxrss keeps the peak at any
-    thread's exit, so a series would carry an earlier model's)."""
-    try:
-        match = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
-
-
-class PeakMemory:
-    """`with PeakMemory(device) as m: ...` → m.peak (bytes at the high point, the process's whole
-    resident set on the CPU or allocated GPU memory), m.above (bytes above the level at entry)."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.peak: int | None = None
-        self.above: int | None = None
-        self._base: int | None = None
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            with contextlib.suppress(OSError):
-                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            self._base = _status_bytes("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self.peak = _status_bytes("VmHWM")
-        if self.peak is not None and self._base is not None:
-            self.above = self.peak - self._base

@@ -1,24 +1,121 @@
-"""One analysis run: resolve the models, measure each in turn, write the table, results and plots."""
+"""One analysis run: its settings (`AnalyzeConfig`, validated once: each check names its flag and the fix), then
+resolve the models, measure each in turn with its peak memory, write the results and plots."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import math
+import re
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_jreg.analysis.config import AnalyzeConfig, load_texts
+from megatron_jreg import hub, jreg
 from megatron_jreg.analysis.loading import ModelSpec, load_source, resolve_models
-from megatron_jreg.analysis.measure import ModelResult, PeakMemory, measure
+from megatron_jreg.analysis.measure import ModelResult, measure
 from megatron_jreg.analysis.removal import TOP_K, default_top_k
 from megatron_jreg.analysis.report import write_results
 from megatron_jreg.analysis.source import AnalysisError
+from megatron_jreg.data import text
+from megatron_jreg.dtypes import torch_dtype
 from megatron_jreg.errors import ModelFileError, one_line
+from megatron_jreg.fileio import check_output_folder
 from megatron_jreg.progress import library_bars, show_progress
+
+DTYPES = ("float32", "bfloat16")  # of dtypes.WEIGHT_DTYPES: float16 overflows in the residual stream of deep models
+PADDING_SIDES = ("right", "left")
+POSITIONS = ("all", "last")
+
+
+@dataclass
+class AnalyzeConfig:
+    """One field per CLI flag (`--num-samples` → num_samples): the library and the CLI share one set of defaults."""
+
+    models: list[str] = field(default_factory=list)
+    checkpoints: str | None = None
+    data: str = "lambada"
+    num_samples: int | None = 100  # None: all; a LAMBADA sample is a whole passage
+    batch_size: int = 8
+    max_length: int | None = None
+    dtype: str = "float32"
+    distance: str = "angular"
+    include_final_norm: bool = False
+    output: Path = Path("jump_analysis")
+    device: str = "auto"
+    tokenizer: str | None = None
+    padding_side: str = "right"  # no flag; recorded in results.json
+    stream: bool | None = None  # None: `loading.should_stream` per model
+    progress: bool | None = None  # None: when stderr is a terminal
+    remove_layers: bool = False
+    top_k: tuple[int, ...] | None = None  # None: `removal.default_top_k` per model
+    positions: str = "all"
+    revisions: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.output = Path(self.output)
+        if not self.models and not self.checkpoints:
+            raise AnalysisError("nothing to analyze: give --model PATH (repeatable) or --checkpoints GLOB")
+        for flag, value, alternative in (("--num-samples", self.num_samples, " (or 'all')"),
+                                         ("--batch-size", self.batch_size, ""), ("--max-length", self.max_length, "")):
+            if value is not None and value < 1:
+                raise AnalysisError(f"{flag} must be >= 1{alternative}, got {value}")
+        for flag, value, allowed in (("--dtype", self.dtype, DTYPES), ("--distance", self.distance, jreg.DISTANCES),
+                                     ("--positions", self.positions, POSITIONS),
+                                     ("padding_side", self.padding_side, PADDING_SIDES)):
+            if value not in allowed:
+                raise AnalysisError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.top_k is not None:
+            self.top_k = tuple(self.top_k)
+            if not self.top_k or any(not isinstance(k, int) or k < 1 for k in self.top_k):
+                raise AnalysisError(f"--top-k {','.join(map(str, self.top_k))}: each k must be a whole number >= 1, "
+                                    "e.g. --top-k 1,2,3")
+            if not self.remove_layers:
+                raise AnalysisError("--top-k is the k of layer removal: add --remove-layers (or drop --top-k)")
+        if self.revisions:
+            if not self.models:
+                raise AnalysisError("--revision needs --model ORG/NAME (a hub id in the local cache)")
+            for revision in self.revisions:
+                if not revision or "/" in revision or "@" in revision:
+                    raise AnalysisError(f"--revision {revision!r}: name branches, tags or commits separated by commas, "
+                                        "e.g. --revision step1000,step2000")
+            for model in self.models:
+                if "@" in model or Path(model).exists():
+                    raise AnalysisError(f"--revision with --model {model}: give the hub id without @REVISION (a local "
+                                        "folder has no revisions)")
+        if self.device != "auto":
+            try:
+                device = torch.device(self.device)
+            except RuntimeError as e:
+                raise AnalysisError(f"--device {self.device!r} is not a torch device (use auto, cpu, cuda:0)") from e
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise AnalysisError(f"--device {self.device}: no CUDA device here; use --device cpu (or auto)")
+        if self.tokenizer is not None:
+            self.tokenizer = str(hub.resolve(self.tokenizer, "--tokenizer"))
+            if not Path(self.tokenizer).exists():
+                raise AnalysisError(f"--tokenizer {self.tokenizer}: no such folder; pass a folder with tokenizer.json")
+        check_output_folder(self.output, f"--output {self.output}")
+        text.parse_data_spec(self.data)  # fail on a bad --data before any model is loaded
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def settings(self) -> dict:
+        """The settings as written into results.json (paths as strings)."""
+        out = {key: value for key, value in asdict(self).items() if key != "progress"}
+        return {**out, "output": str(self.output), "device": str(self.torch_device)}
+
+
 
 
 def log(message: str) -> None:
@@ -52,7 +149,7 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[list[ModelResult], list[Path]]:
     """(results, files written) of every model of `cfg`, one at a time (a series needs one model's memory); Ctrl-C
     writes what was measured and raises `Interrupted`."""
     specs = resolve_models(cfg.models, cfg.checkpoints, cfg.revisions, cfg.stream)
-    texts = load_texts(cfg.data, cfg.num_samples)
+    texts = text.read_samples(cfg.data, cfg.num_samples)
     log(
         f"analyze: {len(specs)} model(s), {len(texts)} samples of {cfg.data}, distance {cfg.distance}, "
         f"positions {cfg.positions}, {cfg.dtype} on {cfg.torch_device}"
@@ -141,3 +238,44 @@ def check_result(result: ModelResult, path: Path) -> None:
         counts = ", ".join(f"h_{ell}: {result.zero_tokens[ell]}" for ell in zero[:5])
         log(f"    warning: {counts} of {result.tokens} tokens have an all-zero hidden state; d counts each as "
             "orthogonal (0.5 angular, 1 cosine)")
+
+
+def _status_bytes(key: str) -> int | None:
+    """A /proc/self/status figure: VmHWM is the peak clear_refs resets (getrusage's ru_maxrss keeps the peak at any
+    thread's exit, so a series would carry an earlier model's)."""
+    try:
+        match = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as m: ...` → m.peak (bytes at the high point, the process's whole
+    resident set on the CPU or allocated GPU memory), m.above (bytes above the level at entry)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.peak: int | None = None
+        self.above: int | None = None
+        self._base: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self._base = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = _status_bytes("VmHWM")
+        if self.peak is not None and self._base is not None:
+            self.above = self.peak - self._base
