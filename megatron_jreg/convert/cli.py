@@ -70,6 +70,11 @@ class ConvertConfig:
         if size < 1:
             raise UsageError(f"--max-shard-size {self.max_shard_size!r}: give a size such as 5GB, 500MB or 2GiB")
 
+    @property
+    def shard_bytes(self) -> int:
+        """--max-shard-size in bytes (validated above)."""
+        return parse_size(self.max_shard_size)
+
     def _check_import(self) -> None:
         if Path(self.hf).is_file():
             raise UsageError(f"--hf {self.hf}: a file; give the Hugging Face model folder that holds it (config.json "

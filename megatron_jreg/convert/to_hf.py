@@ -27,7 +27,6 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
     """Export a checkpoint to a LlamaForCausalLM folder; every refusal comes before `output` appears."""
     from megatron_jreg.checkpoints import Checkpoint
     from megatron_jreg.checkpoints.model import quiet_megatron
-    from megatron_jreg.convert.cli import parse_size
 
     verify.single_process()
     checkpoint = Checkpoint.open(cfg.load, cfg.iteration)
@@ -52,7 +51,7 @@ def mcore_to_hf(cfg) -> ExportResult:  # noqa: ANN001 - convert.cli.ConvertConfi
         loaded = checkpoint.load_model(torch.float32, load_tokenizer=False)
         tensors = {k: v.to(out_dtype) for k, v in llama.megatron_to_hf(loaded.model.state_dict(), model_cfg).items()}
         files += _write_config(tmp, model_cfg, ids, out_dtype)
-        files += hf_io.write_safetensors(tensors, tmp, parse_size(cfg.max_shard_size))
+        files += hf_io.write_safetensors(tensors, tmp, cfg.shard_bytes)
         del tensors
         verification = None
         run, why = verify.should_verify(cfg.verify, model_cfg.num_parameters())

@@ -9,7 +9,23 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_jreg.evaluate.models import check_finite_logits
+from megatron_jreg.errors import JregError
+
+
+class NonFiniteOutput(JregError, ValueError):
+    """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer."""
+
+
+def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if bool(torch.isfinite(logits).all()):
+        return
+    if dtype in (torch.float16, torch.bfloat16):
+        fix = (f"its activations overflow {str(dtype).removeprefix('torch.')}: load it with --dtype float32"
+               + (" or bfloat16 (float16 ends at ±65504)" if dtype == torch.float16 else ""))
+    else:
+        fix = "its activations overflow even in float32: the model is broken (analyze shows at which layer)"
+    raise NonFiniteOutput(f"the model's logits are NaN/inf on {what}: {fix}; nothing computed from them would be "
+                          "a number")
 
 
 @dataclass(frozen=True)

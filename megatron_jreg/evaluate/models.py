@@ -12,7 +12,7 @@ import torch
 
 from megatron_jreg import hub
 from megatron_jreg.dtypes import WEIGHT_DTYPES, torch_dtype
-from megatron_jreg.errors import JregError, ModelFileError, UsageError, one_line
+from megatron_jreg.errors import ModelFileError, UsageError, one_line
 from megatron_jreg.model_files import check_finite_weights, declared_context, inspect_model_folder
 
 DTYPES = ("auto", *WEIGHT_DTYPES)  # auto: the checkpoint's own (float32 on CPU)
@@ -30,22 +30,6 @@ def check_model_flags(hf: Path | None, load: Path | None, iteration: int | None)
         raise UsageError("--iteration selects a checkpoint of --load; use it with --load")
     if hf is not None and not (Path(hf) / "config.json").is_file():
         raise UsageError(f"--hf {hf}: no config.json there; pass the folder save_pretrained wrote")
-
-
-class NonFiniteOutput(JregError, ValueError):
-    """Logits holding NaN or ±inf: scored they give accuracy 0 and perplexity NaN, decoded an empty answer."""
-
-
-def check_finite_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    if bool(torch.isfinite(logits).all()):
-        return
-    if dtype in (torch.float16, torch.bfloat16):
-        fix = (f"its activations overflow {str(dtype).removeprefix('torch.')}: load it with --dtype float32"
-               + (" or bfloat16 (float16 ends at ±65504)" if dtype == torch.float16 else ""))
-    else:
-        fix = "its activations overflow even in float32: the model is broken (analyze shows at which layer)"
-    raise NonFiniteOutput(f"the model's logits are NaN/inf on {what}: {fix}; nothing computed from them would be "
-                          "a number")
 
 
 @runtime_checkable

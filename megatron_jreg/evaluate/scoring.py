@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_jreg.evaluate.models import CausalLM, check_finite_logits
+from megatron_jreg.evaluate.decoding import check_finite_logits
+from megatron_jreg.evaluate.models import CausalLM
 
 Pair = tuple[list[int], list[int]]
 
