@@ -116,8 +116,6 @@ class AnalyzeConfig:
         return {**out, "output": str(self.output), "device": str(self.torch_device)}
 
 
-
-
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
